@@ -1,0 +1,105 @@
+"""Moving a wrapped optimizer's existing state onto the FP32 masters, exactly.
+
+Policy (design invariant 5):
+
+* state that the optimizer's own constructor created (torch Adagrad's ``sum``) is re-created in fp32 by
+  constructing the same class over the masters with the same groups and ``defaults`` and taking its fresh
+  state; a 16-bit copy upcast later is not the fp32 value (``0.1`` is ``0.0999755859375`` in fp16);
+* a 16-bit state tensor that differs from what the constructor would have made was populated by the user and
+  is upcast;
+* every other value (fp32 tensors, integer counters, bool masks, non-tensors) is kept as it is;
+* a constructor that cannot be re-run falls back to upcasting, with one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from .masters import LOW_PRECISION
+
+__all__ = ["migrate_state", "restore_state_dtypes"]
+
+
+def _fresh_state(optimizer: torch.optim.Optimizer, mapping: dict) -> dict | None:
+    groups = []
+    for group in optimizer.param_groups:
+        masters = [mapping[p] for p in group["params"] if p in mapping]
+        if masters:
+            keys = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            groups.append({**keys, "params": masters})
+    if not groups:
+        return {}
+    cls = type(optimizer)
+    errors = []
+    for kwargs in (dict(optimizer.defaults), {}):
+        try:
+            fresh = cls(groups, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any failure means "cannot re-run", reported below
+            errors.append(f"{type(e).__name__}: {e}")
+            continue
+        return dict(fresh.state)
+    warnings.warn(
+        f"halfprec: could not re-run {cls.__name__}.__init__ over the fp32 masters ({errors[-1]}); its eagerly "
+        "created 16-bit state is upcast to fp32, which is not the exact fp32 value. Build the optimizer over "
+        "an fp32 model and pass param_dtype= to wrap it exactly.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return None
+
+
+def _is_low_precision(value: Any, param: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.dtype in LOW_PRECISION and value.dtype == param.dtype
+
+
+def migrate_state(optimizer: torch.optim.Optimizer, mapping: dict) -> None:
+    """Re-key ``optimizer.state`` from the model params in ``mapping`` to their masters, in place."""
+    old = optimizer.state
+    needs_fresh = any(
+        p in mapping and any(_is_low_precision(v, p) for v in st.values()) for p, st in old.items()
+    )
+    fresh = _fresh_state(optimizer, mapping) if needs_fresh else {}
+    new: defaultdict = defaultdict(dict)
+    for param, st in old.items():
+        master = mapping.get(param)
+        if master is None:
+            new[param] = st
+            continue
+        made = (fresh or {}).get(master, {})
+        out = {}
+        for key, value in st.items():
+            if not _is_low_precision(value, param):
+                out[key] = value
+                continue
+            candidate = made.get(key)
+            if (
+                fresh is not None
+                and torch.is_tensor(candidate)
+                and candidate.shape == value.shape
+                and torch.equal(candidate.to(value.dtype), value)
+            ):
+                out[key] = candidate
+            else:
+                out[key] = value.to(torch.float32)
+        new[master] = out
+    optimizer.state = new
+
+
+def restore_state_dtypes(optimizer: torch.optim.Optimizer, saved_state: dict, params: list) -> None:
+    """Undo ``Optimizer.load_state_dict``'s cast of every state tensor to the param's dtype.
+
+    ``saved_state`` is the ``"state"`` of the loaded state dict (int index -> dict), ``params`` the optimizer's
+    params in index order. Integer counters and bool masks come back with their saved dtype.
+    """
+    for index, saved in saved_state.items():
+        live = optimizer.state.get(params[index])
+        if live is None:
+            continue
+        for key, value in saved.items():
+            current = live.get(key)
+            if torch.is_tensor(value) and torch.is_tensor(current) and current.dtype != value.dtype:
+                live[key] = value.to(device=current.device, copy=True)

@@ -1,0 +1,430 @@
+"""MixedPrecisionOptimizer: FP32 master weights and loss scaling around any ``torch.optim.Optimizer``.
+
+A step, in order:
+
+1. ``unscale_()`` (implicit if not called): copy the 16-bit model grads into fp32 master grads and multiply by
+   the reciprocal of the loss scale (a power of two, so exact); fp32 params are their own masters and are
+   unscaled in place.
+2. The global L2 norm of the unscaled grads, as ``torch.nn.utils.get_total_norm`` computes it. It is needed
+   for clipping and is the non-finite check: the norm is finite iff every grad is finite (a finite fp32 norm
+   that overflows is not usable for clipping either). fp16 is always checked; bf16/fp32 when
+   ``skip_nonfinite``.
+3. The scaler updates on the device; then one host sync reads the overflow flag.
+4. Overflow: the inner step is skipped, nothing but the scaler and ``skipped_steps`` changes, and one log
+   record says so. Otherwise: clip with ``torch.nn.utils.clip_grads_with_norm_`` (bit-identical to
+   ``clip_grad_norm_``), run the inner optimizer on the masters, round the masters into the model params.
+
+The wrapped optimizer is never stepped on construction and its math is never changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from .masters import LOW_PRECISION, MasterStore
+from .migrate import migrate_state, restore_state_dtypes
+from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
+
+__all__ = ["MixedPrecisionOptimizer"]
+
+logger = logging.getLogger("halfprec")
+
+_FORMAT = "halfprec.MixedPrecisionOptimizer/1"
+_DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype)
+
+
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
+    """Give ``optimizer`` FP32 master weights for a model held in FP16/BF16.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` over the model's params (16-bit, or fp32 with ``param_dtype``).
+        loss_scaler: a ``StaticLossScaler`` or ``DynamicLossScaler``. ``None`` means ``DynamicLossScaler()``
+            when any trainable param is fp16, else no scaling (``StaticLossScaler(1.0)``).
+        max_grad_norm: clip the global L2 norm of the unscaled grads to this value; ``None`` = no clipping.
+        skip_nonfinite: skip steps with non-finite bf16/fp32 grads (fp16 grads are always checked).
+        param_dtype: ``torch.bfloat16`` or ``torch.float16`` to cast the optimizer's trainable params to that
+            dtype in place (same ``Parameter`` objects), keeping their fp32 values as the masters.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        loss_scaler: LossScaler | None = None,
+        max_grad_norm: float | None = None,
+        skip_nonfinite: bool = True,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        _validate(optimizer, loss_scaler, max_grad_norm, param_dtype)
+        self.optimizer = optimizer
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.param_dtype = param_dtype
+        # Optimizer.__init__ is not called (param_groups/state/defaults forward to the inner optimizer), so the
+        # hook registries it would create are made here, as Optimizer.__setstate__ does.
+        for name in (
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+        self._store = MasterStore()
+        self._own: list[torch.nn.Parameter] = []  # trainable params that are their own masters (fp32/fp64)
+        self._model_params: list[torch.nn.Parameter] = []  # what the caller's model holds, group order
+        mapping = self._build_masters(optimizer.param_groups)
+        migrate_state(optimizer, mapping)
+        for group in optimizer.param_groups:
+            group["params"] = [mapping.get(p, p) for p in group["params"]]
+
+        devices = {p.device for p in self._trainable_model_params()}
+        if len(devices) > 1:
+            raise ValueError(
+                f"trainable params span several devices {sorted(map(str, devices))}; halfprec keeps one loss "
+                "scale per optimizer: build one MixedPrecisionOptimizer per device"
+            )
+        has_fp16 = any(p.dtype == torch.float16 for p in self._trainable_model_params())
+        if loss_scaler is None:
+            loss_scaler = DynamicLossScaler() if has_fp16 else StaticLossScaler(1.0)
+        self._has_fp16 = has_fp16
+        self.loss_scaler = loss_scaler.to(devices.pop() if devices else torch.device("cpu"))
+
+        self._unscaled = False
+        self._grads: list[torch.Tensor] = []
+        self._grad_versions: list[tuple[int, int]] = []
+        self._grad_norm: torch.Tensor | None = None
+        self._step_was_skipped = False
+        self._skipped_steps = 0
+        self._warned_min_scale = False
+
+    # --- construction --------------------------------------------------------------------------------
+    def _build_masters(self, groups: list[dict[str, Any]]) -> dict:
+        originals: dict[torch.Tensor, torch.Tensor] = {}
+        low: list[torch.nn.Parameter] = []
+        for group in groups:
+            for p in group["params"]:
+                self._model_params.append(p)
+                if not p.requires_grad:
+                    continue
+                if self.param_dtype is not None and p.dtype == torch.float32:
+                    originals[p] = p.data
+                    p.data = p.data.to(self.param_dtype)
+                if p.dtype in LOW_PRECISION:
+                    low.append(p)
+                else:
+                    self._own.append(p)
+        return self._store.add(low, originals)
+
+    def _trainable_model_params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self._model_params if p.requires_grad]
+
+    # --- forwarding (the inner optimizer's dicts, so schedulers write where the inner step reads) ----------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if torch.is_tensor(params) else list(params)
+        _check_params(params, known=set(self._model_params))
+        mapping = self._build_masters([{"params": params}])
+        group["params"] = [mapping.get(p, p) for p in params]
+        self.optimizer.add_param_group(group)
+
+    # --- read-only results ----------------------------------------------------------------------------
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when the last ``step()`` skipped the update (non-finite grads)."""
+        return self._step_was_skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._skipped_steps
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Global L2 norm of the unscaled grads of the last step, before clipping (reading it syncs)."""
+        return None if self._grad_norm is None else float(self._grad_norm.item())
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 tensors the inner optimizer updates (masters, and fp32 params that are their own)."""
+        own = set(self._own)
+        masters = set(self._store.master_params())
+        return [p for g in self.param_groups for p in g["params"] if p in masters or p in own]
+
+    def refresh_masters(self) -> None:
+        """Copy the model's current weights into the masters (after an external weights-only load)."""
+        self._store.refresh_from_params()
+
+    # --- the step --------------------------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` multiplied by the current loss scale (the same tensor when no scaling is configured)."""
+        if self._scaling_is_off():
+            return loss
+        return loss * self.loss_scaler.scale.to(loss.device)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Scale ``loss`` and run autograd backward; ``kwargs`` go to ``Tensor.backward``."""
+        if self._unscaled:
+            raise RuntimeError(
+                "backward() called after unscale_() and before step(): the new grads would be mixed with "
+                "unscaled ones. Call unscale_() after the last backward() of the step."
+            )
+        self.scale_loss(loss).backward(**kwargs)
+
+    def _scaling_is_off(self) -> bool:
+        return isinstance(self.loss_scaler, StaticLossScaler) and self.loss_scaler._init_scale == 1.0
+
+    @torch.no_grad()
+    def unscale_(self) -> None:
+        """Fill the fp32 master grads from the model grads and divide by the loss scale. Idempotent."""
+        if self._unscaled:
+            return
+        grads = self._store.copy_grads_in()
+        grads += [p.grad for p in self._own if p.grad is not None]
+        if grads and not self._scaling_is_off():
+            torch._foreach_mul_(grads, self.loss_scaler.inv_scale())
+        self._grads = grads
+        self._grad_versions = self._model_grad_versions()
+        self._unscaled = True
+
+    def _model_grad_versions(self) -> list[tuple[int, int]]:
+        return [(id(p.grad), p.grad._version) for p in self._trainable_model_params() if p.grad is not None]
+
+    def step(self, closure=None):
+        """Unscale, check, clip, update the masters and round them into the model; or skip the step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        if self._unscaled and self._grad_versions != self._model_grad_versions():
+            self._unscaled = False
+            raise RuntimeError(
+                "the model's gradients changed after unscale_() (another backward() or zero_grad() ran); "
+                "call unscale_() after the last backward() of the step, right before step()"
+            )
+        self.unscale_()
+        grads, self._unscaled = self._grads, False
+        check = self._has_fp16 or self.skip_nonfinite
+        norm = None
+        if grads and (check or self.max_grad_norm is not None):
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, False, None)
+        self._grad_norm = norm
+        device = self.loss_scaler.device
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        if check and norm is not None:
+            found_inf = (~torch.isfinite(norm)).to(device=device, dtype=torch.float32)
+        old_scale = self.loss_scaler.scale.clone()
+        at_min = self.loss_scaler.at_min_scale().float()
+        self.loss_scaler.update(found_inf)
+        skipped, was_at_min, before = torch.stack([found_inf, at_min, old_scale]).tolist()  # the one sync
+        self._step_was_skipped = bool(skipped)
+        if skipped:
+            self._skipped_steps += 1
+            self._report_skip(before, bool(was_at_min))
+            return
+        if self.max_grad_norm is not None:
+            params = [m for m in self.master_params() if m.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, None)
+        self.optimizer.step()
+        self._store.copy_params_out()
+
+    def _report_skip(self, scale_before: float, was_at_min: bool) -> None:
+        after = self.loss_scaler.loss_scale
+        logger.warning(
+            "halfprec: step skipped, non-finite gradients (loss scale %g -> %g, %d skipped so far)",
+            scale_before,
+            after,
+            self._skipped_steps,
+        )
+        if was_at_min and self.loss_scaler.is_dynamic and not self._warned_min_scale:
+            self._warned_min_scale = True
+            warnings.warn(
+                f"halfprec: gradients overflowed at the minimum loss scale {scale_before:g}; the scale cannot "
+                "go lower, so every such step is skipped. Lower min_scale, lower the learning rate, or train "
+                "in bf16.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._trainable_model_params():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
+        self._store.clear_grads()
+        self._unscaled = False
+
+    # --- checkpoint state ------------------------------------------------------------------------------
+    def _index_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        masters = set(self._store.master_params())
+        params = self._index_params()
+        model = self._model_params
+        out = {
+            "format": _FORMAT,
+            "optimizer": self.optimizer.state_dict(),
+            "masters": {i: p.detach() for i, p in enumerate(params) if p in masters},
+            "params": [
+                {"shape": list(p.shape), "dtype": _dtype_name(m.dtype), "master": p in masters}
+                for i, (p, m) in enumerate(zip(params, model, strict=True))
+            ],
+            "scaler": self.loss_scaler.state_dict(),
+            "skipped_steps": self._skipped_steps,
+        }
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
+            found = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                f"not a MixedPrecisionOptimizer state dict (format {found!r}); a plain torch optimizer state "
+                "dict goes to mp.optimizer.load_state_dict(...), followed by mp.refresh_masters()"
+            )
+        self._check_compatible(state_dict["params"])
+        inner = state_dict["optimizer"]
+        self.optimizer.load_state_dict(inner)
+        params = self._index_params()
+        restore_state_dtypes(self.optimizer, inner["state"], params)
+        with torch.no_grad():
+            for index, value in state_dict["masters"].items():
+                params[int(index)].copy_(value)
+        self._store.copy_params_out()
+        self.loss_scaler.load_state_dict(state_dict["scaler"])
+        self._skipped_steps = int(state_dict["skipped_steps"])
+        self._unscaled = False
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _check_compatible(self, saved: list[dict[str, Any]]) -> None:
+        params, model = self._index_params(), self._model_params
+        masters = set(self._store.master_params())
+        if len(saved) != len(params):
+            raise ValueError(f"state dict holds {len(saved)} params, this optimizer {len(params)}")
+        for i, (entry, p, m) in enumerate(zip(saved, params, model, strict=True)):
+            mine = {"shape": list(p.shape), "dtype": _dtype_name(m.dtype), "master": p in masters}
+            if entry != mine:
+                raise ValueError(
+                    f"state dict does not match this model at param {i}: saved shape {entry['shape']} dtype "
+                    f"{entry['dtype']}, this model shape {mine['shape']} dtype {mine['dtype']}"
+                )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"MixedPrecisionOptimizer({self.optimizer!r}, loss_scaler={self.loss_scaler!r})"
+
+
+def _check_params(params: list, known: set) -> None:
+    seen: set = set()
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"optimizer params must be tensors, got {type(p).__name__}")
+        if not (p.is_floating_point()):
+            raise ValueError(
+                f"param of shape {tuple(p.shape)} has dtype {p.dtype}; halfprec trains floating-point params "
+                "only: remove it from the optimizer or make it a buffer"
+            )
+        if p in seen or p in known:
+            raise ValueError(
+                f"param of shape {tuple(p.shape)} appears twice in the optimizer's groups; list each param "
+                "in exactly one group"
+            )
+        seen.add(p)
+
+
+def _validate(optimizer, loss_scaler, max_grad_norm, param_dtype) -> None:
+    if isinstance(optimizer, MixedPrecisionOptimizer):
+        raise ValueError("optimizer is already a MixedPrecisionOptimizer; wrap the plain torch optimizer once")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}; build one over the model's "
+            "params, e.g. torch.optim.AdamW(model.parameters())"
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "LBFGS re-evaluates the closure inside step(), which a master-weight wrapper cannot unscale or "
+            "check; use it in fp32 without halfprec"
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable", False):
+            raise ValueError(
+                f"param group {i} has differentiable=True; halfprec's step runs under no_grad: build the "
+                "optimizer with differentiable=False"
+            )
+    _check_params([p for g in optimizer.param_groups for p in g["params"]], known=set())
+    if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+        raise ValueError(
+            f"loss_scaler must be a halfprec StaticLossScaler or DynamicLossScaler, got "
+            f"{type(loss_scaler).__name__}"
+        )
+    if max_grad_norm is not None and (
+        isinstance(max_grad_norm, bool) or not math.isfinite(float(max_grad_norm)) or float(max_grad_norm) <= 0
+    ):
+        raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+    if param_dtype is not None and param_dtype not in LOW_PRECISION:
+        raise ValueError(f"param_dtype must be torch.float16, torch.bfloat16 or None, got {param_dtype!r}")

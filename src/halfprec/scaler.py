@@ -1,0 +1,235 @@
+"""Loss scalers: a static scale, and a dynamic one with growth, backoff, hysteresis and a floor.
+
+Both keep their state in 0-d tensors on the params' device and update it with tensor ops only, so an update
+never syncs with the host; the fused optimizers share the same objects. Every scale is a power of two, which
+makes scaling and unscaling exact in binary floating point.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["LossScaler", "StaticLossScaler", "DynamicLossScaler"]
+
+
+def _check_power_of_two(name: str, value: float) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive, finite power of two, got {value!r}")
+    mantissa, _ = math.frexp(value)
+    if mantissa != 0.5:
+        raise ValueError(
+            f"{name} must be a power of two so that scaling is exact, got {value!r}; "
+            f"use {2.0 ** math.ceil(math.log2(value))!r} or {2.0 ** math.floor(math.log2(value))!r}"
+        )
+    return value
+
+
+class LossScaler:
+    """Common interface of the scalers: ``scale`` (a 0-d fp32 tensor), ``inv_scale()`` and ``update(found_inf)``.
+
+    ``found_inf`` is a 0-d float tensor (1.0 = the step overflowed) on the same device as the state.
+    """
+
+    def __init__(self, init_scale: float) -> None:
+        self._init_scale = init_scale
+        self._state: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, Any] | None = None
+        self._device: torch.device | None = None
+
+    # --- state placement -------------------------------------------------------------------------------
+    def _fresh_state(self, device: torch.device) -> dict[str, torch.Tensor]:
+        return {"scale": torch.tensor(self._init_scale, dtype=torch.float32, device=device)}
+
+    def to(self, device: torch.device | str) -> LossScaler:
+        """Place the state on ``device`` (the optimizer calls this with its params' device)."""
+        device = torch.device(device)
+        if self._device == device:
+            return self
+        if self._state:
+            self._state = {k: v.to(device) for k, v in self._state.items()}
+        else:
+            self._state = self._fresh_state(device)
+        self._device = device
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.load_state_dict(pending)
+        return self
+
+    def _ensure(self) -> dict[str, torch.Tensor]:
+        if not self._state:
+            self.to("cpu")
+        return self._state
+
+    @property
+    def device(self) -> torch.device:
+        return self._ensure()["scale"].device
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current scale as a 0-d fp32 tensor on the state's device (no sync)."""
+        return self._ensure()["scale"]
+
+    @property
+    def loss_scale(self) -> float:
+        """The current scale as a Python float (syncs with the device)."""
+        return float(self.scale.item())
+
+    def inv_scale(self) -> torch.Tensor:
+        # fp64 reciprocal, then fp32: exact for the powers of two we allow.
+        return self.scale.double().reciprocal().float()
+
+    @property
+    def is_dynamic(self) -> bool:
+        return False
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Advance the schedule after a step; ``found_inf`` is 1.0 when the step overflowed."""
+
+    def at_min_scale(self) -> torch.Tensor:
+        """A 0-d bool tensor: true when an overflow can no longer lower the scale."""
+        return torch.ones((), dtype=torch.bool, device=self.device)
+
+    # --- checkpoint state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state = self._ensure()
+        out: dict[str, Any] = {"type": type(self).__name__}
+        out.update({k: v.item() for k, v in state.items()})
+        out.update(self._config())
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        kind = state_dict.get("type")
+        if kind != type(self).__name__:
+            raise ValueError(f"cannot load a {kind!r} state into a {type(self).__name__}")
+        if self._device is None:
+            # Not placed yet: keep the values until the optimizer places the state on its device.
+            self._pending = dict(state_dict)
+            self._load_config(state_dict)
+            return
+        self._load_config(state_dict)
+        for key, tensor in self._ensure().items():
+            tensor.fill_(state_dict[key])
+
+    def _config(self) -> dict[str, Any]:
+        return {}
+
+    def _load_config(self, state_dict: dict[str, Any]) -> None:
+        if "init_scale" in state_dict:
+            self._init_scale = float(state_dict["init_scale"])
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
+        return f"{type(self).__name__}({fields})"
+
+
+class StaticLossScaler(LossScaler):
+    """A fixed loss scale. ``StaticLossScaler(1.0)`` turns scaling off."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__(_check_power_of_two("scale", scale))
+
+    def _config(self) -> dict[str, Any]:
+        return {"init_scale": self._init_scale}
+
+
+class DynamicLossScaler(LossScaler):
+    """Dynamic loss scale, updated on the device after every step.
+
+    Schedule (counted in optimizer steps, skipped ones included):
+
+    * a clean step increments ``growth_tracker``; after ``growth_interval`` consecutive clean steps the scale is
+      multiplied by ``growth_factor`` (unless that would not be finite), and the tracker and the hysteresis
+      budget are reset;
+    * an overflowing step resets ``growth_tracker`` and spends one unit of the hysteresis budget; when the
+      budget is exhausted (``hysteresis`` overflows since the last growth or backoff, DeepSpeed's default
+      rule) the scale is multiplied by ``backoff_factor``, never going below ``min_scale``, and the budget is
+      refilled. With ``hysteresis=1`` every overflow backs off.
+
+    An overflow at ``min_scale`` cannot lower the scale any more; the optimizer warns when that happens.
+    """
+
+    def __init__(
+        self,
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+    ) -> None:
+        init_scale = _check_power_of_two("init_scale", init_scale)
+        growth_factor = _check_power_of_two("growth_factor", growth_factor)
+        backoff_factor = _check_power_of_two("backoff_factor", backoff_factor)
+        min_scale = _check_power_of_two("min_scale", min_scale)
+        if growth_factor <= 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
+        if backoff_factor >= 1.0:
+            raise ValueError(f"backoff_factor must be < 1, got {backoff_factor!r}")
+        for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if init_scale < min_scale:
+            raise ValueError(f"init_scale ({init_scale!r}) must be >= min_scale ({min_scale!r})")
+        super().__init__(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+
+    @property
+    def is_dynamic(self) -> bool:
+        return True
+
+    def _fresh_state(self, device: torch.device) -> dict[str, torch.Tensor]:
+        state = super()._fresh_state(device)
+        state["growth_tracker"] = torch.zeros((), dtype=torch.int64, device=device)
+        state["hysteresis_left"] = torch.full((), self.hysteresis, dtype=torch.int64, device=device)
+        return state
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        state = self._ensure()
+        scale, tracker, left = state["scale"], state["growth_tracker"], state["hysteresis_left"]
+        overflow = found_inf.to(device=scale.device) > 0
+
+        tracker_next = torch.where(overflow, torch.zeros_like(tracker), tracker + 1)
+        grow = tracker_next >= self.growth_interval
+        left_after_overflow = left - 1
+        backoff = overflow & (left_after_overflow <= 0)
+
+        grown = scale * self.growth_factor
+        grown = torch.where(torch.isfinite(grown), grown, scale)
+        backed_off = torch.clamp(scale * self.backoff_factor, min=self.min_scale)
+        new_scale = torch.where(backoff, backed_off, torch.where(grow, grown, scale))
+
+        refill = backoff | grow
+        new_left = torch.where(refill, torch.full_like(left, self.hysteresis), torch.where(overflow, left_after_overflow, left))
+        new_tracker = torch.where(grow, torch.zeros_like(tracker), tracker_next)
+
+        scale.copy_(new_scale)
+        left.copy_(new_left)
+        tracker.copy_(new_tracker)
+
+    def at_min_scale(self) -> torch.Tensor:
+        return self.scale <= self.min_scale
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "init_scale": self._init_scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "hysteresis": self.hysteresis,
+            "min_scale": self.min_scale,
+        }
+
+    def _load_config(self, state_dict: dict[str, Any]) -> None:
+        for key in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale"):
+            if key in state_dict:
+                setattr(self, key, type(getattr(self, key))(state_dict[key]))
+        super()._load_config(state_dict)
