@@ -93,7 +93,8 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, saved_state: dict, pa
     """Undo ``Optimizer.load_state_dict``'s cast of every state tensor to the param's dtype.
 
     ``saved_state`` is the ``"state"`` of the loaded state dict (int index -> dict), ``params`` the optimizer's
-    params in index order. Integer counters and bool masks come back with their saved dtype.
+    params in index order. Integer counters and bool masks come back with their saved dtype, and non-tensor
+    values as saved (torch's cast turns a string into a generator).
     """
     for index, saved in saved_state.items():
         live = optimizer.state.get(params[index])
@@ -101,5 +102,7 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, saved_state: dict, pa
             continue
         for key, value in saved.items():
             current = live.get(key)
-            if torch.is_tensor(value) and torch.is_tensor(current) and current.dtype != value.dtype:
+            if not torch.is_tensor(value):
+                live[key] = value
+            elif torch.is_tensor(value) and torch.is_tensor(current) and current.dtype != value.dtype:
                 live[key] = value.to(device=current.device, copy=True)
