@@ -1,14 +1,20 @@
 """halfprec: exact, fast mixed-precision training for PyTorch (FP16/BF16 weights, FP32 masters)."""
 
+from .config import Config
+from .engine import Engine, StepRecord, initialize
 from .optimizer import MixedPrecisionOptimizer
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
 __all__ = [
+    "Config",
     "DynamicLossScaler",
+    "Engine",
     "LossScaler",
     "MixedPrecisionOptimizer",
     "StaticLossScaler",
+    "StepRecord",
     "__version__",
+    "initialize",
 ]
 
 __version__ = "0.1.0"

@@ -106,7 +106,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._unscaled = False
         self._grads: list[torch.Tensor] = []
         self._grad_versions: list[tuple[int, int]] = []
-        self._grad_norm: torch.Tensor | None = None
+        self._grad_norm_value: float | None = None
+        self._step_scale: float | None = None
         self._step_was_skipped = False
         self._skipped_steps = 0
         self._warned_min_scale = False
@@ -178,8 +179,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     @property
     def grad_norm(self) -> float | None:
-        """Global L2 norm of the unscaled grads of the last step, before clipping (reading it syncs)."""
-        return None if self._grad_norm is None else float(self._grad_norm.item())
+        """Global L2 norm of the unscaled grads of the last step, before clipping (None: neither checked nor
+        clipped). Read in the step's one host sync, so reading it costs nothing."""
+        return self._grad_norm_value
+
+    @property
+    def step_loss_scale(self) -> float | None:
+        """The loss scale the last step's gradients were scaled with (before the scaler's update)."""
+        return self._step_scale
 
     @property
     def loss_scale(self) -> float:
@@ -253,7 +260,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         norm = None
         if grads and (check or self.max_grad_norm is not None):
             norm = torch.nn.utils.get_total_norm(grads, 2.0, False, None)
-        self._grad_norm = norm
         device = self.loss_scaler.device
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
         if check and norm is not None:
@@ -261,7 +267,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         old_scale = self.loss_scaler.scale.clone()
         at_min = self.loss_scaler.at_min_scale().float()
         self.loss_scaler.update(found_inf)
-        skipped, was_at_min, before = torch.stack([found_inf, at_min, old_scale]).tolist()  # the one sync
+        values = [found_inf, at_min, old_scale] + ([norm.to(device=device, dtype=torch.float32)] if norm is not None else [])
+        skipped, was_at_min, before, *norm_value = torch.stack(values).tolist()  # the one host sync of the step
+        self._grad_norm_value = norm_value[0] if norm_value else None
+        self._step_scale = before
         self._step_was_skipped = bool(skipped)
         if skipped:
             self._skipped_steps += 1

@@ -1,0 +1,289 @@
+"""Checkpoint directories: atomic writes, safetensors weights, loads that never run code from the file.
+
+Layout of ``<dir>/<tag>/``::
+
+    model.safetensors   the model's state dict, each shared tensor stored once (ties listed in the manifest)
+    optimizer.pt        MixedPrecisionOptimizer.state_dict(): torch-format inner state, fp32 masters, scaler
+    engine.pt           counters, param names, LR scheduler, RNG states, client_state
+    manifest.json       written last: format, counters, ties, and each file's size and SHA-256
+
+A save writes everything into a hidden temporary sibling, fsyncs the files and the directory, renames it to
+``<tag>`` and only then replaces ``<dir>/latest`` (itself written to a temporary file and renamed). A process
+killed at any point leaves the previous checkpoint and pointer intact. ``*.pt`` files are read with
+``torch.load(weights_only=True)``; the manifest's digests catch truncated or flipped bytes, which neither
+``torch.load`` nor safetensors notices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CheckpointError",
+    "FORMAT",
+    "read_manifest",
+    "resolve",
+    "write_checkpoint",
+    "load_weights",
+    "load_pt",
+    "rng_state",
+    "set_rng_state",
+    "check_plain",
+]
+
+FORMAT = "halfprec-checkpoint/1"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupted or of another model."""
+
+
+# --- writing ---------------------------------------------------------------------------------------------
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_tag(tag: str) -> str:
+    if not tag or tag in (LATEST, ".", "..") or "/" in tag or os.sep in tag or tag.startswith("."):
+        raise ValueError(f"invalid checkpoint tag {tag!r}: use a plain name such as 'step-100' (not 'latest')")
+    return tag
+
+
+def _split_ties(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Store each shared tensor once: ``{name: tensor}`` without aliases, and ``{alias: stored_name}``."""
+    stored: dict[str, torch.Tensor] = {}
+    ties: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, tensor in state.items():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape,
+               tensor.stride(), tensor.dtype)
+        if tensor.numel() and key in seen:
+            ties[name] = seen[key]
+            continue
+        seen[key] = name
+        stored[name] = tensor.detach().to("cpu").contiguous()
+    # safetensors refuses tensors that still share memory (overlapping views of one buffer): give them their own
+    ptrs: dict[int, str] = {}
+    for name, tensor in list(stored.items()):
+        ptr = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and ptr in ptrs:
+            stored[name] = tensor.clone()
+        ptrs[ptr] = name
+    return stored, ties
+
+
+def write_checkpoint(
+    directory: str | os.PathLike,
+    tag: str,
+    *,
+    weights: dict[str, torch.Tensor],
+    files: dict[str, Any],
+    info: dict[str, Any],
+    overwrite: bool = False,
+    keep_last: int | None = None,
+) -> Path:
+    """Write ``<directory>/<tag>`` atomically and point ``latest`` at it; returns the checkpoint's path.
+
+    ``weights`` go to model.safetensors; each item of ``files`` to ``<name>.pt`` with ``torch.save``; ``info``
+    (plain JSON values) into the manifest. ``overwrite=True`` replaces an existing tag: that removal and
+    rename is not atomic, since a directory cannot be renamed onto a non-empty one.
+    """
+    from safetensors.torch import save_file
+
+    root = Path(directory)
+    final = root / _check_tag(tag)
+    if final.exists() and not overwrite:
+        raise FileExistsError(
+            f"checkpoint {final} already exists and tags are immutable; pick another tag or pass overwrite=True"
+        )
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{tag}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        stored, ties = _split_ties(weights)
+        save_file(stored, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name, obj in files.items():
+            torch.save(obj, tmp / f"{name}.pt")
+        entries = {}
+        for path in sorted(tmp.iterdir()):
+            _fsync_path(path)
+            entries[path.name] = {"size": path.stat().st_size, "sha256": _digest(path)}
+        manifest = {"format": FORMAT, "tag": tag, "ties": ties, "files": entries, **info}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_path(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_latest(root, tag)
+    if keep_last is not None:
+        _prune(root, keep_last, keep=tag)
+    return final
+
+
+def _write_latest(root: Path, tag: str) -> None:
+    tmp = root / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        f.write(tag + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    _fsync_path(root)
+
+
+def _prune(root: Path, keep_last: int, keep: str) -> None:
+    found = []
+    for path in root.iterdir():
+        if path.is_dir() and not path.name.startswith(".") and (path / MANIFEST).exists():
+            try:
+                found.append((int(json.loads((path / MANIFEST).read_text())["global_step"]), path.name))
+            except (ValueError, KeyError, json.JSONDecodeError):
+                continue
+    found.sort()
+    for _, name in found[:-keep_last]:
+        if name != keep:
+            shutil.rmtree(root / name)
+
+
+# --- reading ---------------------------------------------------------------------------------------------
+def resolve(directory: str | os.PathLike, tag: str | None = None) -> Path:
+    """The checkpoint directory for ``tag``, or the one ``latest`` points at. Also accepts a tag directory."""
+    root = Path(directory)
+    if tag is None and (root / MANIFEST).exists():
+        return root
+    if tag is None:
+        pointer = root / LATEST
+        if not pointer.exists():
+            raise CheckpointError(f"no checkpoint in {root}: {pointer} does not exist; pass tag= explicitly")
+        tag = pointer.read_text().strip()
+    path = root / _check_tag(tag)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    return path
+
+
+def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
+    """Read ``manifest.json`` and check every file's size and digest; errors name the file."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        raise CheckpointError(f"{manifest_path} is missing: the checkpoint is incomplete")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{manifest_path} is corrupted: {e}") from e
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{manifest_path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if verify:
+        for name, entry in manifest["files"].items():
+            file = path / name
+            if not file.exists():
+                raise CheckpointError(f"checkpoint file {file} is missing")
+            size = file.stat().st_size
+            if size != entry["size"]:
+                raise CheckpointError(f"checkpoint file {file} is truncated or extended: {size} bytes, "
+                                      f"expected {entry['size']}")
+            if _digest(file) != entry["sha256"]:
+                raise CheckpointError(f"checkpoint file {file} is corrupted: its SHA-256 does not match the manifest")
+    return manifest
+
+
+def load_weights(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model state dict, ties restored (an alias is the same tensor object as its stored name)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / "model.safetensors"))
+    for alias, name in manifest.get("ties", {}).items():
+        weights[alias] = weights[name]
+    return weights
+
+
+def load_pt(path: Path, name: str) -> Any:
+    file = path / f"{name}.pt"
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot load {file} with weights_only=True: {e}") from e
+
+
+# --- plain data ------------------------------------------------------------------------------------------
+def check_plain(value: Any, where: str = "client_state") -> None:
+    """Raise unless ``value`` is made of tensors, numbers, strings, None, lists, tuples and str-keyed dicts."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_plain(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise ValueError(f"{where} has a key of type {type(key).__name__}; use str or int keys")
+            check_plain(item, f"{where}[{key!r}]")
+        return
+    raise ValueError(
+        f"{where} is a {type(value).__name__}; checkpoints hold plain data only (tensors, numbers, strings, "
+        "lists, dicts) so that loading never runs code: convert it, e.g. with .state_dict() or int()"
+    )
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, torch CPU/CUDA and numpy RNG states as tensors and plain values (loadable weights_only)."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached": float(cached)}
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))

@@ -1,0 +1,92 @@
+"""The demo's text: the source files of Python's standard library, as bytes. Every machine has them.
+
+Why the standard library: it is real text (code, docstrings, comments), a few tens of MB, and it is already on
+disk wherever Python is, so the demo downloads nothing. Its exact content differs between Python versions, so
+numbers are reproducible on one machine and comparable across machines, not identical.
+
+Determinism: files are read in sorted path order; a file goes to validation when its index in that order is
+``9 mod 10`` (whole files, so validation text is never a continuation of a training file); batches are a pure
+function of ``(seed, split, step)`` through a ``torch.Generator``, so resuming at step ``k`` needs only ``k``.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["Corpus", "load_corpus", "stdlib_files"]
+
+_VAL_EVERY = 10  # every 10th file (in sorted order) is held out: a 90/10 split by file
+
+
+def stdlib_files(root: str | Path | None = None) -> list[Path]:
+    """The ``*.py`` files under the standard library, sorted; third-party ``site-packages`` are left out."""
+    root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
+    files = sorted(
+        p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts
+    )
+    if not files:
+        raise RuntimeError(f"no *.py files found under {root}; the demo reads Python's standard library sources")
+    return files
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Train and validation bytes as flat ``uint8`` tensors, and the batches drawn from them."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    n_files: int
+
+    def batch(
+        self, split: str, *, step: int, batch_size: int, seq_len: int, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)``, both ``(batch_size, seq_len)`` int64, ``y`` being ``x`` shifted by one byte.
+
+        The generator is reseeded from ``(seed, split, step)`` on every call, so batch ``step`` is the same
+        whether the run got there in one go or was resumed from a checkpoint.
+        """
+        data = {"train": self.train, "val": self.val}.get(split)
+        if data is None:
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if data.numel() <= seq_len + 1:
+            raise ValueError(f"the {split} split has {data.numel()} bytes, too few for seq_len={seq_len}")
+        g = torch.Generator().manual_seed(_mix(seed, split, step))
+        starts = torch.randint(data.numel() - seq_len - 1, (batch_size,), generator=g)
+        offsets = torch.arange(seq_len + 1)
+        window = data[starts[:, None] + offsets].long()  # (B, T+1)
+        return window[:, :-1], window[:, 1:]
+
+
+def load_corpus(*, max_bytes: int | None = None, root: str | Path | None = None) -> Corpus:
+    """Read the standard library; ``max_bytes`` stops reading once that many bytes are in (tests use it)."""
+    train_parts: list[bytes] = []
+    val_parts: list[bytes] = []
+    total = 0
+    files = stdlib_files(root)
+    n_read = 0
+    for i, path in enumerate(files):
+        try:
+            data = path.read_bytes()
+        except OSError:  # an unreadable file (permissions, a broken link) is skipped, not fatal
+            continue
+        (val_parts if i % _VAL_EVERY == _VAL_EVERY - 1 else train_parts).append(data)
+        total += len(data)
+        n_read += 1
+        if max_bytes is not None and total >= max_bytes and val_parts:
+            break
+    return Corpus(train=_as_tensor(train_parts), val=_as_tensor(val_parts), n_files=n_read)
+
+
+def _as_tensor(parts: list[bytes]) -> torch.Tensor:
+    # bytearray: torch.frombuffer wants a writable buffer, and copies nothing.
+    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+
+
+def _mix(seed: int, split: str, step: int) -> int:
+    # A distinct, fixed 63-bit seed per (seed, split, step); Python's hash() of a str is salted per process,
+    # so the split enters as a small constant instead.
+    return (seed * 1_000_003 + {"train": 0, "val": 1}[split] * 7_919 + step * 104_729) % (2**63 - 1)

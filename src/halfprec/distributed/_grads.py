@@ -1,0 +1,209 @@
+"""Gradient reduction for the sharded optimizer: post-accumulate-grad hooks, buckets, async reduce-scatter.
+
+Every rank must issue the same collectives in the same order. Buckets are therefore launched strictly in
+index order (bucket ``b`` waits for ``b - 1`` even when it fills first), and a callback queued at the end of
+each backward pass launches the buckets whose params got no grad on this rank (unused params), with zeros.
+
+Stage 1 keeps a whole 16-bit grad buffer (``p.grad`` are views of it, so autograd accumulates micro-batches
+in place); a bucket is reduced when backward completes it outside ``no_sync()``, each reduction overwriting
+the rank's fp32 grad shard. Stage 2 keeps no whole grads: a param's grad is copied into its bucket's staging
+buffer and freed, every backward reduces every bucket, and the results are added into the fp32 grad shard.
+
+Communication dtype: ``"fp32"`` upcasts the bucket and sums in fp32 (the mean is taken later, on the shard);
+``"param"`` divides the 16-bit bucket by the world size first (as DDP does, so the sum cannot overflow) and
+sums in the 16-bit dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ._layout import Layout
+
+__all__ = ["GradReducer"]
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_MAX_IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before the oldest is waited for (bounds staging memory)
+
+
+class GradReducer:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        layout: Layout,
+        *,
+        stage: int,
+        comm_dtype: torch.dtype,
+        group,
+    ) -> None:
+        self.params = params
+        self.layout = layout
+        self.stage = stage
+        self.comm_dtype = comm_dtype
+        self.group = group
+        self.dtype = params[0].dtype if params else torch.float32
+        self.device = params[0].device if params else torch.device("cpu")
+        self.flat_grad: torch.Tensor | None = None  # stage 1 only, allocated by the first backward
+        self.grad_shard: torch.Tensor | None = None  # fp32, local coordinates; allocated on first use
+        self.used = [False] * len(params)  # got a grad on this rank since zero_grad
+        self.up_to_date = False  # grad_shard holds the reduction of every grad produced so far
+        self._sync = True
+        self._expected = [sum(1 for i in b.params if layout.numels[i] > 0) for b in layout.buckets]
+        self._reset_pass()
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(params)
+            if layout.numels[i] > 0
+        ]
+
+    # --- per-backward bookkeeping ----------------------------------------------------------------------
+    def _reset_pass(self) -> None:
+        self._ready = [0] * len(self.layout.buckets)
+        self._next = 0
+        self._staging: dict[int, torch.Tensor] = {}
+        self._pending: list = []
+        self._queued = False
+
+    def _ensure_shard(self) -> torch.Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.layout.local_numel, dtype=torch.float32, device=self.device)
+        return self.grad_shard
+
+    def _ensure_flat_grad(self) -> torch.Tensor:
+        if self.flat_grad is None:
+            self.flat_grad = torch.zeros(self.layout.total, dtype=self.dtype, device=self.device)
+        return self.flat_grad
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        return self._ensure_flat_grad()[off : off + n].view(self.params[i].shape)
+
+    def _make_hook(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(i, param)
+
+        return hook
+
+    @torch.no_grad()
+    def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        self.used[i] = True
+        self.up_to_date = False
+        layout = self.layout
+        b = layout.bucket_of[i]
+        if self.stage == 1:
+            view = self.grad_view(i)
+            if param.grad.data_ptr() != view.data_ptr():
+                # p.grad was None (or replaced): autograd made a fresh tensor holding this backward's grad
+                view.copy_(param.grad)
+                param.grad = view
+            if not self._sync:
+                return
+        else:
+            staging = self._staging.get(b)
+            if staging is None:
+                bucket = layout.buckets[b]
+                staging = self._staging[b] = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+            off = layout.offset_in_bucket(i)
+            staging[off : off + layout.numels[i]].copy_(param.grad.reshape(-1))
+            param.grad = None
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._ready[b] += 1
+        while self._next < len(self._ready) and self._ready[self._next] >= self._expected[self._next]:
+            self._launch(self._next)
+            self._next += 1
+
+    def _end_of_backward(self) -> None:
+        with torch.no_grad():
+            while self._next < len(self.layout.buckets):
+                self._launch(self._next)
+                self._next += 1
+            while self._pending:
+                self._complete(self._pending.pop(0))
+        self._reset_pass()
+        self.up_to_date = True
+
+    # --- collectives -----------------------------------------------------------------------------------
+    def _bucket_input(self, b: int) -> torch.Tensor:
+        bucket = self.layout.buckets[b]
+        if self.stage == 1:
+            grads = self._ensure_flat_grad()[bucket.start : bucket.start + bucket.numel]
+        else:
+            grads = self._staging.pop(b, None)
+            if grads is None:
+                grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+        if self.comm_dtype == torch.float32:
+            return grads.float()
+        world = self.layout.world_size
+        if world == 1:
+            return grads
+        return grads / world if self.stage == 1 else grads.div_(world)
+
+    def _launch(self, b: int) -> None:
+        bucket = self.layout.buckets[b]
+        shard = self._ensure_shard()[bucket.local : bucket.local + bucket.shard]
+        data = self._bucket_input(b)
+        if self.stage == 1 and self.comm_dtype == torch.float32:
+            out = shard  # overwrite: the whole accumulated grad is reduced at once
+        else:
+            out = torch.empty(bucket.shard, dtype=self.comm_dtype, device=self.device)
+        work = _reduce_scatter(out, data, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._pending.append((work, out, shard, data))
+        if self.stage == 2:
+            while len(self._pending) > _MAX_IN_FLIGHT:
+                self._complete(self._pending.pop(0))
+
+    def _complete(self, entry) -> None:
+        work, out, shard, _ = entry
+        work.wait()
+        if out is shard:
+            return
+        if self.stage == 1:
+            shard.copy_(out)
+        else:
+            shard.add_(out)
+
+    @torch.no_grad()
+    def finish(self) -> torch.Tensor:
+        """Make the fp32 grad shard hold the (summed) reduction of every grad since ``zero_grad``."""
+        if self.stage == 1 and not self.up_to_date:
+            self._next = 0
+            self._end_of_backward()
+        return self._ensure_shard()
+
+    # --- accumulation control ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        if self.stage != 1:
+            raise RuntimeError(
+                "no_sync() is only meaningful at stage 1: stage 2 keeps no whole gradients, so it reduces every "
+                "micro-batch as backward produces it; call backward() for each micro-batch without no_sync()"
+            )
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+            for i, p in enumerate(self.params):
+                p.grad = self.grad_view(i)
+        if self.stage == 2:
+            for p in self.params:
+                p.grad = None
+            if self.grad_shard is not None:
+                self.grad_shard.zero_()
+        self.used = [False] * len(self.params)
+        self.up_to_date = False
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()

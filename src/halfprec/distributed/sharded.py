@@ -1,0 +1,425 @@
+"""ShardedMixedPrecisionOptimizer: ZeRO-1/2 FP32 masters and optimizer state, sharded over data-parallel ranks.
+
+Layout (see ``_layout``): the trainable params are moved into one flat 16-bit buffer (``p.data`` become views
+of it), in reverse optimizer order, cut into buckets; every bucket is split into ``world_size`` equal shards
+and rank ``r`` owns shard ``r`` of each. A rank keeps fp32 masters, fp32 grads and optimizer state for its
+shards only. The part of a param inside a shard (a *piece*, which may cut through the param) is a 1-D fp32
+``nn.Parameter`` that the wrapped torch optimizer steps, so its math is untouched: that is exact only for
+elementwise optimizers, the only ones accepted.
+
+A step, in order (every rank takes the same decisions, because they are made from all-reduced values):
+
+1. ``unscale_()``: finish the gradient reduce-scatter (``_grads``), take the mean over ranks and multiply by
+   the reciprocal of the loss scale, on the fp32 grad shard.
+2. One all-reduce (SUM, fp64) of ``[||local grad shard||^2, used flags of every param]``: the global L2 norm
+   (non-finite iff some grad on some rank is) and which params got a grad on any rank.
+3. The scaler updates on the device; one host sync reads the overflow flag and the used flags.
+4. Overflow: skip (only the scaler and ``skipped_steps`` change), identically on every rank. Otherwise clip
+   the shard by the global norm, give pieces of params that got no grad anywhere ``grad=None`` (the torch
+   optimizer leaves them and their counters alone), run the inner step, round the masters into this rank's
+   shard of the flat param buffer and all-gather every bucket.
+
+Checkpoints that reshard across world sizes: ``halfprec.distributed.checkpoint``. ``state_dict()`` here is
+the rank-local state and loads only at the same world size and layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..masters import LOW_PRECISION
+from ..migrate import restore_state_dtypes
+from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
+from ._grads import GradReducer
+from ._layout import Layout
+from ._validate import check_optimizer, named_trainable
+
+__all__ = ["ShardedMixedPrecisionOptimizer", "DEFAULT_BUCKET_SIZE"]
+
+logger = logging.getLogger("halfprec")
+
+DEFAULT_BUCKET_SIZE = 2**23  # elements (16 MiB of 16-bit grads); Megatron uses 40M, DDP 25 MiB
+_FORMAT = "halfprec.ShardedMixedPrecisionOptimizer/1"
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
+    """Shard ``optimizer``'s FP32 masters and state (stage 1) and gradients (stage 2) over the ranks of a group.
+
+    Args:
+        optimizer: an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax,
+            NAdam, RAdam, RMSprop, Rprop, ASGD) over the model's params, built the same way on every rank.
+        named_parameters: the model (an ``nn.Module``) or its ``named_parameters()``: names key checkpoints.
+        stage: 1 shards masters and optimizer state; 2 also shards gradients.
+        loss_scaler, max_grad_norm, skip_nonfinite, param_dtype: as for ``MixedPrecisionOptimizer``.
+        reduce_dtype: ``"fp32"`` reduces grads in fp32 (exact sums for two ranks); ``"param"`` in the
+            params' 16-bit dtype (half the traffic, rounds; DDP's default).
+        bucket_size: elements per gradient bucket (params are never split across buckets).
+        process_group: the data-parallel group; ``None`` = the default group.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        named_parameters: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]],
+        stage: int = 1,
+        loss_scaler: LossScaler | None = None,
+        max_grad_norm: float | None = None,
+        skip_nonfinite: bool = True,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: str = "fp32",
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        check_optimizer(optimizer, loss_scaler, max_grad_norm, param_dtype)
+        if stage not in (1, 2) or isinstance(stage, bool):
+            raise ValueError(f"stage must be 1 or 2, got {stage!r}; stage 0 is MixedPrecisionOptimizer + DDP")
+        if reduce_dtype not in ("fp32", "param"):
+            raise ValueError(f"reduce_dtype must be 'fp32' or 'param', got {reduce_dtype!r}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "ShardedMixedPrecisionOptimizer needs an initialized process group: call "
+                "torch.distributed.init_process_group() first (torchrun sets the environment)"
+            )
+        self.optimizer = optimizer
+        self.stage = stage
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.process_group = process_group
+        for name in (
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+        names, params, group_of = named_trainable(optimizer, named_parameters)
+        # layout order: reverse of the optimizer's order, the usual approximation of backward order
+        self._names, self._params, self._group_of = names[::-1], params[::-1], group_of[::-1]
+        self._init_flat(param_dtype)
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.layout = Layout(
+            [p.numel() for p in self._params], world_size=self.world_size, rank=self.rank, bucket_size=bucket_size
+        )
+        self._build_buffers()
+        self._build_pieces()
+
+        self._has_fp16 = self.dtype == torch.float16
+        if loss_scaler is None:
+            loss_scaler = DynamicLossScaler() if self._has_fp16 else StaticLossScaler(1.0)
+        self.loss_scaler = loss_scaler.to(self.device)
+        comm = torch.float32 if reduce_dtype == "fp32" else self.dtype
+        self._reducer = GradReducer(self._params, self.layout, stage=stage, comm_dtype=comm, group=process_group)
+        self._unscaled = False
+        self._grad_norm: torch.Tensor | None = None
+        self._step_was_skipped = False
+        self._skipped_steps = 0
+
+    # --- construction --------------------------------------------------------------------------------
+    def _init_flat(self, param_dtype: torch.dtype | None) -> None:
+        self._originals: dict[int, torch.Tensor] = {}
+        for i, p in enumerate(self._params):
+            if param_dtype is not None and p.dtype == torch.float32:
+                self._originals[i] = p.data
+                p.data = p.data.to(param_dtype)
+        dtypes = {p.dtype for p in self._params}
+        devices = {p.device for p in self._params}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(
+                f"trainable params must share one dtype and one device, got dtypes {sorted(map(str, dtypes))} "
+                f"on {sorted(map(str, devices))}; cast the model (model.to(torch.bfloat16)) or pass param_dtype="
+            )
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.device = devices.pop() if devices else torch.device("cpu")
+
+    @torch.no_grad()
+    def _build_buffers(self) -> None:
+        layout = self.layout
+        self.flat_param = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
+        for i, p in enumerate(self._params):
+            view = self.flat_param[layout.offsets[i] : layout.offsets[i] + p.numel()]
+            view.copy_(p.data.reshape(-1))
+            p.data = view.view(p.shape)
+        self.flat_master = torch.zeros(layout.local_numel, dtype=torch.float32, device=self.device)
+        for piece in layout.pieces:
+            source = self._originals.get(piece.param, self._params[piece.param].data)
+            dst = self.flat_master[piece.local : piece.local + piece.numel]
+            dst.copy_(source.reshape(-1)[piece.lo : piece.hi])
+        self._originals = {}
+
+    def _build_pieces(self) -> None:
+        """Swap the inner optimizer's params for this rank's fp32 pieces and shard its existing state."""
+        from ._validate import shard_state
+
+        self._piece_params: dict[int, torch.nn.Parameter] = {}
+        for piece in self.layout.pieces:
+            view = self.flat_master[piece.local : piece.local + piece.numel]
+            self._piece_params[piece.param] = torch.nn.Parameter(view, requires_grad=True)
+        index_of = {id(p): i for i, p in enumerate(self._params)}
+        mapping = {}
+        for group in self.optimizer.param_groups:
+            new = [self._piece_params[index_of[id(p)]] for p in group["params"] if id(p) in index_of]
+            new = [m for m in new if m is not None]
+            order = [index_of[id(p)] for p in group["params"] if id(p) in index_of and index_of[id(p)] in self._piece_params]
+            mapping.update({self._params[i]: (self._piece_params[i], self.layout.piece_of[i]) for i in order})
+            group["params"] = [self._piece_params[i] for i in order]
+            if "param_names" in group:
+                group["param_names"] = [self._names[i] for i in order]
+        shard_state(self.optimizer, mapping)
+
+    # --- forwarding ----------------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError(
+            "ShardedMixedPrecisionOptimizer fixes its flat layout at construction: put every param group in the "
+            "torch optimizer before wrapping it"
+        )
+
+    # --- read-only results ---------------------------------------------------------------------------
+    @property
+    def step_was_skipped(self) -> bool:
+        return self._step_was_skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._skipped_steps
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Global L2 norm of the unscaled, averaged grads of the last step, before clipping (syncs)."""
+        return None if self._grad_norm is None else float(self._grad_norm.item())
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    def master_params(self) -> list[torch.nn.Parameter]:
+        """This rank's fp32 pieces (1-D), in inner param-group order."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Copy the model's current weights into this rank's masters (after an external weights-only load)."""
+        for b in self.layout.buckets:
+            lo, hi = b.shard_range(self.rank)
+            self.flat_master[b.local : b.local + b.shard].copy_(self.flat_param[lo:hi])
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Stage 1: accumulate grads locally (no communication) for the micro-batches run inside."""
+        return self._reducer.no_sync()
+
+    # --- the step ------------------------------------------------------------------------------------
+    def _scaling_is_off(self) -> bool:
+        return isinstance(self.loss_scaler, StaticLossScaler) and self.loss_scaler._init_scale == 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self._scaling_is_off():
+            return loss
+        return loss * self.loss_scaler.scale.to(loss.device)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self._unscaled:
+            raise RuntimeError(
+                "backward() called after unscale_() and before step(): the new grads would be mixed with "
+                "unscaled ones. Call unscale_() after the last backward() of the step."
+            )
+        self.scale_loss(loss).backward(**kwargs)
+
+    @torch.no_grad()
+    def unscale_(self) -> None:
+        """Finish the gradient reduction; the fp32 grad shard then holds the unscaled mean grad. Idempotent."""
+        if self._unscaled:
+            return
+        shard = self._reducer.finish()
+        if self.reduce_dtype == "fp32" and self.world_size > 1:
+            shard.div_(self.world_size)
+        if not self._scaling_is_off():
+            shard.mul_(self.loss_scaler.inv_scale())
+        self._unscaled = True
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        self.unscale_()
+        self._unscaled = False
+        shard = self._reducer.grad_shard
+        local = torch.linalg.vector_norm(shard).double().square().reshape(1)
+        used = torch.tensor(self._reducer.used, dtype=torch.float64, device=self.device)
+        stats = torch.cat([local, used])
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.process_group)
+        norm = stats[0].sqrt().float()
+        self._grad_norm = norm
+        check = self._has_fp16 or self.skip_nonfinite
+        found_inf = torch.zeros((), dtype=torch.float32, device=self.loss_scaler.device)
+        if check:
+            found_inf = (~torch.isfinite(norm)).to(device=found_inf.device, dtype=torch.float32)
+        old_scale = self.loss_scaler.scale.clone()
+        at_min = self.loss_scaler.at_min_scale().float()
+        self.loss_scaler.update(found_inf)
+        head = torch.stack([found_inf, at_min, old_scale]).double().to(self.device)
+        values = torch.cat([head, stats[1:]]).tolist()  # the one host sync
+        skipped, before = bool(values[0]), values[2]
+        self._step_was_skipped = skipped
+        if skipped:
+            self._skipped_steps += 1
+            logger.warning(
+                "halfprec: step skipped, non-finite gradients on some rank (loss scale %g -> %g, %d skipped so far)",
+                before,
+                self.loss_scaler.loss_scale,
+                self._skipped_steps,
+            )
+            return
+        used_anywhere = values[3:]
+        for i, piece_param in self._piece_params.items():
+            if used_anywhere[i] > 0:
+                piece = self.layout.piece_of[i]
+                piece_param.grad = shard[piece.local : piece.local + piece.numel]
+            else:
+                piece_param.grad = None
+        if self.max_grad_norm is not None:
+            # the same arithmetic as torch.nn.utils.clip_grads_with_norm_
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            shard.mul_(coef.to(shard.device))
+        self.optimizer.step()
+        self._publish()
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        """Round this rank's masters into its shard of the flat params and all-gather every bucket."""
+        works = []
+        for b in self.layout.buckets:
+            lo, hi = b.shard_range(self.rank)
+            self.flat_param[lo:hi].copy_(self.flat_master[b.local : b.local + b.shard])
+            out = self.flat_param[b.start : b.start + b.numel]
+            works.append(_all_gather(out, self.flat_param[lo:hi], group=self.process_group, async_op=True))
+        for work in works:
+            work.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the grads. At stage 1 the model grads are views of one buffer: they are zeroed, not freed."""
+        self._reducer.zero_grad()
+        for p in self._piece_params.values():
+            p.grad = None
+        self._unscaled = False
+
+    # --- rank-local checkpoint state (same world size only; see checkpoint.py for resharding) ----------
+    def _fingerprint(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "names": list(self._names),
+            "numels": list(self.layout.numels),
+            "bucket_numels": [b.numel for b in self.layout.buckets],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        out = {
+            "format": _FORMAT,
+            "layout": self._fingerprint(),
+            "optimizer": self.optimizer.state_dict(),
+            "masters": self.flat_master.detach(),
+            "scaler": self.loss_scaler.state_dict(),
+            "skipped_steps": self._skipped_steps,
+        }
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
+            raise ValueError(
+                "not a ShardedMixedPrecisionOptimizer state dict; checkpoints in model space (any world size) "
+                "load with halfprec.distributed.checkpoint.load(...)"
+            )
+        if state_dict["layout"] != self._fingerprint():
+            saved = state_dict["layout"]
+            raise ValueError(
+                f"rank-local state dict saved at world size {saved['world_size']} rank {saved['rank']} does not "
+                f"match this layout (world size {self.world_size} rank {self.rank}); to change world size save and "
+                "load with halfprec.distributed.checkpoint"
+            )
+        inner = state_dict["optimizer"]
+        self.optimizer.load_state_dict(inner)
+        restore_state_dtypes(self.optimizer, inner["state"], self.master_params())
+        with torch.no_grad():
+            self.flat_master.copy_(state_dict["masters"])
+        self._publish()
+        self.loss_scaler.load_state_dict(state_dict["scaler"])
+        self._skipped_steps = int(state_dict["skipped_steps"])
+        self._unscaled = False
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    # --- model-space view (used by checkpoint.py) ------------------------------------------------------
+    def _model_space(self) -> Iterator[tuple[str, torch.Size, int, Any, torch.nn.Parameter | None]]:
+        """``(name, shape, group index, piece or None, piece param or None)`` for every trainable param."""
+        for i, name in enumerate(self._names):
+            piece = self.layout.piece_of.get(i)
+            yield name, self._params[i].shape, self._group_of[i], piece, self._piece_params.get(i)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedMixedPrecisionOptimizer({self.optimizer!r}, stage={self.stage}, world_size={self.world_size}, "
+            f"reduce_dtype={self.reduce_dtype!r}, loss_scaler={self.loss_scaler!r})"
+        )
+
+
+def _unused(*_: Any) -> None:  # keeps math import used by type checkers in older tools
+    return None
+
+
+_ = math

@@ -1,0 +1,263 @@
+"""``halfprec.initialize(...) -> Engine``: accumulation, LR-schedule holding, counters and checkpoints.
+
+The engine composes the pieces and owns no math: the ``MixedPrecisionOptimizer`` (masters, scaling, skips,
+clipping), the loss scaler it holds, and the ``checkpoint`` module (files). Counters follow DeepSpeed and
+Megatron: ``global_step`` counts optimizer-step boundaries, skipped ones included; ``skipped_steps`` counts
+the skips; the wrapped optimizer's own counters and the LR schedule do not move on a skipped step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import checkpoint as ckpt
+from .config import Config
+from .optimizer import MixedPrecisionOptimizer
+from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
+
+__all__ = ["Engine", "StepRecord", "initialize"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What happened at one optimizer-step boundary (for logging)."""
+
+    step: int
+    """``global_step`` after this boundary."""
+    loss_scale: float
+    """Loss scale used for this step's gradients."""
+    grad_norm: float | None
+    """Global L2 norm of the unscaled gradients, before clipping (None when neither checked nor clipped)."""
+    skipped: bool
+    """True when the update was skipped (non-finite gradients)."""
+
+
+def _scaler_for(config: Config) -> LossScaler:
+    if config.static_loss_scale is not None:
+        return StaticLossScaler(config.static_loss_scale)
+    if config.precision != "fp16":
+        return StaticLossScaler(1.0)
+    return DynamicLossScaler(
+        init_scale=config.initial_scale,
+        growth_factor=config.growth_factor,
+        backoff_factor=config.backoff_factor,
+        growth_interval=config.growth_interval,
+        hysteresis=config.hysteresis,
+        min_scale=config.min_scale,
+    )
+
+
+def _cast_rest(module: torch.nn.Module, dtype: torch.dtype, handled: set) -> None:
+    """Cast the floating params the optimizer does not train, and floating buffers, to ``dtype``."""
+    for p in module.parameters():
+        if p not in handled and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    for mod in module.modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf.is_floating_point() and buf.dtype != dtype:
+                setattr(mod, name, buf.to(dtype))
+
+
+def initialize(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: Config | None = None,
+    *,
+    lr_scheduler: Any = None,
+    **overrides: Any,
+) -> Engine:
+    """Wrap ``model`` (fp32, or already in the target dtype) and a plain torch ``optimizer`` over its params.
+
+    ``overrides`` replace fields of ``config`` (e.g. ``precision="fp16", max_grad_norm=1.0``). An fp32 model is
+    cast to the configured precision here, and the masters start from its original fp32 weights.
+    """
+    config = config or Config()
+    if overrides:
+        config = config.replace(**overrides)
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if config.zero_stage in (1, 2):
+        from .distributed import sharded_engine_optimizer  # noqa: PLC0415 - optional, torch.distributed
+
+        mp = sharded_engine_optimizer(model, optimizer, config, _scaler_for(config))
+        return Engine(model, mp, config, lr_scheduler)
+    dtype = _DTYPES[config.precision]
+    trained = {p for g in optimizer.param_groups for p in g["params"]}
+    for name, p in model.named_parameters():
+        if p in trained and p.is_floating_point() and p.dtype not in (torch.float32, dtype):
+            raise ValueError(
+                f"param {name!r} is {p.dtype} but precision={config.precision!r}; pass the model in fp32 (halfprec "
+                f"casts it) or set precision to match"
+            )
+    param_dtype = None if dtype == torch.float32 else dtype
+    mp = MixedPrecisionOptimizer(
+        optimizer,
+        loss_scaler=_scaler_for(config),
+        max_grad_norm=config.max_grad_norm,
+        skip_nonfinite=config.skip_nonfinite,
+        param_dtype=param_dtype,
+    )
+    if param_dtype is not None:
+        _cast_rest(model, param_dtype, trained)
+    return Engine(model, mp, config, lr_scheduler)
+
+
+class Engine:
+    """A model, its ``MixedPrecisionOptimizer`` and an optional LR scheduler, stepped at accumulation boundaries.
+
+    ``backward(loss)`` divides the loss by ``gradient_accumulation_steps`` and scales it; ``step()`` acts only at
+    an accumulation boundary: the optimizer step (or skip), the LR scheduler step unless skipped, grads zeroed.
+    ``zero_grad()`` does nothing in the middle of an accumulation, so a loop that calls it every micro-batch
+    still accumulates.
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer: MixedPrecisionOptimizer, config: Config,
+                 lr_scheduler: Any = None) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.config = config
+        self.lr_scheduler = lr_scheduler
+        self.global_step = 0
+        self.micro_step = 0
+        self.last_record: StepRecord | None = None
+        self._stepped_micro = 0
+
+    # --- the loop --------------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_step > self._stepped_micro and self.micro_step % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
+        self.optimizer.backward(loss, **kwargs)
+        self.micro_step += 1
+
+    def step(self) -> StepRecord | None:
+        """Step at an accumulation boundary (returns its record); elsewhere do nothing (returns None)."""
+        if not self.is_gradient_accumulation_boundary():
+            return None
+        self.optimizer.step()
+        self._stepped_micro = self.micro_step
+        self.global_step += 1
+        skipped = self.optimizer.step_was_skipped
+        if self.lr_scheduler is not None and not skipped:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_record = StepRecord(
+            self.global_step, self.optimizer.step_loss_scale, self.optimizer.grad_norm, skipped
+        )
+        return self.last_record
+
+    def zero_grad(self) -> None:
+        if self.micro_step % self.gradient_accumulation_steps == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps
+
+    # --- checkpoints -----------------------------------------------------------------------------------
+    def _param_names(self) -> list[str | None]:
+        names = {p: n for n, p in self.module.named_parameters(remove_duplicate=False)}
+        return [names.get(p) for p in self.optimizer._model_params]
+
+    def save_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,
+                        client_state: dict[str, Any] | None = None, overwrite: bool = False,
+                        keep_last: int | None = None) -> Path:
+        """Save at an optimizer-step boundary into ``<directory>/<tag>`` (default ``step-<global_step>``)."""
+        if self.micro_step % self.gradient_accumulation_steps != 0 or self.micro_step != self._stepped_micro:
+            raise RuntimeError(
+                f"save_checkpoint() in the middle of a gradient accumulation (micro_step {self.micro_step}, "
+                f"{self.gradient_accumulation_steps} per step): save right after engine.step()"
+            )
+        ckpt.check_plain(client_state or {})
+        engine_state = {
+            "global_step": self.global_step,
+            "micro_step": self.micro_step,
+            "param_names": self._param_names(),
+            "config": asdict(self.config),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "rng": ckpt.rng_state(),
+            "client_state": client_state or {},
+        }
+        info = {
+            "global_step": self.global_step,
+            "skipped_steps": self.skipped_steps,
+            "precision": self.config.precision,
+            "loss_scale": self.optimizer.loss_scale,
+        }
+        return ckpt.write_checkpoint(
+            directory,
+            tag or f"step-{self.global_step}",
+            weights=self.module.state_dict(),
+            files={"optimizer": self.optimizer.state_dict(), "engine": engine_state},
+            info=info,
+            overwrite=overwrite,
+            keep_last=keep_last,
+        )
+
+    def load_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_rng_states: bool = True) -> dict[str, Any]:
+        """Restore weights, masters, optimizer and scaler state, counters, scheduler and RNG; return client_state.
+
+        ``load_optimizer_states=False`` loads the weights only and refreshes the masters from them.
+        """
+        path = ckpt.resolve(directory, tag)
+        manifest = ckpt.read_manifest(path)
+        weights = ckpt.load_weights(path, manifest)
+        _check_weights(self.module, weights, path)
+        self.module.load_state_dict(weights, strict=True)
+        engine_state = ckpt.load_pt(path, "engine")
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(ckpt.load_pt(path, "optimizer"))
+        else:
+            self.optimizer.refresh_masters()
+        self.global_step = int(engine_state["global_step"])
+        self.micro_step = self._stepped_micro = int(engine_state["micro_step"])
+        if load_lr_scheduler_states and self.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
+        if load_rng_states:
+            ckpt.set_rng_state(engine_state["rng"])
+        return engine_state["client_state"]
+
+
+def _check_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Name the first parameter or buffer whose name, shape or dtype differs from the checkpoint's."""
+    for name, tensor in module.state_dict().items():
+        saved = weights.get(name)
+        if saved is None:
+            raise ckpt.CheckpointError(f"checkpoint {path} has no tensor {name!r} (shape {list(tensor.shape)}, "
+                                       f"{tensor.dtype}): it is of another model")
+        if saved.shape != tensor.shape or saved.dtype != tensor.dtype:
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} does not match this model at {name!r}: saved shape {list(saved.shape)} "
+                f"{saved.dtype}, model shape {list(tensor.shape)} {tensor.dtype}"
+            )
+    extra = sorted(set(weights) - set(module.state_dict()))
+    if extra:
+        raise ckpt.CheckpointError(f"checkpoint {path} has tensors this model lacks: {extra[:5]}")

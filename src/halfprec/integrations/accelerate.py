@@ -1,0 +1,107 @@
+"""halfprec under HuggingFace Accelerate: halfprec owns the dtype and the loss scale, Accelerate the rest.
+
+Use ``Accelerator(mixed_precision="no")`` (Accelerate's ``"fp16"`` adds autocast and a ``GradScaler`` that
+refuses 16-bit grads; ``"bf16"`` adds autocast over weights that are already bf16), build the
+``MixedPrecisionOptimizer`` before ``prepare`` and go through :func:`prepare` (or call :func:`attach` after
+your own ``accelerator.prepare``)::
+
+    accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=2)
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()),
+                                          param_dtype=torch.float16, max_grad_norm=1.0)
+    model, opt, loader, sched = halfprec.integrations.accelerate.prepare(accelerator, model, mp, loader, sched)
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(mp.scale_loss(loss_fn(model(x), y)))   # the scaled entry point
+            opt.step(); sched.step(); opt.zero_grad()
+
+Why the link is needed: with ``mixed_precision="no"`` Accelerate's ``AcceleratedOptimizer.step_was_skipped``
+is always False (it is set only around its own GradScaler), so ``AcceleratedScheduler.step`` and
+``accelerator.optimizer_step_was_skipped`` (which the HF Trainer reads) would advance the LR schedule over
+halfprec's overflow skips. :func:`attach` registers a step post-hook on the ``MixedPrecisionOptimizer`` that
+copies its ``step_was_skipped`` into the ``AcceleratedOptimizer`` after every real step.
+
+Clipping: set ``max_grad_norm`` on the ``MixedPrecisionOptimizer`` (it clips the unscaled fp32 master grads).
+``accelerator.clip_grad_norm_(model.parameters(), ...)`` would clip the still-scaled 16-bit model grads.
+
+Checkpoints: ``accelerator.save_state`` writes ``mp.state_dict()`` (masters, inner state, loss scaler and
+``skipped_steps``) to ``optimizer.bin``, so the scaler needs no ``register_for_checkpointing``; registering
+``mp.loss_scaler`` as well is harmless (the same values are loaded twice).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..optimizer import MixedPrecisionOptimizer
+
+__all__ = ["attach", "check_accelerator", "prepare"]
+
+_HOOK_ATTR = "_halfprec_skip_hook"
+
+
+def _import_accelerate():
+    try:
+        import accelerate
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "halfprec.integrations.accelerate needs the accelerate package: pip install 'halfprec[integrations]'"
+        ) from e
+    return accelerate
+
+
+def check_accelerator(accelerator: Any) -> None:
+    """Raise ``ValueError`` when ``accelerator`` is configured to own precision or the optimizer itself."""
+    _import_accelerate()
+    from accelerate.utils import DistributedType
+
+    mixed = str(getattr(accelerator, "mixed_precision", "no"))
+    if mixed != "no":
+        raise ValueError(
+            f"Accelerator(mixed_precision={mixed!r}) adds autocast (and for fp16 a GradScaler) on top of halfprec, "
+            "which already owns the weight dtype and the loss scale: build Accelerator(mixed_precision='no') and "
+            "pass param_dtype= to halfprec.MixedPrecisionOptimizer"
+        )
+    kind = accelerator.distributed_type
+    if kind in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
+        raise ValueError(
+            f"Accelerator with distributed_type={kind.value!r} brings its own master weights and loss scaling; "
+            "halfprec and it are alternatives, not layers: use plain DDP (MULTI_GPU/MULTI_CPU) or no "
+            "distribution with halfprec"
+        )
+
+
+def _link(prepared: Any, mp: MixedPrecisionOptimizer) -> None:
+    if getattr(prepared, _HOOK_ATTR, None) is not None:
+        return
+    if getattr(prepared, "scaler", None) is not None:
+        raise ValueError(
+            "this AcceleratedOptimizer carries Accelerate's GradScaler; halfprec does its own loss scaling: "
+            "build Accelerator(mixed_precision='no')"
+        )
+
+    def _after_step(optimizer: MixedPrecisionOptimizer, args: Any, kwargs: Any) -> None:
+        # AcceleratedOptimizer.step_was_skipped reads _is_overflow, which Accelerate sets only with its scaler.
+        prepared._is_overflow = optimizer.step_was_skipped
+
+    setattr(prepared, _HOOK_ATTR, mp.register_step_post_hook(_after_step))
+
+
+def attach(accelerator: Any) -> None:
+    """Check ``accelerator`` and make every prepared ``MixedPrecisionOptimizer``'s skips visible to it.
+
+    Idempotent: safe to call after every ``accelerator.prepare``. After it, ``opt.step_was_skipped``,
+    ``accelerator.optimizer_step_was_skipped`` and ``AcceleratedScheduler.step`` see halfprec's skips.
+    """
+    check_accelerator(accelerator)
+    for prepared in accelerator._optimizers:
+        inner = getattr(prepared, "optimizer", None)
+        if isinstance(inner, MixedPrecisionOptimizer):
+            _link(prepared, inner)
+
+
+def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
+    """``accelerator.prepare(*args, **kwargs)``, checked first and :func:`attach`-ed after."""
+    check_accelerator(accelerator)
+    out = accelerator.prepare(*args, **kwargs)
+    attach(accelerator)
+    return out

@@ -1,0 +1,28 @@
+"""Triton kernels of the fused optimizer step, with their launchers.
+
+Importing this package does not import Triton: the kernel modules (``norm``, ``update``) do, and only the fused
+optimizers import them, lazily, when they are built. ``triton_status()`` says whether they can run here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+__all__ = ["triton_status"]
+
+
+def triton_status() -> tuple[bool, str]:
+    """``(True, "")`` when Triton imports and has a backend here, else ``(False, reason)``.
+
+    A backend is a CUDA device, or the CPU interpreter when ``TRITON_INTERPRET=1`` was set before the import.
+    """
+    try:
+        importlib.import_module("triton")
+    except ImportError as e:
+        return False, f"triton is not importable ({e}); install the extra: pip install 'halfprec[triton]'"
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return True, ""
+    return False, "no CUDA device (and TRITON_INTERPRET is not set), so the Triton kernels cannot run"

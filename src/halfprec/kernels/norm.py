@@ -1,0 +1,156 @@
+"""Pass 1 of the fused step: the global sum of squares and the non-finite flag, then the per-param scalars.
+
+``_sumsq_kernel`` reads each 16-bit grad once (2 B/param), unscaled by the loss scale read from device memory,
+and writes one partial sum and one non-finite count per program (a fixed order, so the norm is deterministic;
+no atomics). Params that got no grad this step are masked out, so a stale view never enters the norm.
+``_finalize_kernel`` is one program: it sums the partials, decides the skip (non-finite grads, or a norm that
+overflowed fp32, like the generic path), computes the clip coefficient exactly as
+``torch.nn.utils.clip_grads_with_norm_`` does, advances each param's step counter when it got a grad and the
+step is not skipped, and writes the per-param scalars of the update pass (bias corrections in fp64, cast to
+fp32 as torch does with its Python-double scalars).
+
+Layout legend: ``table`` int64 [programs, 3] = (start, end, param index) into a flat buffer; ``hp`` fp64
+[groups, 8] hyper-parameters; ``pscal`` fp32 [params, 16] per-param scalars; ``scalars`` fp32 [8] =
+(found_inf, grad_norm, grad coefficient = inv_scale * clip, skipped_steps, loss scale used).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .settings import settings
+
+__all__ = ["KIND_ADAM", "KIND_SGD", "KIND_ADAGRAD", "KIND_LAMB", "PSCAL_WIDTH", "HP_WIDTH", "sumsq", "finalize"]
+
+KIND_ADAM, KIND_SGD, KIND_ADAGRAD, KIND_LAMB = 0, 1, 2, 3
+PSCAL_WIDTH = 16
+HP_WIDTH = 8
+
+
+@triton.jit
+def _sumsq_kernel(grad_ptr, table_ptr, flags_ptr, scale_ptr, sq_ptr, bad_ptr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    start = tl.load(table_ptr + pid * 3)
+    end = tl.load(table_ptr + pid * 3 + 1)
+    pidx = tl.load(table_ptr + pid * 3 + 2)
+    got = tl.load(flags_ptr + pidx)
+    inv = 1.0 / tl.load(scale_ptr)
+    offs = start + tl.arange(0, BLOCK)
+    mask = (offs < end) & (got != 0)
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv
+    sq = tl.sum(g * g, axis=0)
+    bad = tl.sum(tl.where((g - g) == 0.0, 0.0, 1.0), axis=0)
+    tl.store(sq_ptr + pid, sq)
+    tl.store(bad_ptr + pid, bad)
+
+
+@triton.jit
+def _finalize_kernel(
+    sq_ptr, bad_ptr, n_partials, scale_ptr, scalars_ptr, max_norm,
+    flags_ptr, steps_ptr, pgroup_ptr, hp_ptr, pscal_ptr, n_params,
+    CHECK: tl.constexpr, CLIP: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    nbad = tl.zeros([BLOCK], dtype=tl.float32)
+    for base in range(0, n_partials, BLOCK):
+        o = base + offs
+        m = o < n_partials
+        acc += tl.load(sq_ptr + o, mask=m, other=0.0)
+        nbad += tl.load(bad_ptr + o, mask=m, other=0.0)
+    sumsq = tl.sum(acc, axis=0)
+    bad = tl.sum(nbad, axis=0)
+    norm = tl.sqrt(sumsq)
+    scale = tl.load(scale_ptr)
+    coef = 1.0 / scale
+    found = 0.0
+    if CHECK:
+        found = tl.where((bad > 0.0) | ((sumsq - sumsq) != 0.0), 1.0, 0.0)
+    if CLIP:
+        clip = max_norm / (norm + 1e-6)
+        clip = tl.minimum(clip, 1.0)
+        coef = coef * clip
+    skipped = tl.load(scalars_ptr + 3)
+    tl.store(scalars_ptr, found)
+    tl.store(scalars_ptr + 1, norm)
+    tl.store(scalars_ptr + 2, coef)
+    tl.store(scalars_ptr + 3, skipped + found)
+    tl.store(scalars_ptr + 4, scale)
+    go = 1.0 - found
+    for base in range(0, n_params, BLOCK):
+        o = base + offs
+        m = o < n_params
+        act = tl.load(flags_ptr + o, mask=m, other=0).to(tl.float32) * go
+        s = tl.load(steps_ptr + o, mask=m, other=0.0) + act
+        tl.store(steps_ptr + o, s, mask=m)
+        hp = hp_ptr + tl.load(pgroup_ptr + o, mask=m, other=0).to(tl.int64) * 8
+        ps = pscal_ptr + o.to(tl.int64) * 16
+        s64 = s.to(tl.float64)
+        tl.store(ps, act, mask=m)
+        if KIND == 0 or KIND == 3:  # Adam / AdamW / LAMB: lr, beta1, beta2, eps, weight_decay, decoupled
+            lr = tl.load(hp, mask=m, other=0.0)
+            b1 = tl.load(hp + 1, mask=m, other=0.5)
+            b2 = tl.load(hp + 2, mask=m, other=0.5)
+            eps = tl.load(hp + 3, mask=m, other=0.0)
+            wd = tl.load(hp + 4, mask=m, other=0.0)
+            dec = tl.load(hp + 5, mask=m, other=0.0)
+            bc1 = 1.0 - tl.exp(s64 * tl.log(b1))
+            bc2 = 1.0 - tl.exp(s64 * tl.log(b2))
+            if KIND == 0:
+                tl.store(ps + 1, (lr / bc1).to(tl.float32), mask=m)
+            else:  # LAMB applies lr after the trust ratio
+                tl.store(ps + 1, (1.0 / bc1).to(tl.float32), mask=m)
+            tl.store(ps + 2, tl.sqrt(bc2).to(tl.float32), mask=m)
+            tl.store(ps + 3, tl.where(dec != 0.0, 1.0 - lr * wd, 1.0).to(tl.float32), mask=m)
+            tl.store(ps + 4, tl.where(dec != 0.0, 0.0, wd).to(tl.float32), mask=m)
+            tl.store(ps + 5, (1.0 - b1).to(tl.float32), mask=m)
+            tl.store(ps + 6, b2.to(tl.float32), mask=m)
+            tl.store(ps + 7, (1.0 - b2).to(tl.float32), mask=m)
+            tl.store(ps + 8, eps.to(tl.float32), mask=m)
+            tl.store(ps + 9, lr.to(tl.float32), mask=m)
+            tl.store(ps + 10, wd.to(tl.float32), mask=m)
+        elif KIND == 1:  # SGD: lr, momentum, dampening, weight_decay, nesterov
+            lr = tl.load(hp, mask=m, other=0.0)
+            mom = tl.load(hp + 1, mask=m, other=0.0)
+            damp = tl.load(hp + 2, mask=m, other=0.0)
+            wd = tl.load(hp + 3, mask=m, other=0.0)
+            nest = tl.load(hp + 4, mask=m, other=0.0)
+            tl.store(ps + 1, lr.to(tl.float32), mask=m)
+            tl.store(ps + 2, mom.to(tl.float32), mask=m)
+            tl.store(ps + 3, (1.0 - damp).to(tl.float32), mask=m)
+            tl.store(ps + 4, wd.to(tl.float32), mask=m)
+            tl.store(ps + 5, tl.where(s == 1.0, 1.0, 0.0), mask=m)
+            tl.store(ps + 6, nest.to(tl.float32), mask=m)
+            tl.store(ps + 7, tl.where(mom != 0.0, 1.0, 0.0), mask=m)
+        else:  # Adagrad: lr, lr_decay, weight_decay, eps
+            lr = tl.load(hp, mask=m, other=0.0)
+            lr_decay = tl.load(hp + 1, mask=m, other=0.0)
+            wd = tl.load(hp + 2, mask=m, other=0.0)
+            eps = tl.load(hp + 3, mask=m, other=0.0)
+            tl.store(ps + 1, (lr / (1.0 + (s64 - 1.0) * lr_decay)).to(tl.float32), mask=m)
+            tl.store(ps + 2, wd.to(tl.float32), mask=m)
+            tl.store(ps + 3, eps.to(tl.float32), mask=m)
+
+
+def sumsq(grad: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, scale: torch.Tensor,
+          sq: torch.Tensor, bad: torch.Tensor) -> None:
+    """Partial sums of squares of ``grad / scale`` into ``sq`` and non-finite counts into ``bad``."""
+    n = table.shape[0]
+    if n == 0:
+        return
+    cfg = settings()
+    _sumsq_kernel[(n,)](grad, table, flags, scale, sq, bad, BLOCK=cfg.norm_block, num_warps=cfg.norm_warps)
+
+
+def finalize(sq: torch.Tensor, bad: torch.Tensor, scale: torch.Tensor, scalars: torch.Tensor,
+             max_norm: float | None, flags: torch.Tensor, steps: torch.Tensor, pgroup: torch.Tensor,
+             hp: torch.Tensor, pscal: torch.Tensor, *, check: bool, kind: int) -> None:
+    """Skip decision, clip coefficient, step counters and per-param scalars (one program)."""
+    cfg = settings()
+    _finalize_kernel[(1,)](
+        sq, bad, sq.numel(), scale, scalars, 0.0 if max_norm is None else float(max_norm),
+        flags, steps, pgroup, hp, pscal, steps.numel(),
+        CHECK=bool(check), CLIP=max_norm is not None, KIND=kind, BLOCK=cfg.final_block, num_warps=cfg.final_warps,
+    )  # fmt: skip

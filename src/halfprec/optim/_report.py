@@ -1,0 +1,73 @@
+"""Skip reports of the fused optimizers without a host sync in ``step()``.
+
+Each step copies its device scalars (found_inf, norm, coefficient, skipped count, scale used, scale after) into
+a pinned host buffer with a non-blocking copy and records an event. Records whose event has completed are
+logged at a later step (or when the caller reads a result, which syncs anyway): each skip is reported once.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import deque
+
+import torch
+
+__all__ = ["SkipReporter"]
+
+logger = logging.getLogger("halfprec")
+
+_MAX_PENDING = 64
+
+
+class SkipReporter:
+    def __init__(self, *, dynamic: bool, min_scale: float) -> None:
+        self._pending: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
+        self._dynamic = dynamic
+        self._min_scale = min_scale
+        self._warned_min_scale = False
+
+    def record(self, scalars: torch.Tensor, scale_after: torch.Tensor) -> None:
+        staged = torch.cat([scalars[:5], scale_after.reshape(1).to(scalars.dtype)])
+        if staged.device.type != "cuda":
+            self._process(staged.cpu())
+            return
+        if len(self._pending) >= _MAX_PENDING:
+            buf, event = self._pending.popleft()
+            event.synchronize()
+            self._process(buf)
+        buf = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+        buf.copy_(staged, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((buf, event))
+
+    def drain(self, wait: bool = False) -> None:
+        while self._pending:
+            buf, event = self._pending[0]
+            if not wait and not event.query():
+                return
+            if wait:
+                event.synchronize()
+            self._pending.popleft()
+            self._process(buf)
+
+    def _process(self, buf: torch.Tensor) -> None:
+        found, _norm, _coef, skipped, before, after = buf.tolist()
+        if not found:
+            return
+        logger.warning(
+            "halfprec: step skipped, non-finite gradients (loss scale %g -> %g, %d skipped so far)",
+            before,
+            after,
+            int(skipped),
+        )
+        if self._dynamic and before <= self._min_scale and not self._warned_min_scale:
+            self._warned_min_scale = True
+            warnings.warn(
+                f"halfprec: gradients overflowed at the minimum loss scale {before:g}; the scale cannot go "
+                "lower, so every such step is skipped. Lower min_scale, lower the learning rate, or train in "
+                "bf16.",
+                RuntimeWarning,
+                stacklevel=4,
+            )

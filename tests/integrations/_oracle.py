@@ -1,0 +1,134 @@
+"""The oracle every integration test compares against: the plain halfprec loop on the same model and data.
+
+The model is a tiny fp32 MLP with odd sizes, cast by ``MixedPrecisionOptimizer(param_dtype=...)`` (the masters
+start from the fp32 weights); the loss is computed in fp32 from the 16-bit output. fp16 uses a small dynamic
+scale that grows every 2 clean steps, so the scaler state changes during a run and must survive a resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+import halfprec
+
+__all__ = [
+    "DTYPES",
+    "InfInjector",
+    "Record",
+    "assert_same_weights",
+    "loss_fn",
+    "make_batches",
+    "make_loader",
+    "make_model",
+    "make_optimizer",
+    "make_scheduler",
+    "plain_loop",
+]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+BATCH = 5
+LR = 1e-2
+CLIP = 0.05  # small enough that every step of the run is clipped
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3))
+
+
+def make_batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, 7, generator=g), torch.randn(BATCH, 3, generator=g)) for _ in range(n)]
+
+
+def make_loader(batches) -> torch.utils.data.DataLoader:
+    xs = torch.cat([x for x, _ in batches])
+    ys = torch.cat([y for _, y in batches])
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=BATCH, shuffle=False)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out.float(), y)
+
+
+def make_scaler(dtype: torch.dtype):
+    if dtype == torch.float16:
+        return halfprec.DynamicLossScaler(init_scale=2.0**8, growth_interval=2)
+    return None
+
+
+def make_optimizer(model: nn.Module, dtype: torch.dtype, max_grad_norm: float | None = CLIP):
+    inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    return halfprec.MixedPrecisionOptimizer(
+        inner, loss_scaler=make_scaler(dtype), max_grad_norm=max_grad_norm, param_dtype=dtype
+    )
+
+
+def make_scheduler(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+
+
+class InfInjector:
+    """Puts an inf into one element of ``param``'s gradient on the given backward calls (0-based)."""
+
+    def __init__(self, param: torch.Tensor, at: tuple[int, ...] = ()) -> None:
+        self.at = set(at)
+        self.calls = 0
+        self.handle = param.register_hook(self._hook)
+
+    def _hook(self, grad: torch.Tensor) -> torch.Tensor:
+        call, self.calls = self.calls, self.calls + 1
+        if call in self.at:
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+        return grad
+
+
+@dataclasses.dataclass
+class Record:
+    losses: list[float] = dataclasses.field(default_factory=list)  # per micro-batch, unscaled, undivided
+    lrs: list[float] = dataclasses.field(default_factory=list)  # after each optimizer step
+    skipped: list[bool] = dataclasses.field(default_factory=list)
+    grad_norms: list[float | None] = dataclasses.field(default_factory=list)
+    scales: list[float] = dataclasses.field(default_factory=list)
+
+
+def plain_loop(dtype, batches, *, accum=1, inf_at=(), max_grad_norm=CLIP, model=None, mp=None, sched=None):
+    """The reference: ``mp.backward(loss / accum)`` per micro-batch, ``mp.step()`` at each boundary."""
+    if model is None:
+        model = make_model()
+        mp = make_optimizer(model, dtype, max_grad_norm)
+        sched = make_scheduler(mp)
+    injector = InfInjector(model[0].weight, inf_at)
+    rec = Record()
+    for i, (x, y) in enumerate(batches):
+        loss = loss_fn(model(x.to(dtype)), y)
+        rec.losses.append(loss.item())
+        mp.backward(loss / accum)
+        if (i + 1) % accum == 0:
+            mp.step()
+            if not mp.step_was_skipped:
+                sched.step()
+            mp.zero_grad()
+            rec.lrs.append(sched.get_last_lr()[0])
+            rec.skipped.append(mp.step_was_skipped)
+            rec.grad_norms.append(mp.grad_norm)
+            rec.scales.append(mp.loss_scale)
+    injector.handle.remove()
+    return model, mp, sched, rec
+
+
+def assert_same_weights(model_a, mp_a, model_b, mp_b) -> None:
+    """Model weights, masters and every optimizer state tensor identical (bit for bit)."""
+    for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(mp_a.master_params(), mp_b.master_params(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for key, value in mp_a.state[a].items():
+            torch.testing.assert_close(value, mp_b.state[b][key], rtol=0, atol=0)
+    assert mp_a.loss_scale == mp_b.loss_scale
+    assert mp_a.skipped_steps == mp_b.skipped_steps

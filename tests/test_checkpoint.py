@@ -1,0 +1,186 @@
+"""Checkpoints: bit-exact resume in a fresh process, atomicity under kills, safe loading, corruption, ties."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from halfprec import checkpoint as ckpt
+
+from .engine_util import TiedLM, build, snapshot, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _child(*args, **kwargs):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    for key in ("weights",):
+        assert a[key].keys() == b[key].keys()
+        for k in a[key]:
+            assert torch.equal(a[key][k], b[key][k]), k
+    for x, y in zip(a["masters"], b["masters"], strict=True):
+        assert torch.equal(x, y)
+    for sa, sb in zip(a["state"], b["state"], strict=True):
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]) if torch.is_tensor(sa[k]) else sa[k] == sb[k], k
+    for key in ("scaler", "counters", "lr", "sched"):
+        assert a[key] == b[key], key
+    assert torch.equal(a["rng"], b["rng"])
+
+
+@pytest.mark.parametrize(
+    "precision,gas,first",
+    [("fp16", 1, 0), ("fp16", 1, 4), ("bf16", 2, 3)],
+    ids=["fp16-N0", "fp16-scale-change", "bf16-accum"],
+)
+def test_resume_in_fresh_process_is_bit_exact(tmp_path, precision, gas, first):
+    total = 8
+    full = build(precision, gas)
+    full_losses = train(full, total)
+    expected = snapshot(full)
+
+    part = build(precision, gas)
+    train(part, first)
+    part.save_checkpoint(tmp_path / "ckpt")
+    if precision == "fp16" and first:
+        assert part.optimizer.loss_scale != 2.0**14  # the scale already changed before the save
+    out = tmp_path / "resumed.pt"
+    proc = _child("-m", "tests.engine_util", str(tmp_path / "ckpt"), str(total - first), str(out), precision, str(gas))
+    assert proc.returncode == 0, proc.stderr
+    resumed = torch.load(out, weights_only=True)
+    assert resumed["losses"] == full_losses[first * gas:]
+    _assert_same(resumed, expected)
+
+
+def test_layout_ties_latest_and_client_state(tmp_path):
+    engine = build("bf16")
+    train(engine, 2)
+    path = engine.save_checkpoint(tmp_path, client_state={"epoch": 1, "offset": torch.tensor(7)})
+    assert path == tmp_path / "step-2" and (tmp_path / "latest").read_text().strip() == "step-2"
+    assert sorted(p.name for p in path.iterdir()) == ["engine.pt", "manifest.json", "model.safetensors", "optimizer.pt"]
+    stored = load_file(str(path / "model.safetensors"))
+    assert "head.weight" not in stored and "emb.weight" in stored  # the shared tensor is stored once
+    fresh = build("bf16", seed=9)
+    client = fresh.load_checkpoint(tmp_path)
+    assert client["epoch"] == 1 and int(client["offset"]) == 7
+    assert fresh.module.head.weight is fresh.module.emb.weight
+    assert torch.equal(fresh.module.emb.weight, engine.module.emb.weight)
+
+
+def test_tags_are_immutable_and_keep_last_prunes(tmp_path):
+    engine = build("bf16")
+    for _ in range(3):
+        train(engine, 1)
+        engine.save_checkpoint(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2", "step-3"]
+    with pytest.raises(FileExistsError, match="step-3 already exists and tags are immutable"):
+        engine.save_checkpoint(tmp_path)
+    engine.save_checkpoint(tmp_path, overwrite=True)
+    with pytest.raises(ValueError, match="invalid checkpoint tag 'latest'"):
+        engine.save_checkpoint(tmp_path, tag="latest")
+    with pytest.raises(ValueError, match="client_state\\['f'\\] is a function"):
+        engine.save_checkpoint(tmp_path, tag="x", client_state={"f": len.__call__.__class__ and (lambda: 0)})
+
+
+def test_weights_only_load_refreshes_masters(tmp_path):
+    engine = build("bf16")
+    train(engine, 3)
+    engine.save_checkpoint(tmp_path)
+    fresh = build("bf16", seed=5)
+    fresh.load_checkpoint(tmp_path, load_optimizer_states=False)
+    for m, p in zip(fresh.optimizer.master_params(), fresh.module.parameters(), strict=True):
+        assert torch.equal(m, p.float())  # not the stale masters of seed 5
+    assert len(fresh.optimizer.state) == 0
+
+
+def test_other_model_names_first_mismatch(tmp_path):
+    build("bf16").save_checkpoint(tmp_path)
+    other = build("fp16")
+    with pytest.raises(ckpt.CheckpointError, match="at 'emb.weight': saved shape \\[37, 24\\] torch.bfloat16, model shape \\[37, 24\\] torch.float16"):
+        other.load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest"])
+def test_damaged_files_are_named(tmp_path, damage):
+    engine = build("bf16")
+    train(engine, 1)
+    path = engine.save_checkpoint(tmp_path)
+    target = path / ("manifest.json" if damage == "manifest" else "optimizer.pt")
+    data = bytearray(target.read_bytes())
+    if damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(data)
+    elif damage == "delete":
+        target.unlink()
+    else:
+        target.write_text("{not json")
+    with pytest.raises(ckpt.CheckpointError, match=str(target).replace(".", "\\.")):
+        build("bf16").load_checkpoint(tmp_path)
+
+
+def test_code_running_pickle_is_refused_without_running(tmp_path):
+    engine = build("bf16")
+    path = engine.save_checkpoint(tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"client_state": Payload()}, path / "engine.pt")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["engine.pt"] = {"size": (path / "engine.pt").stat().st_size,
+                                      "sha256": ckpt._digest(path / "engine.pt")}
+    (path / "manifest.json").write_text(json.dumps(manifest))  # the digests cannot save us: weights_only must
+    with pytest.raises(ckpt.CheckpointError, match="engine.pt with weights_only=True"):
+        build("bf16").load_checkpoint(tmp_path)
+    assert not marker.exists()
+
+
+KILL = textwrap.dedent(
+    """
+    import os, sys, torch
+    from tests.engine_util import build, train
+    point = sys.argv[2]
+    engine = build("bf16")
+    train(engine, 1)
+    engine.save_checkpoint(sys.argv[1])          # the good checkpoint: step-1
+    train(engine, 1)
+    if point == "file":                          # during the second torch.save of the new checkpoint
+        real, calls = torch.save, []
+        def save(*a, **k):
+            calls.append(1)
+            if len(calls) == 2: os._exit(9)
+            return real(*a, **k)
+        torch.save = save
+    elif point == "rename":                      # everything written, before the directory rename
+        os.rename = lambda *a: os._exit(9)
+    elif point == "latest":                      # directory renamed, before the pointer is replaced
+        os.replace = lambda *a: os._exit(9)
+    engine.save_checkpoint(sys.argv[1])
+    """
+)
+
+
+@pytest.mark.parametrize("point", ["file", "rename", "latest"])
+def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, point):
+    proc = _child("-c", KILL, str(tmp_path), point)
+    assert proc.returncode == 9, proc.stderr
+    assert (tmp_path / "latest").read_text().strip() == "step-1"
+    fresh = build("bf16", seed=3)
+    fresh.load_checkpoint(tmp_path)
+    assert fresh.global_step == 1
