@@ -150,7 +150,7 @@ def test_fixture_maps(name, expected, warned):
     config, message = _read(DATA / name)
     for field, value in expected.items():
         assert getattr(config, field) == value, field
-    assert config == Config.from_deepspeed(json.loads((DATA / name).read_text())) if not message else True
+    assert _read(json.loads((DATA / name).read_text())) == (config, message)  # a path reads like its dict
     for text in warned:
         assert text in message, (text, message)
     if not warned:
@@ -252,6 +252,13 @@ def test_min_loss_scale_rounded_up_with_warning():
     assert "fp16.min_loss_scale=1e-10 is not a power of two; rounded up to 1.16" in message
     config, message = _read({"fp16": {"enabled": True, "min_loss_scale": 3}})
     assert config.min_scale == 4.0 and "rounded up to 4.0" in message
+
+
+def test_fp16_auto_alone_means_bf16():
+    config, message = _read({"fp16": {"enabled": "auto", "loss_scale": 0}})
+    assert config.precision == "bf16"
+    assert "fp16.enabled = 'auto': halfprec's default precision='bf16'" in message
+    assert "these were not applied: fp16.loss_scale" in message
 
 
 def test_bf16_block_keys_not_applied_under_fp16_are_reported():

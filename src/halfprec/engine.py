@@ -182,7 +182,7 @@ class Engine:
 
     # --- checkpoints -----------------------------------------------------------------------------------
     def _param_names(self) -> list[str | None]:
-        names = {p: n for n, p in self.module.named_parameters(remove_duplicate=False)}
+        names = {p: n for n, p in self.module.named_parameters()}  # first name of a tied param
         return [names.get(p) for p in self.optimizer._model_params]
 
     def save_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,

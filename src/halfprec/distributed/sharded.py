@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -40,7 +39,7 @@ from ..migrate import restore_state_dtypes
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from ._grads import GradReducer
 from ._layout import Layout
-from ._validate import check_optimizer, named_trainable
+from ._validate import check_optimizer, named_trainable, shard_state
 
 __all__ = ["ShardedMixedPrecisionOptimizer", "DEFAULT_BUCKET_SIZE"]
 
@@ -165,8 +164,6 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def _build_pieces(self) -> None:
         """Swap the inner optimizer's params for this rank's fp32 pieces and shard its existing state."""
-        from ._validate import shard_state
-
         self._piece_params: dict[int, torch.nn.Parameter] = {}
         for piece in self.layout.pieces:
             view = self.flat_master[piece.local : piece.local + piece.numel]
@@ -174,8 +171,6 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
         index_of = {id(p): i for i, p in enumerate(self._params)}
         mapping = {}
         for group in self.optimizer.param_groups:
-            new = [self._piece_params[index_of[id(p)]] for p in group["params"] if id(p) in index_of]
-            new = [m for m in new if m is not None]
             order = [index_of[id(p)] for p in group["params"] if id(p) in index_of and index_of[id(p)] in self._piece_params]
             mapping.update({self._params[i]: (self._piece_params[i], self.layout.piece_of[i]) for i in order})
             group["params"] = [self._piece_params[i] for i in order]
@@ -417,9 +412,3 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
             f"reduce_dtype={self.reduce_dtype!r}, loss_scaler={self.loss_scaler!r})"
         )
 
-
-def _unused(*_: Any) -> None:  # keeps math import used by type checkers in older tools
-    return None
-
-
-_ = math

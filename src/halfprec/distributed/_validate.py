@@ -1,0 +1,145 @@
+"""Checks on what a sharded optimizer wraps, param naming, and moving existing state onto the pieces."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..masters import LOW_PRECISION
+from ..scaler import LossScaler
+
+__all__ = ["ELEMENTWISE", "check_optimizer", "named_trainable", "shard_state"]
+
+# Optimizers whose update of an element depends only on that element's grad, state and the group's scalars:
+# stepping a piece of a param is then exactly stepping the param. LAMB, LARS, Adafactor, Muon, Shampoo and
+# LBFGS need whole tensors (norms, factored moments, orthogonalisation) and are refused.
+ELEMENTWISE = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD")
+    if hasattr(torch.optim, name)
+)
+
+
+def check_optimizer(optimizer: Any, loss_scaler: Any, max_grad_norm: Any, param_dtype: Any) -> None:
+    from ..optimizer import MixedPrecisionOptimizer
+
+    if isinstance(optimizer, MixedPrecisionOptimizer):
+        raise ValueError(
+            "optimizer is a MixedPrecisionOptimizer; give ShardedMixedPrecisionOptimizer the plain torch optimizer"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(optimizer, ELEMENTWISE):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE)
+        raise ValueError(
+            f"{type(optimizer).__name__} is not a known elementwise optimizer; the sharded optimizer steps pieces "
+            f"of params, which is exact only for {names}. Optimizers that need whole tensors (LAMB, LBFGS, "
+            "Adafactor, Muon) run unsharded: MixedPrecisionOptimizer + DistributedDataParallel (stage 0)"
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable", False):
+            raise ValueError(f"param group {i} has differentiable=True; build the optimizer with differentiable=False")
+    if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+        raise ValueError(f"loss_scaler must be a halfprec loss scaler, got {type(loss_scaler).__name__}")
+    if max_grad_norm is not None and (
+        isinstance(max_grad_norm, bool) or not math.isfinite(float(max_grad_norm)) or float(max_grad_norm) <= 0
+    ):
+        raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+    if param_dtype is not None and param_dtype not in LOW_PRECISION:
+        raise ValueError(f"param_dtype must be torch.float16, torch.bfloat16 or None, got {param_dtype!r}")
+
+
+def named_trainable(
+    optimizer: torch.optim.Optimizer, named_parameters: Any
+) -> tuple[list[str], list[torch.nn.Parameter], list[int]]:
+    """Names, params and group indices of the optimizer's trainable params, in optimizer order."""
+    if isinstance(named_parameters, torch.nn.Module):
+        pairs: Iterable = named_parameters.named_parameters()
+    else:
+        pairs = named_parameters
+    name_of: dict[int, str] = {}
+    for item in pairs:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError(
+                "named_parameters must be an nn.Module or an iterable of (name, param) pairs, e.g. "
+                "model.named_parameters()"
+            )
+        name_of.setdefault(id(item[1]), item[0])
+    names, params, groups, seen = [], [], [], set()
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+                raise ValueError("optimizer params must be floating-point tensors")
+            if id(p) in seen:
+                raise ValueError(f"param of shape {tuple(p.shape)} appears twice in the optimizer's groups")
+            seen.add(id(p))
+            if not p.requires_grad:
+                continue
+            name = name_of.get(id(p))
+            if name is None:
+                raise ValueError(
+                    f"a trainable param of shape {tuple(p.shape)} in group {gi} has no name in named_parameters; "
+                    "pass the model whose parameters the optimizer holds"
+                )
+            names.append(name)
+            params.append(p)
+            groups.append(gi)
+    return names, params, groups
+
+
+def _fresh_state(optimizer: torch.optim.Optimizer, pieces: list[torch.nn.Parameter]) -> dict:
+    """State the optimizer's constructor creates eagerly (Adagrad's ``sum``), made over the fp32 pieces."""
+    groups = []
+    wanted = {id(p) for p in pieces}
+    for group in optimizer.param_groups:
+        mine = [p for p in group["params"] if id(p) in wanted]
+        if mine:
+            groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": mine})
+    if not groups:
+        return {}
+    try:
+        return dict(type(optimizer)(groups, **optimizer.defaults).state)
+    except Exception:  # noqa: BLE001 - cannot re-run the constructor: fall back to slicing and upcasting
+        return {}
+
+
+def shard_state(optimizer: torch.optim.Optimizer, mapping: dict) -> None:
+    """Re-key ``optimizer.state`` from whole params to this rank's pieces (``mapping[param] = (piece, Piece)``).
+
+    Elementwise tensors are sliced (constructor-made 16-bit state is re-created in fp32, as in ``migrate``);
+    other values are copied. State of params with no piece here is dropped: other ranks hold it.
+    """
+    old = optimizer.state
+    fresh = _fresh_state(optimizer, [m for m, _ in mapping.values()]) if old else {}
+    new: defaultdict = defaultdict(dict)
+    for param, (master, piece) in mapping.items():
+        st = old.get(param)
+        if not st:
+            continue
+        made = fresh.get(master, {})
+        out = {}
+        for key, value in st.items():
+            if not torch.is_tensor(value):
+                out[key] = value
+            elif value.shape == param.shape and value.dim() > 0:
+                part = value.detach().reshape(-1)[piece.lo : piece.hi]
+                candidate = made.get(key)
+                if (
+                    value.dtype in LOW_PRECISION
+                    and torch.is_tensor(candidate)
+                    and candidate.shape == part.shape
+                    and torch.equal(candidate.to(value.dtype), part)
+                ):
+                    out[key] = candidate
+                elif value.dtype in LOW_PRECISION:
+                    out[key] = part.to(torch.float32)
+                else:
+                    out[key] = part.clone()
+            else:
+                out[key] = value.detach().clone()
+        new[master] = out
+    optimizer.state = new

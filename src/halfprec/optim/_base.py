@@ -1,0 +1,423 @@
+"""FusedOptimizer: the shared machinery of the fused optimizers (buffers, grad marking, the two passes).
+
+A step, all on the device (no host sync, so it can be captured in a CUDA graph):
+
+1. norm pass: one kernel per chunk over the 16-bit grads of the params that got a grad, unscaled by the loss
+   scale read from device memory: partial sums of squares and non-finite counts;
+2. finalize: one program decides the skip, the clip coefficient and advances per-param step counters;
+3. update pass: one kernel per chunk updates master and state in fp32 and writes the 16-bit params;
+4. the loss scaler updates from the device flag; the grad marks are cleared.
+
+Which params got a grad: a post-accumulate-grad hook marks the param and, when ``.grad`` is not the param's
+view of the flat grad buffer (after ``zero_grad(set_to_none=True)`` or ``model.zero_grad()`` detached it, or
+on the first backward), copies the fresh grad into the view and re-attaches it. Outside graph capture,
+``step()`` also adopts a ``.grad`` assigned by hand and unmarks params whose ``.grad`` was set to None. A view
+is never mistaken for a gradient: an unmarked param is not updated and its counter does not advance.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+
+from ..masters import LOW_PRECISION
+from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
+from ._buffers import Chunk
+from ._report import SkipReporter
+
+__all__ = ["FusedOptimizer", "FORMAT"]
+
+FORMAT = "halfprec.MixedPrecisionOptimizer/1"  # the generic path's checkpoint format: checkpoints move across
+
+
+def _value(v: Any) -> Any:
+    return v if torch.is_tensor(v) else float(v)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base class; subclasses set ``_KIND``, ``_STATE_NAMES`` and the per-algorithm hooks below."""
+
+    _KIND: int = -1
+    _STATE_NAMES: tuple[str, ...] = ()
+
+    def __init__(self, params, defaults: dict[str, Any], *, loss_scaler: LossScaler | None = None,
+                 max_grad_norm: float | None = None, skip_nonfinite: bool = True,
+                 param_dtype: torch.dtype | None = None) -> None:
+        from ..kernels import triton_status
+
+        ok, why = triton_status()
+        if not ok:
+            raise ValueError(f"{type(self).__name__} needs Triton: {why}; or use the torch path "
+                             "(halfprec.MixedPrecisionOptimizer over a torch optimizer)")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not math.isfinite(float(max_grad_norm))
+                                          or float(max_grad_norm) <= 0):
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+        if param_dtype is not None and param_dtype not in LOW_PRECISION:
+            raise ValueError(f"param_dtype must be torch.float16, torch.bfloat16 or None, got {param_dtype!r}")
+        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+            raise ValueError(f"loss_scaler must be a halfprec StaticLossScaler or DynamicLossScaler, got "
+                             f"{type(loss_scaler).__name__}")
+        self._built = False
+        super().__init__(params, defaults)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.param_dtype = param_dtype
+        self._build()
+        self._built = True
+        has_fp16 = any(c.dtype == torch.float16 for c in self._chunks)
+        if loss_scaler is None:
+            loss_scaler = DynamicLossScaler() if has_fp16 else StaticLossScaler(1.0)
+        self._check = has_fp16 or self.skip_nonfinite
+        self.loss_scaler = loss_scaler.to(self._device)
+        self._reporter = SkipReporter(dynamic=loss_scaler.is_dynamic,
+                                      min_scale=getattr(loss_scaler, "min_scale", 1.0))
+        self._stepped = False
+
+    # --- construction --------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_built", False):
+            raise RuntimeError(f"{type(self).__name__} lays out its flat buffers at construction: pass every "
+                               "param group to the constructor")
+        super().add_param_group(param_group)
+        self._validate_group(self.param_groups[-1], len(self.param_groups) - 1)
+
+    def _build(self) -> None:
+        from ..kernels.norm import HP_WIDTH, PSCAL_WIDTH
+        from ..kernels.settings import settings
+
+        cfg = settings()
+        self._all: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
+        trainable, group_of, originals = [], [], {}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if not p.is_floating_point() or p.dtype == torch.float64:
+                    raise ValueError(f"param of shape {tuple(p.shape)} has dtype {p.dtype}; the fused "
+                                     "optimizers train fp16, bf16 and fp32 params")
+                if not p.requires_grad:
+                    continue
+                if self.param_dtype is not None and p.dtype == torch.float32:
+                    originals[p] = p.data
+                    p.data = p.data.to(self.param_dtype)
+                trainable.append(p)
+                group_of.append(gi)
+        devices = {p.device for p in trainable}
+        if len(devices) > 1:
+            raise ValueError(f"trainable params span several devices {sorted(map(str, devices))}; build one "
+                             "fused optimizer per device")
+        self._device = devices.pop() if devices else torch.device("cpu")
+        import os
+
+        if self._device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"the fused optimizers run on CUDA params, got params on {self._device}; move the "
+                             "model to CUDA or use the torch path")
+        self._trainable = trainable
+        self._index = {p: i for i, p in enumerate(trainable)}
+        dev = self._device
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(trainable):
+            by_dtype.setdefault(p.dtype, []).append(i)
+        self._chunks: list[Chunk] = []
+        self._where: list[tuple[Chunk, int]] = [None] * len(trainable)  # type: ignore[list-item]
+        partial_offset = 0
+        self._partial_slices: list[tuple[int, int]] = []
+        for idx in by_dtype.values():
+            chunk = Chunk([trainable[i] for i in idx], idx, originals, self._state_names_for_build(),
+                          norm_block=cfg.norm_block, update_block=cfg.update_block)
+            self._chunks.append(chunk)
+            for local, i in enumerate(idx):
+                self._where[i] = (chunk, local)
+            n = chunk.norm_table.shape[0]
+            self._partial_slices.append((partial_offset, n))
+            partial_offset += n
+        n_params = len(trainable)
+        self._sq = torch.zeros(max(partial_offset, 1), dtype=torch.float32, device=dev)
+        self._bad = torch.zeros(max(partial_offset, 1), dtype=torch.float32, device=dev)
+        self._flags = torch.zeros(max(n_params, 1), dtype=torch.int32, device=dev)
+        self._steps = torch.zeros(max(n_params, 1), dtype=torch.float32, device=dev)
+        self._pgroup = torch.tensor(group_of or [0], dtype=torch.int32).to(dev)
+        self._pscal = torch.zeros(max(n_params, 1), PSCAL_WIDTH, dtype=torch.float32, device=dev)
+        self._hp = torch.zeros(len(self.param_groups), HP_WIDTH, dtype=torch.float64, device=dev)
+        self._hp_key: Any = None
+        self._scalars = torch.zeros(8, dtype=torch.float32, device=dev)
+        self._marked = [False] * n_params
+        self._init_state()
+        ref = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(_make_hook(ref, i)) for i, p in enumerate(trainable)]
+
+    def _state_names_for_build(self) -> tuple[str, ...]:
+        return self._STATE_NAMES
+
+    # --- per-algorithm hooks (subclasses) --------------------------------------------------------------
+    def _validate_group(self, group: dict[str, Any], index: int) -> None:
+        raise NotImplementedError
+
+    def _hp_row(self, group: dict[str, Any]) -> list[Any]:
+        raise NotImplementedError
+
+    def _launch_update(self, chunk: Chunk) -> None:
+        raise NotImplementedError
+
+    def _init_state(self) -> None:
+        """Eager state that the torch optimizer creates in its constructor (Adagrad's ``sum``)."""
+
+    def _export_state(self, i: int, step: float) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _import_state(self, i: int, saved: dict[str, Any]) -> float:
+        """Copy a torch-format state entry into the buffers; return the step count to set."""
+        raise NotImplementedError
+
+    def _prepare_step(self) -> None:
+        """Lazy allocations before a step (never during capture)."""
+
+    # --- grads ---------------------------------------------------------------------------------------
+    def _mark(self, i: int) -> None:
+        p = self._trainable[i]
+        chunk, local = self._where[i]
+        view = chunk.grad_views[local]
+        g = p.grad
+        if g is not None and g.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(g)
+            p.grad = view
+        self._flags[i].fill_(1)
+        self._marked[i] = True
+
+    def _adopt_grads(self) -> None:
+        for i, p in enumerate(self._trainable):
+            g = p.grad
+            if g is None:
+                if self._marked[i]:
+                    self._flags[i].fill_(0)
+                    self._marked[i] = False
+                continue
+            chunk, local = self._where[i]
+            if g.data_ptr() != chunk.grad_views[local].data_ptr():
+                self._mark(i)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget this step's grads. ``set_to_none=False`` zeroes the flat buffers and keeps ``.grad`` as views
+        (the next backward then needs no copy); params that get no grad are still not updated."""
+        if set_to_none:
+            for p in self._trainable:
+                p.grad = None
+        else:
+            for chunk in self._chunks:
+                chunk.grad.zero_()
+                for p, view in zip(chunk.params, chunk.grad_views, strict=True):
+                    p.grad = view
+        self._flags.zero_()
+        self._marked = [False] * len(self._trainable)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.loss_scaler, StaticLossScaler) and self.loss_scaler._init_scale == 1.0:
+            return loss
+        return loss * self.loss_scaler.scale.to(loss.device)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Scale ``loss`` and run autograd backward (the grads stay scaled: the update kernel unscales)."""
+        self.scale_loss(loss).backward(**kwargs)
+
+    def unscale_(self) -> None:
+        raise RuntimeError(f"{type(self).__name__} folds unscaling and clipping into its update kernel, so the "
+                           "grads are never unscaled in place; use max_grad_norm for clipping, or the torch path "
+                           "(impl='torch') to inspect unscaled grads")
+
+    # --- the step --------------------------------------------------------------------------------------
+    def _upload_hyper(self, capturing: bool) -> None:
+        rows = [[_value(v) for v in self._hp_row(g)] for g in self.param_groups]
+        key = tuple(tuple(None if torch.is_tensor(v) else v for v in row) for row in rows)
+        if key != self._hp_key:
+            if capturing:
+                raise RuntimeError("a param group's hyper-parameters changed while a CUDA graph was being "
+                                   "captured; run one eager step first, and use 0-d device tensors for values "
+                                   "that change between replays (group['lr'] = torch.tensor(lr, device='cuda'))")
+            cpu = torch.tensor([[0.0 if v is None else v for v in row] for row in key], dtype=torch.float64)
+            self._hp.copy_(cpu, non_blocking=True)
+            self._hp_key = key
+        for gi, row in enumerate(rows):
+            for k, v in enumerate(row):
+                if torch.is_tensor(v):
+                    self._hp[gi, k].copy_(v, non_blocking=True)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One fused step (see the module docstring); no host sync."""
+        from ..kernels import norm
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        capturing = _capturing()
+        if not capturing:
+            self._reporter.drain()
+            self._adopt_grads()
+            self._prepare_step()
+        self._upload_hyper(capturing)
+        scale = self.loss_scaler.scale
+        for chunk, (off, n) in zip(self._chunks, self._partial_slices, strict=True):
+            norm.sumsq(chunk.grad, chunk.norm_table, self._flags, scale, self._sq[off : off + n],
+                       self._bad[off : off + n])
+        sq_n = sum(n for _, n in self._partial_slices)
+        norm.finalize(self._sq[:sq_n], self._bad[:sq_n], scale, self._scalars, self.max_grad_norm, self._flags,
+                      self._steps, self._pgroup, self._hp, self._pscal, check=self._check, kind=self._KIND)
+        for chunk in self._chunks:
+            self._launch_update(chunk)
+        self.loss_scaler.update(self._scalars[0])
+        self._flags.zero_()
+        self._marked = [False] * len(self._trainable)
+        if not capturing:
+            self._reporter.record(self._scalars, self.loss_scaler.scale)
+        self._stepped = True
+        return loss
+
+    # --- results (reading one syncs) --------------------------------------------------------------------
+    @property
+    def found_inf(self) -> torch.Tensor:
+        """0-d device tensor: 1.0 when the last step was skipped (no sync)."""
+        return self._scalars[0]
+
+    @property
+    def step_was_skipped(self) -> bool:
+        value = bool(self._scalars[0].item()) if self._stepped else False
+        self._reporter.drain()
+        return value
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Global L2 norm of the unscaled grads of the last step, before clipping (syncs)."""
+        return float(self._scalars[1].item()) if self._stepped else None
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._scalars[3].item())
+
+    def master_params(self) -> list[torch.Tensor]:
+        """Views of the fp32 masters, in param order (fp32 params are their own masters)."""
+        return [self._where[i][0].master_views[self._where[i][1]] for i in range(len(self._trainable))]
+
+    def refresh_masters(self) -> None:
+        """Copy the model's current weights into the masters (after an external weights-only load)."""
+        with torch.no_grad():
+            for chunk in self._chunks:
+                if chunk.param is not None:
+                    chunk.master.copy_(chunk.param)
+
+    def flush_reports(self) -> None:
+        """Wait for and log the skip reports of all steps so far (syncs)."""
+        self._reporter.drain(wait=True)
+
+    # --- checkpoint state (the generic path's format) ---------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        self._reporter.drain(wait=True)
+        steps = self._steps.cpu().tolist()
+        state: dict[int, dict[str, Any]] = {}
+        masters: dict[int, torch.Tensor] = {}
+        entries = []
+        groups = []
+        k = 0
+        for group in self.param_groups:
+            saved = {key: v for key, v in group.items() if key != "params"}
+            saved["params"] = list(range(k, k + len(group["params"])))
+            groups.append(saved)
+            for p in group["params"]:
+                i = self._index.get(p)
+                is_master = i is not None and p.dtype != torch.float32
+                entries.append({"shape": list(p.shape), "dtype": str(p.dtype), "master": is_master})
+                if i is not None:
+                    exported = self._export_state(i, steps[i])
+                    if exported:
+                        state[k] = exported
+                    if is_master:
+                        chunk, local = self._where[i]
+                        masters[k] = chunk.master_views[local].clone()
+                k += 1
+        return {
+            "format": FORMAT,
+            "optimizer": {"state": state, "param_groups": groups},
+            "masters": masters,
+            "params": entries,
+            "scaler": self.loss_scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the generic path's checkpoint format, or a plain torch optimizer state dict (masters are then
+        taken from the model's current weights)."""
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"expected a state dict, got {type(state_dict).__name__}")
+        if state_dict.get("format") == FORMAT:
+            self._check_entries(state_dict["params"])
+            inner = state_dict["optimizer"]
+        elif "state" in state_dict and "param_groups" in state_dict:
+            inner, state_dict = state_dict, None
+        else:
+            raise ValueError(f"not a halfprec or torch optimizer state dict (keys {sorted(state_dict)[:6]})")
+        saved_groups = inner["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups, strict=True)
+        ):
+            raise ValueError("state dict has a different number of param groups or params per group than this "
+                             "optimizer")
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            for key, v in saved.items():
+                if key != "params":
+                    group[key] = v
+        for gi, group in enumerate(self.param_groups):
+            self._validate_group(group, gi)
+        self._hp_key = None
+        self._prepare_step()
+        steps = [0.0] * len(self._trainable)
+        with torch.no_grad():
+            for chunk in self._chunks:
+                for buf in chunk.state.values():
+                    buf.zero_()
+            self._init_state()
+            saved_state = {int(k): v for k, v in inner["state"].items()}
+            for k, p in enumerate(self._all):
+                i = self._index.get(p)
+                if i is not None and k in saved_state:
+                    steps[i] = self._import_state(i, saved_state[k])
+            self._steps.copy_(torch.tensor(steps or [0.0], dtype=torch.float32))
+            if state_dict is not None:
+                for k, value in state_dict["masters"].items():
+                    i = self._index[self._all[int(k)]]
+                    chunk, local = self._where[i]
+                    chunk.master_views[local].copy_(value)
+                for chunk in self._chunks:
+                    chunk.write_params()
+                self.loss_scaler.load_state_dict(state_dict["scaler"])
+                self._scalars[3].fill_(float(state_dict["skipped_steps"]))
+
+    def _check_entries(self, saved: list[dict[str, Any]]) -> None:
+        if len(saved) != len(self._all):
+            raise ValueError(f"state dict holds {len(saved)} params, this optimizer {len(self._all)}")
+        for k, (entry, p) in enumerate(zip(saved, self._all, strict=True)):
+            if entry["shape"] != list(p.shape) or entry["dtype"] != str(p.dtype):
+                raise ValueError(f"state dict does not match this model at param {k}: saved shape "
+                                 f"{entry['shape']} dtype {entry['dtype']}, this model shape {list(p.shape)} "
+                                 f"dtype {p.dtype}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self._trainable)} params, loss_scaler={self.loss_scaler!r})"
+
+
+def _make_hook(ref: weakref.ref, i: int):
+    def hook(param: torch.Tensor) -> None:
+        opt = ref()
+        if opt is not None:
+            opt._mark(i)
+
+    return hook
