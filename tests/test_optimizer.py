@@ -451,12 +451,16 @@ def test_optimizer_contract_and_hooks():
     mp.register_step_pre_hook(lambda *a: calls.append("outer-pre"))
     mp.register_step_post_hook(lambda *a: calls.append("outer-post"))
     inner.register_step_post_hook(lambda *a: calls.append("inner-post"))
+    seen = []
+    handle = torch.optim.optimizer.register_optimizer_step_post_hook(lambda o, *a: seen.append(type(o).__name__))
     for bad in (True, False):
         set_scaled_grads(model.parameters(), grads_like(list(model.parameters()), step=0), mp.loss_scale)
         if bad:
             next(model.parameters()).grad.view(-1)[0] = float("inf")
         mp.step()
+    handle.remove()
     assert calls == ["outer-pre", "outer-post", "outer-pre", "inner-post", "outer-post"]
+    assert seen == ["MixedPrecisionOptimizer", "Adam", "MixedPrecisionOptimizer"]  # global hooks see both
 
 
 def test_closure_is_called_with_grad_enabled_and_returned():

@@ -12,7 +12,16 @@ import torch
 from ..masters import LOW_PRECISION
 from ..scaler import LossScaler
 
-__all__ = ["ELEMENTWISE", "check_optimizer", "named_trainable", "shard_state"]
+__all__ = ["ELEMENTWISE", "SCALAR_KEYS", "check_optimizer", "is_elementwise", "named_trainable", "shard_state"]
+
+# 0-d state entries of the elementwise torch optimizers; every other state tensor has the param's shape. The
+# names matter only for 0-d params, whose per-element state is 0-d as well.
+SCALAR_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
+
+
+def is_elementwise(key: str, value: torch.Tensor, shape: torch.Size) -> bool:
+    """True when state ``key`` holds one value per element of a param of ``shape`` (else it is a scalar)."""
+    return value.shape == shape and (value.dim() > 0 or key not in SCALAR_KEYS)
 
 # Optimizers whose update of an element depends only on that element's grad, state and the group's scalars:
 # stepping a piece of a param is then exactly stepping the param. LAMB, LARS, Adafactor, Muon, Shampoo and
@@ -125,7 +134,7 @@ def shard_state(optimizer: torch.optim.Optimizer, mapping: dict) -> None:
         for key, value in st.items():
             if not torch.is_tensor(value):
                 out[key] = value
-            elif value.shape == param.shape and value.dim() > 0:
+            elif is_elementwise(key, value, param.shape):
                 part = value.detach().reshape(-1)[piece.lo : piece.hi]
                 candidate = made.get(key)
                 if (

@@ -1,0 +1,194 @@
+"""halfprec under the HuggingFace ``Trainer``: the Trainer keeps its loop, halfprec owns the dtype and the scale.
+
+``HalfprecTrainer`` (or ``HalfprecTrainerMixin`` in front of your own ``Trainer`` subclass) with
+``TrainingArguments(fp16=False, bf16=False, max_grad_norm=...)``::
+
+    model = MyModel()                                       # fp32; halfprec casts it and keeps fp32 masters
+    trainer = HalfprecTrainer(model=model, args=args, train_dataset=ds, halfprec_dtype=torch.bfloat16)
+    trainer.train()                                         # or train(resume_from_checkpoint=True)
+
+What changes against the stock Trainer, and why:
+
+* ``create_optimizer``: the optimizer the Trainer builds (or the plain one passed in ``optimizers=``) is wrapped
+  in ``MixedPrecisionOptimizer(param_dtype=halfprec_dtype)``, so the masters start from the fp32 weights; a
+  ``MixedPrecisionOptimizer`` passed in ``optimizers=`` is used as it is.
+* ``max_grad_norm`` is applied by halfprec to the unscaled fp32 master grads (the Trainer's own
+  ``accelerator.clip_grad_norm_`` would clip the scaled 16-bit grads), and the logged ``grad_norm`` is
+  halfprec's unscaled, pre-clip norm.
+* ``compute_loss``: for fp16 a gradient hook on the returned loss multiplies the incoming gradient by the loss
+  scale (a power of two, so exact), so the Trainer's ``accelerator.backward`` produces scaled grads while the
+  loss it logs stays unscaled.
+* ``create_scheduler`` (which the Trainer calls right after ``accelerator.prepare``) links halfprec's skipped
+  steps to ``accelerator.optimizer_step_was_skipped``, which the Trainer reads to hold the LR schedule.
+* ``HalfprecCallback`` (added automatically) logs ``loss_scale`` and ``skipped_steps``.
+
+Checkpoints need nothing extra: ``optimizer.pt`` in ``checkpoint-N`` is ``mp.state_dict()`` (masters, moments,
+loss scaler, skip counter), and the Trainer reloads it after the weights.
+
+This overrides three private Trainer methods (``_clip_grad_norm``, ``_get_grad_norm``,
+``_maybe_log_save_evaluate``); tested with transformers 5.24.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..optimizer import MixedPrecisionOptimizer
+from ..scaler import LossScaler
+from . import accelerate as _hp_accelerate
+
+__all__ = ["HalfprecCallback", "HalfprecTrainer", "HalfprecTrainerMixin", "check_training_args"]
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "halfprec.integrations.hf needs the transformers package: pip install 'halfprec[integrations]'"
+        ) from e
+    return transformers
+
+
+transformers = _import_transformers()
+
+
+def check_training_args(args: Any) -> None:
+    """Raise ``ValueError`` for ``TrainingArguments`` that would make the Trainer own precision or the optimizer."""
+    for name in ("fp16", "bf16"):
+        if getattr(args, name, False):
+            raise ValueError(
+                f"TrainingArguments({name}=True) turns on autocast (and for fp16 a GradScaler) on top of halfprec, "
+                f"which owns the weight dtype and the loss scale: use TrainingArguments(fp16=False, bf16=False) "
+                f"and HalfprecTrainer(..., halfprec_dtype=torch.{'float16' if name == 'fp16' else 'bfloat16'})"
+            )
+    if getattr(args, "deepspeed", None):
+        raise ValueError(
+            "TrainingArguments(deepspeed=...) brings DeepSpeed's own master weights and loss scaling; halfprec "
+            "and DeepSpeed are alternatives: drop deepspeed= or use the plain Trainer"
+        )
+    if getattr(args, "fsdp", None):
+        raise ValueError(
+            f"TrainingArguments(fsdp={args.fsdp!r}) shards params under the optimizer; halfprec's "
+            "MixedPrecisionOptimizer needs whole params: drop fsdp="
+        )
+
+
+def _unwrap(optimizer: Any) -> MixedPrecisionOptimizer | None:
+    """The MixedPrecisionOptimizer inside an AcceleratedOptimizer (or itself)."""
+    while optimizer is not None and not isinstance(optimizer, MixedPrecisionOptimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+class HalfprecCallback(transformers.TrainerCallback):
+    """Adds ``loss_scale`` and ``skipped_steps`` to every log record of the Trainer."""
+
+    def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
+        mp = _unwrap(optimizer)
+        if logs is not None and mp is not None:
+            logs["loss_scale"] = mp.loss_scale
+            logs["skipped_steps"] = mp.skipped_steps
+
+
+class HalfprecTrainerMixin:
+    """Put in front of ``transformers.Trainer`` (or a subclass of it) to train with halfprec.
+
+    Args (keyword-only, besides the Trainer's own):
+        halfprec_dtype: ``torch.bfloat16`` or ``torch.float16``: the dtype the fp32 model is cast to when the
+            optimizer is wrapped. ``None`` when the model is already 16-bit (masters then start from the 16-bit
+            weights) or when a ``MixedPrecisionOptimizer`` is passed in ``optimizers=``.
+        loss_scaler: a halfprec loss scaler; ``None`` = ``DynamicLossScaler()`` for fp16, no scaling for bf16.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        halfprec_dtype: torch.dtype | None = None,
+        loss_scaler: LossScaler | None = None,
+        **kwargs: Any,
+    ) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            check_training_args(training_args)
+        if halfprec_dtype is not None and halfprec_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"halfprec_dtype must be torch.float16, torch.bfloat16 or None, got {halfprec_dtype!r}")
+        self.halfprec_dtype = halfprec_dtype
+        self._halfprec_loss_scaler = loss_scaler
+        super().__init__(*args, **kwargs)
+        check_training_args(self.args)
+        if not any(isinstance(cb, HalfprecCallback) for cb in self.callback_handler.callbacks):
+            self.add_callback(HalfprecCallback())
+
+    # --- optimizer and scheduler -------------------------------------------------------------------------
+    @property
+    def halfprec_optimizer(self) -> MixedPrecisionOptimizer | None:
+        """The ``MixedPrecisionOptimizer`` the Trainer steps (``None`` before ``create_optimizer``)."""
+        return _unwrap(self.optimizer)
+
+    def _halfprec_max_grad_norm(self, mp: MixedPrecisionOptimizer | None) -> float | None:
+        wanted = float(self.args.max_grad_norm) if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
+        have = None if mp is None else mp.max_grad_norm
+        if have is not None and wanted is not None and have != wanted:
+            raise ValueError(
+                f"the MixedPrecisionOptimizer clips at max_grad_norm={have!r} but TrainingArguments has "
+                f"max_grad_norm={wanted!r}; set one of them (TrainingArguments(max_grad_norm=0) leaves the "
+                "optimizer's value in charge)"
+            )
+        return wanted if wanted is not None else have
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model) if self.optimizer is None else self.optimizer
+        mp = _unwrap(optimizer)
+        if mp is None:
+            low = {p.dtype for p in optimizer.param_groups[0]["params"]} if optimizer.param_groups else set()
+            if self.halfprec_dtype is None and not low & {torch.float16, torch.bfloat16}:
+                raise ValueError(
+                    "the model's trainable params are fp32 and halfprec_dtype is None: pass "
+                    "HalfprecTrainer(..., halfprec_dtype=torch.bfloat16) (or torch.float16) so halfprec casts them"
+                )
+            mp = MixedPrecisionOptimizer(
+                optimizer,
+                loss_scaler=self._halfprec_loss_scaler,
+                max_grad_norm=self._halfprec_max_grad_norm(None),
+                param_dtype=self.halfprec_dtype,
+            )
+        else:
+            mp.max_grad_norm = self._halfprec_max_grad_norm(mp)
+        self.optimizer = mp
+        return mp
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        # The Trainer calls this right after accelerator.prepare(model, optimizer).
+        _hp_accelerate.attach(self.accelerator)
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    # --- loss scaling ---------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        loss = result[0] if return_outputs else result
+        mp = self.halfprec_optimizer
+        if mp is not None and torch.is_tensor(loss) and loss.requires_grad and not mp._scaling_is_off():
+            scale = mp.loss_scaler.scale
+            # Scales every gradient below the loss; the loss the Trainer logs stays unscaled.
+            loss.register_hook(lambda grad: grad * scale.to(grad.device))
+        return result
+
+    # --- clipping and the logged norm (halfprec clips inside step(), on the fp32 master grads) -----------
+    def _clip_grad_norm(self, model):
+        return None
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        mp = self.halfprec_optimizer
+        if mp is not None:
+            grad_norm = mp.grad_norm  # unscaled, before clipping; None when neither clipping nor checking ran
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+
+class HalfprecTrainer(HalfprecTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` training with halfprec; see the module docstring."""

@@ -1,0 +1,8 @@
+"""Fused optimizers with built-in FP32 masters (Triton kernels, imported lazily: importing this package does
+not import Triton)."""
+
+from .adagrad import FusedAdagrad
+from .adam import FusedAdam, FusedAdamW
+from .sgd import FusedSGD
+
+__all__ = ["FusedAdagrad", "FusedAdam", "FusedAdamW", "FusedSGD"]

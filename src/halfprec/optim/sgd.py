@@ -1,0 +1,88 @@
+"""FusedSGD: SGD with momentum, dampening and Nesterov, in one fused two-pass step.
+
+Per element, in fp32 (torch's ``_single_tensor_sgd``)::
+
+    g = g + wd * p
+    buf = g                                   # the param's first step with momentum
+    buf = buf * momentum + (1 - dampening) * g  # later steps
+    g = g + momentum * buf if nesterov else buf
+    p = p - lr * g
+
+State is torch-format: ``momentum_buffer`` per stepped param when ``momentum != 0``. The per-param step count
+(kept internally, not in the state dict, as torch keeps none) tells the first step from the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._base import FusedOptimizer
+from .adam import _check_number
+
+__all__ = ["FusedSGD"]
+
+
+class FusedSGD(FusedOptimizer):
+    """SGD with built-in FP32 masters for fp16/bf16 params (``maximize`` is not supported)."""
+
+    _KIND = 1
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False, loss_scaler=None,
+                 max_grad_norm: float | None = None, skip_nonfinite: bool = True,
+                 param_dtype: torch.dtype | None = None) -> None:
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize, foreach=None, differentiable=False, fused=None)
+        super().__init__(params, defaults, loss_scaler=loss_scaler, max_grad_norm=max_grad_norm,
+                         skip_nonfinite=skip_nonfinite, param_dtype=param_dtype)
+
+    def _state_names_for_build(self) -> tuple[str, ...]:
+        return ("momentum_buffer",) if any(float(g["momentum"]) != 0 for g in self.param_groups) else ()
+
+    def _prepare_step(self) -> None:
+        if any(float(g["momentum"]) != 0 for g in self.param_groups):
+            for chunk in self._chunks:
+                chunk.add_state("momentum_buffer")
+
+    def _validate_group(self, group: dict[str, Any], index: int) -> None:
+        _check_number("lr", group["lr"], 0.0, None, index)
+        _check_number("momentum", group["momentum"], 0.0, None, index)
+        _check_number("weight_decay", group["weight_decay"], 0.0, None, index)
+        if group["nesterov"] and (float(group["momentum"]) <= 0 or float(group["dampening"]) != 0):
+            raise ValueError(f"param group {index}: nesterov=True needs momentum > 0 and dampening = 0, got "
+                             f"momentum={group['momentum']!r}, dampening={group['dampening']!r}")
+        if group.get("maximize", False):
+            raise ValueError(f"param group {index}: maximize=True is not supported by FusedSGD; use the torch "
+                             "path (halfprec.MixedPrecisionOptimizer over torch.optim.SGD)")
+
+    def _hp_row(self, group: dict[str, Any]) -> list[Any]:
+        return [group["lr"], group["momentum"], group["dampening"], group["weight_decay"],
+                1.0 if group["nesterov"] else 0.0, 0.0, 0.0, 0.0]
+
+    def _launch_update(self, chunk) -> None:
+        from ..kernels.update import sgd_update
+
+        param = chunk.master if chunk.param is None else chunk.param
+        sgd_update(param, chunk.grad, chunk.master, chunk.state.get("momentum_buffer"), chunk.update_table,
+                   self._pscal, self._scalars)
+
+    def _group_of(self, i: int) -> dict[str, Any]:
+        p = self._trainable[i]
+        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
+
+    def _export_state(self, i: int, step: float) -> dict[str, Any]:
+        if step == 0 or float(self._group_of(i)["momentum"]) == 0 or "momentum_buffer" not in self._where[i][0].state:
+            return {}
+        chunk, local = self._where[i]
+        return {"momentum_buffer": chunk.state_views("momentum_buffer")[local].clone()}
+
+    def _import_state(self, i: int, saved: dict[str, Any]) -> float:
+        buf = saved.get("momentum_buffer")
+        if buf is None:
+            return 0.0
+        chunk, local = self._where[i]
+        chunk.add_state("momentum_buffer")
+        chunk.state_views("momentum_buffer")[local].copy_(buf)
+        return 1.0
