@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import halfprec
 from halfprec import DynamicLossScaler, MixedPrecisionOptimizer, StaticLossScaler
@@ -452,7 +453,7 @@ def test_optimizer_contract_and_hooks():
     mp.register_step_post_hook(lambda *a: calls.append("outer-post"))
     inner.register_step_post_hook(lambda *a: calls.append("inner-post"))
     seen = []
-    handle = torch.optim.optimizer.register_optimizer_step_post_hook(lambda o, *a: seen.append(type(o).__name__))
+    handle = register_optimizer_step_post_hook(lambda o, *a: seen.append(type(o).__name__))
     for bad in (True, False):
         set_scaled_grads(model.parameters(), grads_like(list(model.parameters()), step=0), mp.loss_scale)
         if bad:

@@ -143,7 +143,7 @@ class HalfprecTrainerMixin:
         optimizer = super().create_optimizer(model) if self.optimizer is None else self.optimizer
         mp = _unwrap(optimizer)
         if mp is None:
-            low = {p.dtype for p in optimizer.param_groups[0]["params"]} if optimizer.param_groups else set()
+            low = {p.dtype for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
             if self.halfprec_dtype is None and not low & {torch.float16, torch.bfloat16}:
                 raise ValueError(
                     "the model's trainable params are fp32 and halfprec_dtype is None: pass "
@@ -170,10 +170,10 @@ class HalfprecTrainerMixin:
         result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         loss = result[0] if return_outputs else result
         mp = self.halfprec_optimizer
-        if mp is not None and torch.is_tensor(loss) and loss.requires_grad and not mp._scaling_is_off():
-            scale = mp.loss_scaler.scale
-            # Scales every gradient below the loss; the loss the Trainer logs stays unscaled.
-            loss.register_hook(lambda grad: grad * scale.to(grad.device))
+        if mp is not None and torch.is_tensor(loss) and loss.requires_grad:
+            # Scales every gradient below the loss (scale_loss returns the grad itself when scaling is off);
+            # the loss the Trainer divides, logs and returns stays unscaled.
+            loss.register_hook(mp.scale_loss)
         return result
 
     # --- clipping and the logged norm (halfprec clips inside step(), on the fp32 master grads) -----------

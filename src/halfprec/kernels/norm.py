@@ -37,8 +37,9 @@ def _sumsq_kernel(grad_ptr, table_ptr, flags_ptr, scale_ptr, sq_ptr, bad_ptr, BL
     pidx = tl.load(table_ptr + pid * 3 + 2)
     got = tl.load(flags_ptr + pidx)
     inv = 1.0 / tl.load(scale_ptr)
+    end = tl.where(got != 0, end, start)  # no grad this step: read nothing
     offs = start + tl.arange(0, BLOCK)
-    mask = (offs < end) & (got != 0)
+    mask = offs < end
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv
     sq = tl.sum(g * g, axis=0)
     bad = tl.sum(tl.where((g - g) == 0.0, 0.0, 1.0), axis=0)

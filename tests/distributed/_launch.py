@@ -1,0 +1,69 @@
+"""Start N real gloo processes (127.0.0.1, a free port) running one scenario of ``_worker.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["launch", "results"]
+
+WORKER = Path(__file__).with_name("_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world_size: int, scenario: str, out: Path, *, timeout: float = 150.0, expect_ok: bool = True, **kwargs):
+    """Run ``scenario`` on ``world_size`` ranks; return the exit codes. Results land in ``out/result-R.pt``."""
+    out.mkdir(parents=True, exist_ok=True)
+    args = out / f"args-{scenario}.json"
+    args.write_text(json.dumps({"out": str(out), **kwargs}))
+    port = _free_port()
+    procs, logs = [], []
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]),
+        )
+        log = open(out / f"log-{scenario}-{rank}.txt", "w")  # noqa: SIM115 - closed below
+        logs.append(log)
+        procs.append(
+            subprocess.Popen([sys.executable, str(WORKER), scenario, str(args)], env=env, stdout=log, stderr=log)
+        )
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    for log in logs:
+        log.close()
+    if expect_ok and any(codes):
+        text = "\n".join(
+            f"--- rank {r} (exit {c}) ---\n" + (out / f"log-{scenario}-{r}.txt").read_text()[-4000:]
+            for r, c in enumerate(codes)
+        )
+        raise AssertionError(f"scenario {scenario!r} failed on {world_size} ranks:\n{text}")
+    return codes
+
+
+def results(out: Path, world_size: int) -> list:
+    return [torch.load(out / f"result-{r}.pt", weights_only=True) for r in range(world_size)]
