@@ -577,3 +577,56 @@ def test_public_surface_pinned():
     assert sorted(halfprec.__all__) == sorted(halfprec.__all__) and set(halfprec.__all__) >= {
         "MixedPrecisionOptimizer", "StaticLossScaler", "DynamicLossScaler", "LossScaler",
     }
+
+
+SCHEDULERS = [
+    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.9**s),
+    lambda o: torch.optim.lr_scheduler.StepLR(o, 2),
+    lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=4),
+    lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5),
+    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=20),
+    lambda o: torch.optim.lr_scheduler.CyclicLR(o, 0.01, 0.1, step_size_up=2),
+    lambda o: torch.optim.lr_scheduler.PolynomialLR(o, total_iters=6),
+    lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o, [torch.optim.lr_scheduler.ConstantLR(o), torch.optim.lr_scheduler.ExponentialLR(o, 0.9)], milestones=[2]
+    ),
+]
+
+
+@pytest.mark.parametrize("make", SCHEDULERS)
+@pytest.mark.parametrize("built_on", ["wrapper", "inner"])
+def test_every_scheduler_works_without_warning(make, built_on):
+    model = make_model(torch.float16)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_inner = torch.optim.SGD(fp32_copy(model).parameters(), lr=0.1, momentum=0.9)
+    ref_sched = make(ref_inner)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched = make(inner) if built_on == "inner" else None
+        mp = MixedPrecisionOptimizer(inner, loss_scaler=DynamicLossScaler(init_scale=2.0**8, hysteresis=1))
+        sched = sched or make(mp)
+        for step in range(6):
+            set_scaled_grads(model.parameters(), grads_like(list(model.parameters()), step=step), mp.loss_scale)
+            if step in (0, 3):
+                next(model.parameters()).grad.view(-1)[0] = float("nan")
+            mp.step()
+            if not mp.step_was_skipped:
+                sched.step()
+                ref_inner.step()
+                ref_sched.step()
+            mp.zero_grad()
+    assert [g["lr"] for g in mp.param_groups] == [g["lr"] for g in ref_inner.param_groups]
+
+
+def test_add_param_group_gets_masters():
+    model = make_model(torch.bfloat16)
+    params = list(model.parameters())
+    mp = MixedPrecisionOptimizer(torch.optim.Adam(params[:2], lr=1e-2))
+    mp.add_param_group({"params": params[2:], "lr": 1e-3})
+    assert len(mp.master_params()) == len(params)
+    assert all(m.dtype == torch.float32 for m in mp.param_groups[1]["params"])
+    with pytest.raises(ValueError, match="appears twice"):
+        mp.add_param_group({"params": params[:1]})
+    set_scaled_grads(params, grads_like(params, step=0), 1.0)
+    mp.step()
+    assert torch.equal(params[3], mp.master_params()[3].to(torch.bfloat16))

@@ -7,6 +7,13 @@ The architecture is the usual pre-norm transformer (GPT-2 style): learned positi
 causal self-attention and a 4x GELU MLP, a final LayerNorm, and an output head that shares its weight with the
 token embedding. The tie matters to halfprec: one tensor is reachable under two names, and checkpoints must
 store it once and restore the tie.
+
+FP16 on CPU: CPUs without AVX512-FP16 (nearly all of them) run an fp16 matrix multiply through a slow generic
+loop, 15x slower than fp32 here, which would make the demo's FP16 run take most of its time budget. So on CPU the
+two matmul ops (``Linear`` and attention) take their fp16 inputs, multiply in fp32 and round the result to fp16.
+That is the arithmetic GPU tensor cores do for fp16 (exact products, fp32 accumulation, one rounding of the
+output), and everything else -- weights, gradients, activations between ops -- stays fp16. On CUDA, and for
+bf16 (which CPUs with AVX512-BF16/AMX multiply natively), the ops run as written.
 """
 
 from __future__ import annotations
@@ -19,6 +26,26 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["GPT", "GPTConfig"]
+
+
+def _emulate_fp16(t: torch.Tensor) -> bool:
+    return t.dtype is torch.float16 and t.device.type == "cpu"
+
+
+class Linear(nn.Linear):
+    """``nn.Linear``, with fp16-on-CPU matmuls done in fp32 and rounded back (see the module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _emulate_fp16(x):
+            return super().forward(x)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).half()
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if not _emulate_fp16(q):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).half()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,14 +83,14 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.qkv = Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         # (B, T, 3C) -> three (B, H, T, C/H): heads become a batch dimension for SDPA.
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = _attention(q, k, v)  # causal: position t sees 0..t
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -74,9 +101,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = nn.Sequential(
-            nn.Linear(cfg.n_embd, 4 * cfg.n_embd),
+            Linear(cfg.n_embd, 4 * cfg.n_embd),
             nn.GELU(),
-            nn.Linear(4 * cfg.n_embd, cfg.n_embd),
+            Linear(4 * cfg.n_embd, cfg.n_embd),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +125,7 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head = Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: one tensor, two names
         self.apply(self._init_weights)
         # GPT-2's scaled init: each block adds two residual branches, so their output projections start

@@ -97,6 +97,8 @@ def _finalize_kernel(
             eps = tl.load(hp + 3, mask=m, other=0.0)
             wd = tl.load(hp + 4, mask=m, other=0.0)
             dec = tl.load(hp + 5, mask=m, other=0.0)
+            # counters at 0 (params never stepped) would divide 0 by 0; their scalars are not read
+            s64 = tl.where(s64 > 0.0, s64, 1.0)
             bc1 = 1.0 - tl.exp(s64 * tl.log(b1))
             bc2 = 1.0 - tl.exp(s64 * tl.log(b2))
             if KIND == 0:
@@ -130,6 +132,7 @@ def _finalize_kernel(
             lr_decay = tl.load(hp + 1, mask=m, other=0.0)
             wd = tl.load(hp + 2, mask=m, other=0.0)
             eps = tl.load(hp + 3, mask=m, other=0.0)
+            s64 = tl.where(s64 > 0.0, s64, 1.0)
             tl.store(ps + 1, (lr / (1.0 + (s64 - 1.0) * lr_decay)).to(tl.float32), mask=m)
             tl.store(ps + 2, wd.to(tl.float32), mask=m)
             tl.store(ps + 3, eps.to(tl.float32), mask=m)

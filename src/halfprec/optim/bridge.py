@@ -1,0 +1,99 @@
+"""How ``MixedPrecisionOptimizer`` / the engine choose between the exact torch path and the fused Triton path.
+
+Policy of ``impl="auto"`` (written here once): the fused path runs when the wrapped optimizer is exactly torch
+``Adam``, ``AdamW``, ``SGD`` or ``Adagrad``, every trainable param is on CUDA, Triton imports, and the inner
+optimizer's ``foreach``/``fused`` flags were left at their defaults (None; an explicit flag is the user asking for
+that torch implementation, so it is honoured) and nothing the kernels lack (``amsgrad``, ``maximize``,
+``capturable``, ``differentiable``) is on. Otherwise the torch path runs. ``impl="triton"`` raises a ValueError
+naming the reason and the fix when these do not hold; ``impl="torch"`` always takes the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["select_impl", "fused_from_torch", "fused_unsupported_reason"]
+
+_IMPLS = ("auto", "torch", "triton")
+
+
+def _fused_class(optimizer: torch.optim.Optimizer):
+    from .adagrad import FusedAdagrad
+    from .adam import FusedAdam, FusedAdamW
+    from .sgd import FusedSGD
+
+    return {torch.optim.AdamW: FusedAdamW, torch.optim.Adam: FusedAdam, torch.optim.SGD: FusedSGD,
+            torch.optim.Adagrad: FusedAdagrad}.get(type(optimizer))
+
+
+def fused_unsupported_reason(optimizer: torch.optim.Optimizer, *, explicit: bool) -> str | None:
+    """Why the fused path cannot take ``optimizer`` (None when it can). ``explicit``: impl='triton' was asked."""
+    if _fused_class(optimizer) is None:
+        return (f"{type(optimizer).__name__} has no fused kernel (torch Adam, AdamW, SGD and Adagrad do); use "
+                "impl='torch'")
+    for i, group in enumerate(optimizer.param_groups):
+        for flag in ("foreach", "fused"):
+            if group.get(flag) is not None and not explicit:
+                return f"param group {i} sets {flag}={group[flag]!r} explicitly, which selects a torch kernel"
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if group.get(flag, False):
+                return f"param group {i} has {flag}=True, which the fused kernels do not implement; use impl='torch'"
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    off_cuda = sorted({str(p.device) for p in params if p.device.type != "cuda"})
+    if off_cuda:
+        return f"params on {off_cuda}; the fused kernels need CUDA params: move the model to CUDA or use impl='torch'"
+    odd = sorted({str(p.dtype) for p in params if p.dtype not in (torch.float16, torch.bfloat16, torch.float32)})
+    if odd:
+        return f"params of dtype {odd}; the fused kernels train fp16, bf16 and fp32 params: use impl='torch'"
+    from ..kernels import triton_status
+
+    ok, why = triton_status()
+    if not ok:
+        return why
+    return None
+
+
+def select_impl(optimizer: torch.optim.Optimizer, impl: str) -> str:
+    """Resolve ``impl`` ("auto" | "torch" | "triton") to "torch" or "triton" for ``optimizer`` (see the policy).
+
+    With ``impl="triton"`` an explicit inner ``foreach``/``fused`` flag is overridden (the user asked for the
+    fused path); anything else that cannot be honoured raises ValueError with the reason and the fix.
+    """
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if impl == "torch":
+        return "torch"
+    reason = fused_unsupported_reason(optimizer, explicit=impl == "triton")
+    if reason is None:
+        return "triton"
+    if impl == "triton":
+        raise ValueError(f"impl='triton' cannot be honoured: {reason}")
+    return "torch"
+
+
+_SKIP_KEYS = {"params", "foreach", "fused", "capturable", "differentiable"}
+
+
+def fused_from_torch(optimizer: torch.optim.Optimizer, *, loss_scaler=None, max_grad_norm: float | None = None,
+                     skip_nonfinite: bool = True, param_dtype: torch.dtype | None = None):
+    """The fused optimizer equivalent to ``optimizer``: same params, groups and per-group hyper-parameters
+    (every group key is copied, so LR schedulers and state dicts carry over), and its state if it has any.
+
+    The torch optimizer is not stepped and is left untouched except that its params become views of the fused
+    optimizer's flat buffers; drop it afterwards.
+    """
+    cls = _fused_class(optimizer)
+    if cls is None:
+        raise ValueError(f"{type(optimizer).__name__} has no fused kernel (torch Adam, AdamW, SGD and Adagrad do)")
+    saved_state = optimizer.state_dict() if len(optimizer.state) else None
+    groups = [{k: v for k, v in g.items() if k not in _SKIP_KEYS} | {"params": list(g["params"])}
+              for g in optimizer.param_groups]
+    fused = cls(groups, loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
+                param_dtype=param_dtype)
+    for mine, theirs in zip(fused.param_groups, optimizer.param_groups, strict=True):
+        for k, v in theirs.items():
+            if k != "params":
+                mine[k] = v
+    if saved_state is not None:
+        fused.load_state_dict(saved_state)
+    return fused

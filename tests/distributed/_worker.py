@@ -1,0 +1,237 @@
+"""One rank of a multi-process test: ``python _worker.py SCENARIO ARGS.json`` (env: RANK, WORLD_SIZE, MASTER_*).
+
+Each scenario runs many checks in one process group (start-up costs seconds) and saves plain tensors and
+numbers to ``out/result-RANK.pt``; the pytest side compares them with the oracles.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import halfprec
+from halfprec.distributed.sharded import ShardedMixedPrecisionOptimizer
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# --- the model, the data, the per-rank gradient ---------------------------------------------------------
+class Net(torch.nn.Module):
+    """Odd sizes, a 0-d param, a param that never gets a grad and a frozen one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fc1 = torch.nn.Linear(7, 13)
+        self.fc2 = torch.nn.Linear(13, 5)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+        self.gain = torch.nn.Parameter(torch.tensor(0.75))
+        self.unused = torch.nn.Parameter(torch.randn(3, generator=g))
+        self.frozen = torch.nn.Parameter(torch.randn(4, generator=g), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x))) * self.gain
+
+
+def make_model(dtype: torch.dtype) -> Net:
+    return Net().to(dtype)
+
+
+def make_optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=0.01, foreach=False)
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9, foreach=False)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(groups, lr=0.05, initial_accumulator_value=0.1, foreach=False)
+    raise ValueError(kind)
+
+
+def batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    return torch.randn(6, 7, generator=g), torch.randn(6, 5, generator=g)
+
+
+def loss_of(model: torch.nn.Module, step: int, rank: int, micro: int, dtype: torch.dtype, poison: list) -> torch.Tensor:
+    x, y = batch(step, rank, micro)
+    loss = F.mse_loss(model(x.to(dtype)).float(), y)
+    if [step, rank] in poison:
+        loss = loss * float("inf")
+    return loss
+
+
+def make_scaler(cfg: dict):
+    if cfg["dtype"] == "fp16":
+        return halfprec.DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=1)
+    return None
+
+
+# --- the oracle: one process, each rank's micro-batch grads computed separately, summed in rank order ----
+def oracle(cfg: dict, steps: int, world: int) -> dict:
+    dtype = DTYPES[cfg["dtype"]]
+    low = make_model(dtype)
+    ref = Net()  # fp32 params: the masters
+    with torch.no_grad():
+        for p, q in zip(ref.parameters(), low.parameters(), strict=True):
+            p.copy_(q.float())
+        if cfg.get("param_dtype"):
+            ref.load_state_dict(Net().state_dict())  # fp32 originals are the masters
+    names = [n for n, p in low.named_parameters() if p.requires_grad and n != "unused"]
+    opt = make_optimizer(ref, cfg["opt"])
+    scaler = make_scaler(cfg) or halfprec.StaticLossScaler(1.0)
+    mp = halfprec.MixedPrecisionOptimizer(opt, loss_scaler=scaler, max_grad_norm=cfg.get("clip"))
+    micro = cfg.get("micro", 1)
+    out = {"norms": [], "skipped": [], "scales": []}
+    for step in range(steps):
+        scale = mp.loss_scale
+        per_rank = []
+        for r in range(world):
+            low.zero_grad(set_to_none=True)
+            acc = None
+            for m in range(micro):
+                (loss_of(low, step, r, m, dtype, cfg.get("poison", [])) * scale).backward()
+                grads = [low.get_parameter(n).grad for n in names]
+                if cfg["stage"] == 2:  # stage 2 reduces each micro-batch: keep them apart
+                    acc = (acc or []) + [[g.clone() for g in grads]]
+                    low.zero_grad(set_to_none=True)
+            per_rank.append(acc if cfg["stage"] == 2 else [[low.get_parameter(n).grad.clone() for n in names]])
+        total = None
+        for m in range(len(per_rank[0])):
+            if cfg["reduce"] == "fp32":
+                s = [sum((per_rank[r][m][k].float() for r in range(1, world)), per_rank[0][m][k].float()) for k in range(len(names))]
+            else:
+                s = [per_rank[0][m][k] / world for k in range(len(names))]
+                for r in range(1, world):
+                    s = [a + per_rank[r][m][k] / world for k, a in enumerate(s)]
+                s = [t.float() for t in s]
+            total = s if total is None else [a + b for a, b in zip(total, s, strict=True)]
+        for n, g in zip(names, total, strict=True):
+            ref.get_parameter(n).grad = g / world if (cfg["reduce"] == "fp32" and world > 1) else g
+        unused = ref.get_parameter("unused")
+        unused.grad = None  # no rank ever produced one
+        mp.step()
+        out["norms"].append(mp.grad_norm)
+        out["skipped"].append(mp.step_was_skipped)
+        out["scales"].append(mp.loss_scale)
+        with torch.no_grad():
+            for n in names:
+                low.get_parameter(n).copy_(ref.get_parameter(n))
+        mp.zero_grad()
+    every = [n for n, p in low.named_parameters() if p.requires_grad]
+    out["masters"] = {n: ref.get_parameter(n).detach().clone() for n in every}
+    out["state"] = {
+        n: {k: v.clone() for k, v in opt.state[ref.get_parameter(n)].items()}
+        for n in every
+        if opt.state.get(ref.get_parameter(n))
+    }
+    out["params"] = {n: low.get_parameter(n).detach().clone() for n in every}
+    return out
+
+
+# --- the system under test -------------------------------------------------------------------------------
+def build_sharded(cfg: dict, **extra) -> tuple[Net, ShardedMixedPrecisionOptimizer]:
+    dtype = DTYPES[cfg["dtype"]]
+    if cfg.get("param_dtype"):
+        model = Net()
+        opt = make_optimizer(model, cfg["opt"])
+        kw = {"param_dtype": dtype}
+    else:
+        model = make_model(dtype)
+        opt = make_optimizer(model, cfg["opt"])
+        kw = {}
+    sharded = ShardedMixedPrecisionOptimizer(
+        opt,
+        named_parameters=model,
+        stage=cfg["stage"],
+        loss_scaler=make_scaler(cfg),
+        max_grad_norm=cfg.get("clip"),
+        reduce_dtype=cfg["reduce"],
+        bucket_size=cfg.get("bucket", 40),
+        **kw,
+        **extra,
+    )
+    return model, sharded
+
+
+def train(model, opt, cfg: dict, steps: range, trace: dict | None = None) -> None:
+    dtype = DTYPES[cfg["dtype"]]
+    micro = cfg.get("micro", 1)
+    for step in steps:
+        for m in range(micro):
+            loss = loss_of(model, step, RANK, m, dtype, cfg.get("poison", []))
+            if cfg["stage"] == 1 and m < micro - 1:
+                with opt.no_sync():
+                    opt.backward(loss)
+            else:
+                opt.backward(loss)
+        opt.step()
+        if trace is not None:
+            trace["norms"].append(opt.grad_norm)
+            trace["skipped"].append(opt.step_was_skipped)
+            trace["scales"].append(opt.loss_scale)
+        opt.zero_grad()
+
+
+def pieces(opt: ShardedMixedPrecisionOptimizer) -> dict:
+    """This rank's share of masters and state in model space: name -> (lo, hi, master, {key: value})."""
+    out = {}
+    for name, _shape, _g, piece, param in opt._model_space():
+        if piece is None:
+            continue
+        st = {k: v.clone() for k, v in opt.state.get(param, {}).items()}
+        out[name] = {"lo": piece.lo, "hi": piece.hi, "master": param.detach().clone(), "state": st}
+    return out
+
+
+def scenario_sharded(out: str, configs: list, steps: int) -> dict:
+    res = {}
+    for i, cfg in enumerate(configs):
+        model, opt = build_sharded(cfg)
+        trace = {"norms": [], "skipped": [], "scales": []}
+        train(model, opt, cfg, range(steps), trace)
+        res[i] = {
+            "trace": trace,
+            "pieces": pieces(opt),
+            "params": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
+            "skipped_steps": opt.skipped_steps,
+            "frozen": model.frozen.detach().clone(),
+        }
+        if RANK == 0:
+            res[i]["oracle"] = oracle(cfg, steps, WORLD)
+    return res
+
+
+def main() -> None:
+    scenario, args_path = sys.argv[1], sys.argv[2]
+    args = json.loads(Path(args_path).read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        rank=RANK,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        result = globals()[f"scenario_{scenario}"](**args)
+        torch.save(result, Path(args["out"]) / f"result-{RANK}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""halfprec under the real HF ``Trainer`` (CPU): parity with the plain loop, skips, clipping, resume, errors.
+
+The Trainer adds no arithmetic of its own on this path: it divides the loss by the accumulation steps (as the
+oracle does), the loss-scale hook multiplies the gradient by a power of two (the oracle multiplies the loss;
+both orders give the same bits), and ``optimizer.step()`` is ``mp.step()``. Comparisons are bit-exact.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+import halfprec  # noqa: E402
+from halfprec.integrations.hf import HalfprecTrainer  # noqa: E402
+
+from ._oracle import (  # noqa: E402
+    CLIP,
+    DTYPES,
+    LR,
+    InfInjector,
+    assert_same_weights,
+    loss_fn,
+    make_batches,
+    make_model,
+    make_optimizer,
+    make_scheduler,
+    plain_loop,
+)
+
+
+class RegressionModel(nn.Module):
+    """The oracle's MLP behind the Trainer's calling convention (keyword inputs, a dict with ``loss``)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.net = make_model(seed)
+        self.losses: list[float] = []
+
+    def forward(self, x, labels=None):
+        out = self.net(x.to(self.net[0].weight.dtype))
+        loss = loss_fn(out, labels)
+        if self.training and torch.is_grad_enabled():
+            self.losses.append(loss.item())
+        return {"loss": loss, "logits": out}
+
+
+class _Steps(TrainerCallback):
+    def __init__(self):
+        self.lrs, self.skipped = [], []
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, optimizer=None, **kwargs):
+        self.lrs.append(lr_scheduler.get_last_lr()[0])
+        self.skipped.append(optimizer.step_was_skipped)
+
+
+def _dataset(batches):
+    return [{"x": x[i], "labels": y[i]} for x, y in batches for i in range(x.shape[0])]
+
+
+def _args(tmp_path, steps, **kw):
+    defaults = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=5,
+        gradient_accumulation_steps=2,
+        max_steps=steps,
+        learning_rate=LR,
+        max_grad_norm=CLIP,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    defaults.update(kw)
+    return TrainingArguments(**defaults)
+
+
+def _trainer(tmp_path, dtype, batches, steps, *, seed=0, **kw):
+    model = RegressionModel(seed)
+    mp = make_optimizer(model.net, dtype)
+    steps_cb = _Steps()
+    trainer = HalfprecTrainer(
+        model=model,
+        args=_args(tmp_path, steps, **kw),
+        train_dataset=_dataset(batches),
+        optimizers=(mp, make_scheduler(mp)),
+        callbacks=[steps_cb],
+    )
+    return trainer, model, mp, steps_cb
+
+
+def _logged(trainer, key):
+    return [rec[key] for rec in trainer.state.log_history if key in rec and "train_runtime" not in rec]
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_matches_plain_loop(name, tmp_path):
+    dtype, batches = DTYPES[name], make_batches(6)
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2)
+    trainer, model, mp, steps = _trainer(tmp_path, dtype, batches, 3)
+    trainer.train()
+    assert model.losses == ref.losses
+    assert steps.lrs == ref.lrs
+    assert _logged(trainer, "grad_norm") == ref.grad_norms  # halfprec's unscaled pre-clip norm
+    assert all(n > CLIP for n in ref.grad_norms)  # so every step really clipped
+    assert _logged(trainer, "loss_scale") == ref.scales
+    assert_same_weights(model.net, mp, ref_model, ref_mp)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_trainer_built_optimizer_matches_plain_loop(name, tmp_path):
+    # The Trainer builds its own AdamW (two groups: decay / no decay) and linear schedule over an fp32 model;
+    # the mixin wraps the optimizer with param_dtype, so the masters start from the fp32 weights.
+    dtype, batches = DTYPES[name], make_batches(6)
+    args = _args(tmp_path, 3, weight_decay=0.1)
+    model = RegressionModel()
+    trainer = HalfprecTrainer(model=model, args=args, train_dataset=_dataset(batches), halfprec_dtype=dtype)
+    trainer.train()
+
+    ref_model = make_model()
+    decay = set(trainer.get_decay_parameter_names(RegressionModel()))
+    named = [(f"net.{n}", p) for n, p in ref_model.named_parameters()]
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, ref_model)
+    inner = cls(
+        [
+            {"params": [p for n, p in named if n in decay], "weight_decay": 0.1},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ],
+        **kwargs,
+    )
+    scaler = halfprec.DynamicLossScaler() if dtype == torch.float16 else None
+    ref_mp = halfprec.MixedPrecisionOptimizer(inner, loss_scaler=scaler, max_grad_norm=CLIP, param_dtype=dtype)
+    ref_sched = transformers.get_scheduler("linear", ref_mp, num_warmup_steps=0, num_training_steps=3)
+    _, _, _, ref = plain_loop(dtype, batches, accum=2, model=ref_model, mp=ref_mp, sched=ref_sched)
+    assert model.losses == ref.losses
+    assert_same_weights(model.net, trainer.halfprec_optimizer, ref_model, ref_mp)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_overflow_skip_holds_schedule(name, tmp_path, recwarn):
+    dtype, batches = DTYPES[name], make_batches(6)
+    inf_at = (2, 3)  # both micro-batches of optimizer step 1
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2, inf_at=inf_at)
+    trainer, model, mp, steps = _trainer(tmp_path, dtype, batches, 3)
+    injector = InfInjector(model.net[0].weight, inf_at)
+    trainer.train()
+    injector.handle.remove()
+    assert steps.skipped == [False, True, False] == ref.skipped
+    assert steps.lrs == pytest.approx([0.009, 0.009, 0.0081], rel=1e-12) and steps.lrs == ref.lrs
+    assert _logged(trainer, "skipped_steps") == [0, 1, 1]
+    assert model.losses == ref.losses
+    assert_same_weights(model.net, mp, ref_model, ref_mp)
+    assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "halfprec" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_resume_from_checkpoint_bit_exact(name, tmp_path):
+    dtype, batches = DTYPES[name], make_batches(8)
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2)
+    trainer, model, mp, steps = _trainer(tmp_path, dtype, batches, 4, save_strategy="steps", save_steps=2)
+    trainer.train()
+    assert (tmp_path / "checkpoint-2" / "optimizer.pt").is_file()
+
+    # Other initial weights, then loaded: only checkpoint-2 can make the continuation match.
+    trainer2, model2, mp2, steps2 = _trainer(tmp_path, dtype, batches, 4, seed=123)
+    trainer2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert model2.losses == ref.losses[4:]
+    assert steps2.lrs == ref.lrs[2:]
+    assert_same_weights(model2.net, mp2, ref_model, ref_mp)
+
+
+@pytest.mark.parametrize(
+    ("setting", "match"),
+    [
+        ({"bf16": True}, r"TrainingArguments\(bf16=True\).*fp16=False, bf16=False.*torch\.bfloat16"),
+        ({"fp16": True}, r"TrainingArguments\(fp16=True\).*fp16=False, bf16=False.*torch\.float16"),
+    ],
+)
+def test_precision_flags_are_an_error(setting, match, tmp_path):
+    class _Args:  # TrainingArguments itself refuses fp16 on a CPU-only box, so the check sees the flag first
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    with pytest.raises(ValueError, match=match):
+        HalfprecTrainer(model=RegressionModel(), args=_Args(**setting), halfprec_dtype=torch.bfloat16)
+
+
+def test_misconfiguration_errors(tmp_path):
+    batches = make_batches(2)
+    with pytest.raises(ValueError, match=r"halfprec_dtype is None.*halfprec_dtype=torch\.bfloat16"):
+        HalfprecTrainer(model=RegressionModel(), args=_args(tmp_path, 1), train_dataset=_dataset(batches)).train()
+    model = RegressionModel()
+    mp = make_optimizer(model.net, torch.bfloat16, max_grad_norm=0.5)
+    trainer = HalfprecTrainer(model=model, args=_args(tmp_path, 1), train_dataset=_dataset(batches), optimizers=(mp, None))
+    with pytest.raises(ValueError, match=r"max_grad_norm=0\.5 but TrainingArguments has max_grad_norm=0\.05"):
+        trainer.train()
+    with pytest.raises(ValueError, match=r"halfprec_dtype must be"):
+        HalfprecTrainer(model=RegressionModel(), args=_args(tmp_path, 1), halfprec_dtype=torch.float32)
