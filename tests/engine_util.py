@@ -70,7 +70,10 @@ def snapshot(engine) -> dict:
     return {
         "weights": {k: v.clone() for k, v in engine.module.state_dict().items()},
         "masters": [m.detach().clone() for m in mp.master_params()],
-        "state": [{k: v.clone() if torch.is_tensor(v) else v for k, v in mp.state[m].items()} for m in mp.master_params()],
+        "state": [
+            {k: v.clone() if torch.is_tensor(v) else v for k, v in mp.state[m].items()}
+            for m in mp.master_params()
+        ],
         "scaler": mp.loss_scaler.state_dict(),
         "counters": [engine.global_step, engine.micro_step, engine.skipped_steps],
         "lr": [g["lr"] for g in mp.param_groups],

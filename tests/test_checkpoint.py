@@ -15,13 +15,15 @@ from safetensors.torch import load_file
 
 from halfprec import checkpoint as ckpt
 
-from .engine_util import TiedLM, build, snapshot, train
+from .engine_util import build, snapshot, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _child(*args, **kwargs):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, **kwargs)
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, **kwargs
+    )
 
 
 def _assert_same(a: dict, b: dict) -> None:
@@ -57,10 +59,12 @@ def test_resume_in_fresh_process_is_bit_exact(tmp_path, precision, gas, first):
     if precision == "fp16" and first:
         assert part.optimizer.loss_scale != 2.0**14  # the scale already changed before the save
     out = tmp_path / "resumed.pt"
-    proc = _child("-m", "tests.engine_util", str(tmp_path / "ckpt"), str(total - first), str(out), precision, str(gas))
+    proc = _child(
+        "-m", "tests.engine_util", str(tmp_path / "ckpt"), str(total - first), str(out), precision, str(gas)
+    )
     assert proc.returncode == 0, proc.stderr
     resumed = torch.load(out, weights_only=True)
-    assert resumed["losses"] == full_losses[first * gas:]
+    assert resumed["losses"] == full_losses[first * gas :]
     _assert_same(resumed, expected)
 
 
@@ -69,7 +73,12 @@ def test_layout_ties_latest_and_client_state(tmp_path):
     train(engine, 2)
     path = engine.save_checkpoint(tmp_path, client_state={"epoch": 1, "offset": torch.tensor(7)})
     assert path == tmp_path / "step-2" and (tmp_path / "latest").read_text().strip() == "step-2"
-    assert sorted(p.name for p in path.iterdir()) == ["engine.pt", "manifest.json", "model.safetensors", "optimizer.pt"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "engine.pt",
+        "manifest.json",
+        "model.safetensors",
+        "optimizer.pt",
+    ]
     stored = load_file(str(path / "model.safetensors"))
     assert "head.weight" not in stored and "emb.weight" in stored  # the shared tensor is stored once
     fresh = build("bf16", seed=9)
@@ -108,7 +117,10 @@ def test_weights_only_load_refreshes_masters(tmp_path):
 def test_other_model_names_first_mismatch(tmp_path):
     build("bf16").save_checkpoint(tmp_path)
     other = build("fp16")
-    with pytest.raises(ckpt.CheckpointError, match="at 'emb.weight': saved shape \\[37, 24\\] torch.bfloat16, model shape \\[37, 24\\] torch.float16"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match="at 'emb.weight': saved shape \\[37, 24\\] torch.bfloat16, model shape \\[37, 24\\] torch.float16",
+    ):
         other.load_checkpoint(tmp_path)
 
 
@@ -143,8 +155,10 @@ def test_code_running_pickle_is_refused_without_running(tmp_path):
 
     torch.save({"client_state": Payload()}, path / "engine.pt")
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"]["engine.pt"] = {"size": (path / "engine.pt").stat().st_size,
-                                      "sha256": ckpt._digest(path / "engine.pt")}
+    manifest["files"]["engine.pt"] = {
+        "size": (path / "engine.pt").stat().st_size,
+        "sha256": ckpt._digest(path / "engine.pt"),
+    }
     (path / "manifest.json").write_text(json.dumps(manifest))  # the digests cannot save us: weights_only must
     with pytest.raises(ckpt.CheckpointError, match="engine.pt with weights_only=True"):
         build("bf16").load_checkpoint(tmp_path)

@@ -24,7 +24,10 @@ def test_export_writes_masters_under_every_state_dict_key(tmp_path, capsys):
     for name, master in zip(names, engine.optimizer.master_params(), strict=True):
         assert weights[name].dtype == torch.float32 and torch.equal(weights[name], master)
     assert torch.equal(weights["head.weight"], weights["emb.weight"])
-    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "b.safetensors"), "--dtype", "bf16"]) == 0
+    assert (
+        main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "b.safetensors"), "--dtype", "bf16"])
+        == 0
+    )
     assert load_file(str(tmp_path / "b.safetensors"))["mix.weight"].dtype == torch.bfloat16
 
 

@@ -142,7 +142,9 @@ def test_parity_with_param_dtype_is_the_fp32_run():
     ref = copy.deepcopy(model)
     mp = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), param_dtype=torch.bfloat16)
     oracle = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    _run(model, ref, mp, oracle, 10, grads_fn=lambda ps, step: grads_like(ps, step=step, dtype=torch.bfloat16))
+    _run(
+        model, ref, mp, oracle, 10, grads_fn=lambda ps, step: grads_like(ps, step=step, dtype=torch.bfloat16)
+    )
     _assert_parity(model, ref, mp, oracle)
 
 
@@ -209,7 +211,10 @@ def test_custom_eager_state_kept_exact_and_typed(dtype):
     oracle = _Eager(ref.parameters())
     m0 = mp.master_params()[0]
     assert {k: type(v) for k, v in mp.state[m0].items()} == {
-        "avg": torch.Tensor, "count": torch.Tensor, "seen": torch.Tensor, "tag": str,
+        "avg": torch.Tensor,
+        "count": torch.Tensor,
+        "seen": torch.Tensor,
+        "tag": str,
     }
     assert mp.state[m0]["avg"].dtype == torch.float32 and mp.state[m0]["count"].dtype == torch.int64
     _run(model, ref, mp, oracle, 12)
@@ -300,7 +305,9 @@ def test_bf16_nonfinite_not_checked_when_disabled():
 def test_scheduler_held_on_skip_without_warning(built_on, first_skipped):
     model = make_model(torch.float16)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched_inner = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5) if built_on == "inner" else None
+    sched_inner = (
+        torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5) if built_on == "inner" else None
+    )
     mp = MixedPrecisionOptimizer(inner, loss_scaler=DynamicLossScaler(init_scale=2.0**8, hysteresis=1))
     sched = sched_inner or torch.optim.lr_scheduler.StepLR(mp, step_size=1, gamma=0.5)
     pattern = [True, False, True, False, False] if first_skipped else [False, True, False, False]
@@ -308,7 +315,9 @@ def test_scheduler_held_on_skip_without_warning(built_on, first_skipped):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for step, bad in enumerate(pattern):
-            set_scaled_grads(model.parameters(), grads_like(list(model.parameters()), step=step), mp.loss_scale)
+            set_scaled_grads(
+                model.parameters(), grads_like(list(model.parameters()), step=step), mp.loss_scale
+            )
             if bad:
                 next(model.parameters()).grad.view(-1)[0] = float("inf")
             mp.step()
@@ -421,11 +430,17 @@ def test_state_dict_roundtrip_resumes_bit_exact(dtype, first):
 
 def test_load_state_dict_names_first_mismatch():
     mp = MixedPrecisionOptimizer(torch.optim.Adam(make_model(torch.float16).parameters()))
-    other = MixedPrecisionOptimizer(torch.optim.Adam(make_model(torch.float16, sizes=(9, 40, 7)).parameters()))
-    with pytest.raises(ValueError, match=r"param 0: saved shape \[41, 9\] dtype torch.float16, this model shape \[40, 9\]"):
+    other = MixedPrecisionOptimizer(
+        torch.optim.Adam(make_model(torch.float16, sizes=(9, 40, 7)).parameters())
+    )
+    with pytest.raises(
+        ValueError, match=r"param 0: saved shape \[41, 9\] dtype torch.float16, this model shape \[40, 9\]"
+    ):
         other.load_state_dict(mp.state_dict())
     bf = MixedPrecisionOptimizer(torch.optim.Adam(make_model(torch.bfloat16).parameters()))
-    with pytest.raises(ValueError, match=r"param 0: .*dtype torch.float16, this model .*dtype torch.bfloat16"):
+    with pytest.raises(
+        ValueError, match=r"param 0: .*dtype torch.float16, this model .*dtype torch.bfloat16"
+    ):
         bf.load_state_dict(mp.state_dict())
     with pytest.raises(ValueError, match="not a MixedPrecisionOptimizer state dict"):
         mp.load_state_dict(torch.optim.Adam(make_model(torch.float32).parameters()).state_dict())
@@ -482,7 +497,9 @@ def test_closure_is_called_with_grad_enabled_and_returned():
 
 def test_backward_scales_the_loss():
     model = make_model(torch.float16)
-    mp = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scaler=StaticLossScaler(16.0))
+    mp = MixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), loss_scaler=StaticLossScaler(16.0)
+    )
     x = torch.randn(4, 9, generator=torch.Generator().manual_seed(0)).half()
     (model(x).float().sum() * 16).backward()
     expected = [p.grad.clone() for p in model.parameters()]
@@ -521,7 +538,9 @@ def test_order_errors():
 
 # --- 8. error table -------------------------------------------------------------------------------------------
 def _int_param_opt():
-    return torch.optim.SGD([torch.nn.Parameter(torch.ones(3, dtype=torch.int64), requires_grad=False)], lr=0.1)
+    return torch.optim.SGD(
+        [torch.nn.Parameter(torch.ones(3, dtype=torch.int64), requires_grad=False)], lr=0.1
+    )
 
 
 def _dup_opt():
@@ -537,20 +556,30 @@ def _sgd():
 
 ERRORS = [
     (lambda: MixedPrecisionOptimizer(object()), ValueError, "expected a torch.optim.Optimizer, got object"),
-    (lambda: MixedPrecisionOptimizer(MixedPrecisionOptimizer(_sgd())), ValueError, "already a MixedPrecision"),
+    (
+        lambda: MixedPrecisionOptimizer(MixedPrecisionOptimizer(_sgd())),
+        ValueError,
+        "already a MixedPrecision",
+    ),
     (lambda: MixedPrecisionOptimizer(_int_param_opt()), ValueError, "dtype torch.int64.*floating-point"),
     (lambda: MixedPrecisionOptimizer(_dup_opt()), ValueError, "appears twice"),
     (lambda: MixedPrecisionOptimizer(_sgd(), max_grad_norm=0.0), ValueError, "max_grad_norm must be.*0.0"),
     (lambda: MixedPrecisionOptimizer(_sgd(), max_grad_norm=-1), ValueError, "max_grad_norm must be.*-1"),
     (lambda: MixedPrecisionOptimizer(_sgd(), param_dtype=torch.int8), ValueError, "param_dtype must be"),
-    (lambda: MixedPrecisionOptimizer(_sgd(), loss_scaler=torch.amp.GradScaler("cpu")), ValueError, "GradScaler"),
+    (
+        lambda: MixedPrecisionOptimizer(_sgd(), loss_scaler=torch.amp.GradScaler("cpu")),
+        ValueError,
+        "GradScaler",
+    ),
     (
         lambda: MixedPrecisionOptimizer(torch.optim.LBFGS(make_model(torch.float16).parameters())),
         ValueError,
         "LBFGS re-evaluates the closure",
     ),
     (
-        lambda: MixedPrecisionOptimizer(torch.optim.SGD(make_model(torch.float16).parameters(), differentiable=True)),
+        lambda: MixedPrecisionOptimizer(
+            torch.optim.SGD(make_model(torch.float16).parameters(), differentiable=True)
+        ),
         ValueError,
         "differentiable=True",
     ),
@@ -560,9 +589,17 @@ ERRORS = [
     (lambda: DynamicLossScaler(init_scale=1000.0), ValueError, "init_scale must be a power of two"),
     (lambda: DynamicLossScaler(growth_factor=1.0), ValueError, "growth_factor must be > 1"),
     (lambda: DynamicLossScaler(backoff_factor=2.0), ValueError, "backoff_factor must be < 1"),
-    (lambda: DynamicLossScaler(growth_interval=0), ValueError, "growth_interval must be an integer >= 1, got 0"),
+    (
+        lambda: DynamicLossScaler(growth_interval=0),
+        ValueError,
+        "growth_interval must be an integer >= 1, got 0",
+    ),
     (lambda: DynamicLossScaler(hysteresis=1.5), ValueError, "hysteresis must be an integer"),
-    (lambda: DynamicLossScaler(init_scale=0.5, min_scale=1.0), ValueError, "init_scale .* must be >= min_scale"),
+    (
+        lambda: DynamicLossScaler(init_scale=0.5, min_scale=1.0),
+        ValueError,
+        "init_scale .* must be >= min_scale",
+    ),
 ]
 
 
@@ -575,7 +612,10 @@ def test_errors(build, error, pattern):
 # --- 9. import hygiene and public surface ----------------------------------------------------------------------
 def test_public_surface_pinned():
     assert sorted(halfprec.__all__) == sorted(halfprec.__all__) and set(halfprec.__all__) >= {
-        "MixedPrecisionOptimizer", "StaticLossScaler", "DynamicLossScaler", "LossScaler",
+        "MixedPrecisionOptimizer",
+        "StaticLossScaler",
+        "DynamicLossScaler",
+        "LossScaler",
     }
 
 
@@ -588,7 +628,9 @@ SCHEDULERS = [
     lambda o: torch.optim.lr_scheduler.CyclicLR(o, 0.01, 0.1, step_size_up=2),
     lambda o: torch.optim.lr_scheduler.PolynomialLR(o, total_iters=6),
     lambda o: torch.optim.lr_scheduler.SequentialLR(
-        o, [torch.optim.lr_scheduler.ConstantLR(o), torch.optim.lr_scheduler.ExponentialLR(o, 0.9)], milestones=[2]
+        o,
+        [torch.optim.lr_scheduler.ConstantLR(o), torch.optim.lr_scheduler.ExponentialLR(o, 0.9)],
+        milestones=[2],
     ),
 ]
 
@@ -606,7 +648,9 @@ def test_every_scheduler_works_without_warning(make, built_on):
         mp = MixedPrecisionOptimizer(inner, loss_scaler=DynamicLossScaler(init_scale=2.0**8, hysteresis=1))
         sched = sched or make(mp)
         for step in range(6):
-            set_scaled_grads(model.parameters(), grads_like(list(model.parameters()), step=step), mp.loss_scale)
+            set_scaled_grads(
+                model.parameters(), grads_like(list(model.parameters()), step=step), mp.loss_scale
+            )
             if step in (0, 3):
                 next(model.parameters()).grad.view(-1)[0] = float("nan")
             mp.step()

@@ -29,11 +29,18 @@ def _python_schedule(pattern, *, init, growth, backoff, interval, hysteresis, mi
 def test_dynamic_schedule_matches_the_documented_rule(hysteresis, interval):
     gen = torch.Generator().manual_seed(hysteresis * 10 + interval)
     pattern = (torch.rand(200, generator=gen) < 0.35).tolist() + [True] * 200  # ends pinned at min_scale
-    kw = dict(init_scale=2.0**6, growth_factor=2.0, backoff_factor=0.25, growth_interval=interval,
-              hysteresis=hysteresis, min_scale=2.0)
+    kw = dict(
+        init_scale=2.0**6,
+        growth_factor=2.0,
+        backoff_factor=0.25,
+        growth_interval=interval,
+        hysteresis=hysteresis,
+        min_scale=2.0,
+    )
     scaler = DynamicLossScaler(**kw)
-    expected = _python_schedule(pattern, init=64.0, growth=2.0, backoff=0.25, interval=interval,
-                                hysteresis=hysteresis, min_scale=2.0)
+    expected = _python_schedule(
+        pattern, init=64.0, growth=2.0, backoff=0.25, interval=interval, hysteresis=hysteresis, min_scale=2.0
+    )
     for overflow, (scale, tracker, left) in zip(pattern, expected, strict=True):
         scaler.update(torch.tensor(float(overflow)))
         state = scaler.state_dict()

@@ -68,7 +68,9 @@ def _digest(path: Path) -> str:
 
 def _check_tag(tag: str) -> str:
     if not tag or tag in (LATEST, ".", "..") or "/" in tag or os.sep in tag or tag.startswith("."):
-        raise ValueError(f"invalid checkpoint tag {tag!r}: use a plain name such as 'step-100' (not 'latest')")
+        raise ValueError(
+            f"invalid checkpoint tag {tag!r}: use a plain name such as 'step-100' (not 'latest')"
+        )
     return tag
 
 
@@ -78,8 +80,14 @@ def _split_ties(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     ties: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     for name, tensor in state.items():
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape,
-               tensor.stride(), tensor.dtype)
+        key = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tensor.shape,
+            tensor.stride(),
+            tensor.dtype,
+        )
         if tensor.numel() and key in seen:
             ties[name] = seen[key]
             continue
@@ -119,7 +127,9 @@ def write_checkpoint(
         raise FileExistsError(
             f"checkpoint {final} already exists and tags are immutable; pick another tag or pass overwrite=True"
         )
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
         raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{tag}.tmp-{uuid.uuid4().hex[:8]}"
@@ -211,10 +221,13 @@ def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
                 raise CheckpointError(f"checkpoint file {file} is missing")
             size = file.stat().st_size
             if size != entry["size"]:
-                raise CheckpointError(f"checkpoint file {file} is truncated or extended: {size} bytes, "
-                                      f"expected {entry['size']}")
+                raise CheckpointError(
+                    f"checkpoint file {file} is truncated or extended: {size} bytes, expected {entry['size']}"
+                )
             if _digest(file) != entry["sha256"]:
-                raise CheckpointError(f"checkpoint file {file} is corrupted: its SHA-256 does not match the manifest")
+                raise CheckpointError(
+                    f"checkpoint file {file} is corrupted: its SHA-256 does not match the manifest"
+                )
     return manifest
 
 
@@ -271,8 +284,13 @@ def rng_state() -> dict[str, Any]:
     except ImportError:
         return state
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached": float(cached)}
+    state["numpy"] = {
+        "kind": kind,
+        "keys": torch.from_numpy(keys.astype("int64")),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached": float(cached),
+    }
     return state
 
 
@@ -286,4 +304,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         import numpy as np
 
         n = state["numpy"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
+        np.random.set_state(
+            (n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"])
+        )

@@ -118,8 +118,13 @@ class Engine:
     still accumulates.
     """
 
-    def __init__(self, module: torch.nn.Module, optimizer: MixedPrecisionOptimizer, config: Config,
-                 lr_scheduler: Any = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: MixedPrecisionOptimizer,
+        config: Config,
+        lr_scheduler: Any = None,
+    ) -> None:
         self.module = module
         self.optimizer = optimizer
         self.config = config
@@ -141,7 +146,9 @@ class Engine:
         return self.config.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return self.micro_step > self._stepped_micro and self.micro_step % self.gradient_accumulation_steps == 0
+        return (
+            self.micro_step > self._stepped_micro and self.micro_step % self.gradient_accumulation_steps == 0
+        )
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.gradient_accumulation_steps > 1:
@@ -185,9 +192,15 @@ class Engine:
         names = {p: n for n, p in self.module.named_parameters()}  # first name of a tied param
         return [names.get(p) for p in self.optimizer._model_params]
 
-    def save_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,
-                        client_state: dict[str, Any] | None = None, overwrite: bool = False,
-                        keep_last: int | None = None) -> Path:
+    def save_checkpoint(
+        self,
+        directory: str | os.PathLike,
+        *,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        keep_last: int | None = None,
+    ) -> Path:
         """Save at an optimizer-step boundary into ``<directory>/<tag>`` (default ``step-<global_step>``)."""
         if self.micro_step % self.gradient_accumulation_steps != 0 or self.micro_step != self._stepped_micro:
             raise RuntimeError(
@@ -220,9 +233,15 @@ class Engine:
             keep_last=keep_last,
         )
 
-    def load_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_rng_states: bool = True) -> dict[str, Any]:
+    def load_checkpoint(
+        self,
+        directory: str | os.PathLike,
+        *,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_rng_states: bool = True,
+    ) -> dict[str, Any]:
         """Restore weights, masters, optimizer and scaler state, counters, scheduler and RNG; return client_state.
 
         ``load_optimizer_states=False`` loads the weights only and refreshes the masters from them.
@@ -239,7 +258,11 @@ class Engine:
             self.optimizer.refresh_masters()
         self.global_step = int(engine_state["global_step"])
         self.micro_step = self._stepped_micro = int(engine_state["micro_step"])
-        if load_lr_scheduler_states and self.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
+        if (
+            load_lr_scheduler_states
+            and self.lr_scheduler is not None
+            and engine_state["lr_scheduler"] is not None
+        ):
             self.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
         if load_rng_states:
             ckpt.set_rng_state(engine_state["rng"])
@@ -251,8 +274,10 @@ def _check_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], pa
     for name, tensor in module.state_dict().items():
         saved = weights.get(name)
         if saved is None:
-            raise ckpt.CheckpointError(f"checkpoint {path} has no tensor {name!r} (shape {list(tensor.shape)}, "
-                                       f"{tensor.dtype}): it is of another model")
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} has no tensor {name!r} (shape {list(tensor.shape)}, "
+                f"{tensor.dtype}): it is of another model"
+            )
         if saved.shape != tensor.shape or saved.dtype != tensor.dtype:
             raise ckpt.CheckpointError(
                 f"checkpoint {path} does not match this model at {name!r}: saved shape {list(saved.shape)} "

@@ -65,7 +65,9 @@ def inspect(path: str | os.PathLike) -> list[tuple[str, Any]]:
     optim = ckpt.load_pt(path, "optimizer")
     dtypes: dict[str, int] = {}
     for tensor in weights.values():
-        dtypes[str(tensor.dtype).replace("torch.", "")] = dtypes.get(str(tensor.dtype).replace("torch.", ""), 0) + tensor.numel()
+        dtypes[str(tensor.dtype).replace("torch.", "")] = (
+            dtypes.get(str(tensor.dtype).replace("torch.", ""), 0) + tensor.numel()
+        )
     scaler = optim["scaler"]
     rows: list[tuple[str, Any]] = [
         ("path", str(path)),

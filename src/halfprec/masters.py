@@ -46,7 +46,10 @@ class MasterChunk:
     def grad_views(self) -> list[torch.Tensor]:
         if self.grad is None:
             self.grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        return [self.grad[off : off + p.numel()].view(p.shape) for p, off in zip(self.params, self.offsets, strict=True)]
+        return [
+            self.grad[off : off + p.numel()].view(p.shape)
+            for p, off in zip(self.params, self.offsets, strict=True)
+        ]
 
 
 class MasterStore:

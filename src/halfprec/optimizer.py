@@ -267,8 +267,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         old_scale = self.loss_scaler.scale.clone()
         at_min = self.loss_scaler.at_min_scale().float()
         self.loss_scaler.update(found_inf)
-        values = [found_inf, at_min, old_scale] + ([norm.to(device=device, dtype=torch.float32)] if norm is not None else [])
-        skipped, was_at_min, before, *norm_value = torch.stack(values).tolist()  # the one host sync of the step
+        values = [found_inf, at_min, old_scale] + (
+            [norm.to(device=device, dtype=torch.float32)] if norm is not None else []
+        )
+        skipped, was_at_min, before, *norm_value = torch.stack(
+            values
+        ).tolist()  # the one host sync of the step
         self._grad_norm_value = norm_value[0] if norm_value else None
         self._step_scale = before
         self._step_was_skipped = bool(skipped)
@@ -408,7 +412,9 @@ def _check_params(params: list, known: set) -> None:
 
 def _validate(optimizer, loss_scaler, max_grad_norm, param_dtype) -> None:
     if isinstance(optimizer, MixedPrecisionOptimizer):
-        raise ValueError("optimizer is already a MixedPrecisionOptimizer; wrap the plain torch optimizer once")
+        raise ValueError(
+            "optimizer is already a MixedPrecisionOptimizer; wrap the plain torch optimizer once"
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(
             f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}; build one over the model's "
@@ -432,7 +438,9 @@ def _validate(optimizer, loss_scaler, max_grad_norm, param_dtype) -> None:
             f"{type(loss_scaler).__name__}"
         )
     if max_grad_norm is not None and (
-        isinstance(max_grad_norm, bool) or not math.isfinite(float(max_grad_norm)) or float(max_grad_norm) <= 0
+        isinstance(max_grad_norm, bool)
+        or not math.isfinite(float(max_grad_norm))
+        or float(max_grad_norm) <= 0
     ):
         raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
     if param_dtype is not None and param_dtype not in LOW_PRECISION:

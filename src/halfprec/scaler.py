@@ -208,7 +208,9 @@ class DynamicLossScaler(LossScaler):
         new_scale = torch.where(backoff, backed_off, torch.where(grow, grown, scale))
 
         refill = backoff | grow
-        new_left = torch.where(refill, torch.full_like(left, self.hysteresis), torch.where(overflow, left_after_overflow, left))
+        new_left = torch.where(
+            refill, torch.full_like(left, self.hysteresis), torch.where(overflow, left_after_overflow, left)
+        )
         new_tracker = torch.where(grow, torch.zeros_like(tracker), tracker_next)
 
         scale.copy_(new_scale)

@@ -11,14 +11,20 @@ __all__ = ["add_export_arguments", "add_inspect_arguments", "run_export", "run_i
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a checkpoint directory (a tag, or its parent with a 'latest' pointer)")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint directory (a tag, or its parent with a 'latest' pointer)"
+    )
     parser.add_argument("--out", required=True, help="output .safetensors file")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    parser.add_argument("--tag", default=None, help="tag inside the directory (default: the 'latest' pointer)")
+    parser.add_argument(
+        "--tag", default=None, help="tag inside the directory (default: the 'latest' pointer)"
+    )
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a checkpoint directory (a tag, or its parent with a 'latest' pointer)")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint directory (a tag, or its parent with a 'latest' pointer)"
+    )
     parser.add_argument("--tag", default=None)
 
 

@@ -20,7 +20,8 @@ What changes against the stock Trainer, and why:
   loss it logs stays unscaled.
 * ``create_scheduler`` (which the Trainer calls right after ``accelerator.prepare``) links halfprec's skipped
   steps to ``accelerator.optimizer_step_was_skipped``, which the Trainer reads to hold the LR schedule.
-* ``HalfprecCallback`` (added automatically) logs ``loss_scale`` and ``skipped_steps``.
+* ``log``: every training log record also gets ``loss_scale`` and ``skipped_steps``.
+* ``HalfprecCallback`` (added automatically) checks at ``on_train_begin`` that a halfprec optimizer is stepped.
 
 Checkpoints need nothing extra: ``optimizer.pt`` in ``checkpoint-N`` is ``mp.state_dict()`` (masters, moments,
 loss scaler, skip counter), and the Trainer reloads it after the weights.
@@ -84,13 +85,19 @@ def _unwrap(optimizer: Any) -> MixedPrecisionOptimizer | None:
 
 
 class HalfprecCallback(transformers.TrainerCallback):
-    """Adds ``loss_scale`` and ``skipped_steps`` to every log record of the Trainer."""
+    """Checks, when training starts, that the Trainer really trains through halfprec.
 
-    def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
-        mp = _unwrap(optimizer)
-        if logs is not None and mp is not None:
-            logs["loss_scale"] = mp.loss_scale
-            logs["skipped_steps"] = mp.skipped_steps
+    ``HalfprecTrainerMixin`` adds it; it catches a ``HalfprecTrainer`` whose ``create_optimizer`` was
+    overridden to return a plain optimizer, and ``TrainingArguments`` changed after construction.
+    """
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        check_training_args(args)
+        if _unwrap(optimizer) is None:
+            raise RuntimeError(
+                f"the Trainer steps a {type(optimizer).__name__}, not a halfprec MixedPrecisionOptimizer: do not "
+                "override create_optimizer() to return a plain optimizer in a HalfprecTrainer"
+            )
 
 
 class HalfprecTrainerMixin:
@@ -182,6 +189,12 @@ class HalfprecTrainerMixin:
 
     def _get_grad_norm(self, model, grad_norm=None):
         return None
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        mp = self.halfprec_optimizer
+        if mp is not None and "loss" in logs:
+            logs = {**logs, "loss_scale": mp.loss_scale, "skipped_steps": mp.skipped_steps}
+        return super().log(logs, *args, **kwargs)
 
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
         mp = self.halfprec_optimizer

@@ -1,0 +1,80 @@
+"""Run the fused path and the exact torch path side by side on the same grads and compare everything."""
+
+from __future__ import annotations
+
+import torch
+
+import halfprec
+from tests.optim.tolerances import tol
+
+
+def make_params(sizes, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    init = [torch.randn(n if isinstance(n, tuple) else (n,), generator=g) for n in sizes]
+    a = [torch.nn.Parameter(t.to(device=device, dtype=dtype)) for t in init]
+    b = [torch.nn.Parameter(t.to(device=device, dtype=dtype)) for t in init]
+    return a, b
+
+
+def pair(torch_cls, fused_cls, sizes, dtype, hp, *, device="cpu", max_grad_norm=None, scaler=None, groups=None):
+    """(reference MixedPrecisionOptimizer, fused optimizer, ref params, fused params)."""
+    a, b = make_params(sizes, dtype, device)
+    if groups is None:
+        ga, gb = a, b
+    else:  # groups: list of (index list, group kwargs)
+        ga = [{"params": [a[i] for i in idx], **kw} for idx, kw in groups]
+        gb = [{"params": [b[i] for i in idx], **kw} for idx, kw in groups]
+    ref = halfprec.MixedPrecisionOptimizer(torch_cls(ga, **hp), loss_scaler=scaler() if scaler else None,
+                                           max_grad_norm=max_grad_norm)
+    fused = fused_cls(gb, **hp, loss_scaler=scaler() if scaler else None, max_grad_norm=max_grad_norm)
+    return ref, fused, a, b
+
+
+def random_grads(params, seed, scale=1.0, none=()):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, p in enumerate(params):
+        if i in none:
+            out.append(None)
+        else:
+            out.append((torch.randn(p.shape, generator=g) * scale).to(device=p.device, dtype=p.dtype))
+    return out
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads, strict=True):
+        p.grad = None if g is None else g.clone()
+
+
+def assert_same_state(ref, fused, dtype):
+    """Compare masters, every state tensor and counters of the two paths' (same-format) state dicts."""
+    sr, sf = ref.state_dict(), fused.state_dict()
+    assert sr["params"] == sf["params"]
+    assert sorted(sr["masters"]) == sorted(sf["masters"])
+    for k in sr["masters"]:
+        torch.testing.assert_close(sf["masters"][k].cpu(), sr["masters"][k].cpu(), **tol("master", dtype))
+    str_, stf = sr["optimizer"]["state"], sf["optimizer"]["state"]
+    assert sorted(str_) == sorted(stf), (sorted(str_), sorted(stf))
+    for k in str_:
+        assert sorted(str_[k]) == sorted(stf[k]), (k, sorted(str_[k]), sorted(stf[k]))
+        for name, v in str_[k].items():
+            w = stf[k][name]
+            if name == "step":
+                assert float(w) == float(v), (k, float(w), float(v))
+            else:
+                torch.testing.assert_close(w.cpu(), v.cpu(), **tol("state", dtype))
+    # fp32 params (own masters): compare the params themselves
+    for p, q in zip(ref._model_params, fused._all, strict=True):
+        if p.dtype == torch.float32:
+            torch.testing.assert_close(q.detach().cpu(), p.detach().cpu(), **tol("master", dtype))
+    assert sr["skipped_steps"] == sf["skipped_steps"]
+    assert sr["scaler"] == sf["scaler"]
+
+
+def assert_params_are_rounded_masters(fused):
+    for chunk in fused._chunks:
+        if chunk.param is None:
+            continue
+        for p, m in zip(chunk.params, chunk.master_views, strict=True):
+            want = m.to(p.dtype)
+            assert torch.equal(p.detach().view(torch.int16), want.view(torch.int16))
