@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from halfprec.config import DEEPSPEED_KEYS, Config, DeepSpeedConfigWarning, render_deepspeed_table
+from halfprec.config import Config
+from halfprec.deepspeed_config import DEEPSPEED_KEYS, DeepSpeedConfigWarning, render_deepspeed_table
 
 DATA = Path(__file__).parent / "data" / "deepspeed"
 DOCS = Path(__file__).parents[1] / "docs" / "deepspeed-config.md"

@@ -215,6 +215,46 @@ def scenario_sharded(out: str, configs: list, steps: int) -> dict:
     return res
 
 
+def scenario_ddp(out: str, configs: list, steps: int) -> dict:
+    """ZeRO-0: MixedPrecisionOptimizer over a DistributedDataParallel model (DDP averages in the param dtype)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    res = {}
+    for i, cfg in enumerate(configs):
+        dtype = DTYPES[cfg["dtype"]]
+        model = make_model(dtype)
+        ddp = DDP(model, find_unused_parameters=True)
+        mp = halfprec.MixedPrecisionOptimizer(
+            make_optimizer(model, cfg["opt"]), loss_scaler=make_scaler(cfg), max_grad_norm=cfg.get("clip")
+        )
+        trace = {"norms": [], "skipped": [], "scales": []}
+        micro = cfg.get("micro", 1)
+        for step in range(steps):
+            for m in range(micro):
+                loss = loss_of(ddp, step, RANK, m, dtype, cfg.get("poison", []))
+                if m < micro - 1:
+                    with ddp.no_sync():
+                        mp.backward(loss)
+                else:
+                    mp.backward(loss)
+            mp.step()
+            trace["norms"].append(mp.grad_norm)
+            trace["skipped"].append(mp.step_was_skipped)
+            trace["scales"].append(mp.loss_scale)
+            mp.zero_grad()
+        masters = dict(zip([n for n, p in model.named_parameters() if p.requires_grad], mp.master_params(), strict=True))
+        res[i] = {
+            "trace": trace,
+            "masters": {n: m.detach().clone() for n, m in masters.items()},
+            "state": {n: {k: v.clone() for k, v in mp.state[m].items()} for n, m in masters.items() if mp.state.get(m)},
+            "params": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
+            "skipped_steps": mp.skipped_steps,
+        }
+        if RANK == 0:
+            res[i]["oracle"] = oracle({**cfg, "stage": 1, "reduce": "param"}, steps, WORLD)
+    return res
+
+
 def main() -> None:
     scenario, args_path = sys.argv[1], sys.argv[2]
     args = json.loads(Path(args_path).read_text())

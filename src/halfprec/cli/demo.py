@@ -1,0 +1,382 @@
+"""``halfprec demo``: train one small GPT in FP32, BF16 and FP16 and compare; then prove resume is bit-exact.
+
+What it does, in order:
+
+1. For each precision, in a fresh child process (so its peak memory is its own): seed, build the fp32 model and
+   a plain ``torch.optim.AdamW``, hand both to ``halfprec.initialize`` (which casts the model and keeps fp32
+   masters), and train on the same batches -- bytes of Python's standard library -- with a progress bar.
+2. A table per precision: train and validation loss, tokens/s, peak memory, skipped steps, final loss scale.
+3. A PNG of the loss curves and of the FP16 loss scale.
+4. The resume check, run inside one precision's child: its checkpoint from half-way is loaded into a fresh
+   model, optimizer and engine, trained to the end, and compared with the uninterrupted run -- every loss, every
+   weight, every master and optimizer-state tensor, bit for bit. A mismatch makes the exit status non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import resource
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import halfprec
+
+from .demo_data import Corpus, load_corpus, stdlib_files
+from .demo_model import GPT, GPTConfig
+
+__all__ = ["add_arguments", "run"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """One precision's run: everything a child process needs (picklable)."""
+
+    precision: str
+    device: str
+    steps: int
+    batch_size: int
+    seq_len: int
+    n_layer: int
+    n_embd: int
+    lr: float
+    seed: int
+    threads: int
+    eval_every: int
+    eval_batches: int
+    corpus_bytes: int | None
+    checkpoint_dir: str
+    resume_at: int | None = None
+    """Save at this step and run the resume check (one precision only)."""
+    break_resume: bool = False
+    """Test hook: perturb one weight after loading, so the check must fail."""
+
+
+@dataclass
+class RunResult:
+    precision: str
+    losses: list[float] = field(default_factory=list)
+    loss_scales: list[float] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    val_curve: list[tuple[int, float]] = field(default_factory=list)
+    val_loss: float = math.nan
+    train_loss: float = math.nan
+    tokens_per_s: float = math.nan
+    peak_memory: str = "n/a"
+    skipped_steps: int = 0
+    loss_scale: float = 1.0
+    resume: str | None = None
+    """The resume check's verdict, one line; ``None`` when this run did not do the check."""
+    resume_ok: bool = True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default: cpu)")
+    add("--steps", type=int, default=200, help="optimizer steps per precision (default: 200)")
+    add("--precisions", default=",".join(PRECISIONS), help="comma-separated, from fp32,bf16,fp16 (default: all)")
+    add("--out", type=Path, default=Path("halfprec-demo"), help="directory for the PNG and checkpoints")
+    add("--seed", type=int, default=0, help="seeds the model's init and the batches (default: 0)")
+    add("--batch-size", type=int, default=16, help="sequences per step (default: 16)")
+    add("--seq-len", type=int, default=128, help="bytes per sequence (default: 128)")
+    add("--n-layer", type=int, default=3, help="transformer blocks (default: 3)")
+    add("--n-embd", type=int, default=128, help="model width, a multiple of 4 (default: 128)")
+    add("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default: 3e-3)")
+    add("--threads", type=int, default=None, help="CPU threads for torch (default: the cores this process may use)")
+    add("--corpus-bytes", type=int, default=None, help="read at most this many stdlib bytes (default: all)")
+    add("--resume-check", default="auto", help="precision to resume-check, or 'none' (default: fp16 if run)")
+    add("--break-resume", action="store_true", help=argparse.SUPPRESS)  # test hook: the check must then fail
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        specs = _specs(args)
+    except ValueError as e:
+        print(f"halfprec demo: {e}", file=sys.stderr)
+        return 2
+    cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd)
+    n_files = len(stdlib_files())
+    print(
+        f"halfprec demo: a {GPT(cfg).num_params() / 1e6:.2f}M-param byte-level GPT ({cfg.n_layer} layers, width "
+        f"{cfg.n_embd}) on the {n_files} source files of Python {sys.version.split()[0]}'s standard library\n"
+        f"{args.steps} steps x {args.batch_size} x {args.seq_len} bytes per precision, AdamW, clip 1.0; "
+        f"device {args.device}, {specs[0].threads} threads, seed {args.seed}"
+    )
+    start = time.perf_counter()
+    # One child per precision, one after another: each starts from a clean process, so its peak RSS is its
+    # own, and the runs never compete for the cores. "spawn" because forking a process that has used
+    # torch's thread pool (or CUDA) is unsafe.
+    results = []
+    for spec in specs:
+        with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+            results.append(pool.submit(train_precision, spec).result())
+    elapsed = time.perf_counter() - start
+
+    print()
+    print(_table(results, args.device))
+    png = _plot(results, args.out / "demo.png")
+    print(f"\nloss curves: {png}")
+    checked = [r for r in results if r.resume is not None]
+    for r in checked:
+        print(r.resume)
+    print(f"done in {elapsed:.0f} s")
+    return 0 if all(r.resume_ok for r in checked) else 1
+
+
+# --- one precision, in its own process -------------------------------------------------------------------
+def train_precision(spec: RunSpec) -> RunResult:
+    torch.set_num_threads(spec.threads)
+    corpus = load_corpus(max_bytes=spec.corpus_bytes)
+    engine = _build_engine(spec, init_seed=spec.seed)
+    if spec.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    result = RunResult(spec.precision)
+    train_seconds = _train(engine, corpus, spec, result, start=0)
+
+    result.train_loss = sum(result.losses[-10:]) / len(result.losses[-10:])
+    result.val_loss = _evaluate(engine, corpus, spec)
+    result.tokens_per_s = spec.steps * spec.batch_size * spec.seq_len / train_seconds
+    result.peak_memory = _peak_memory(spec.device)
+    result.skipped_steps = engine.skipped_steps
+    result.loss_scale = engine.optimizer.loss_scale
+    if spec.resume_at is not None:
+        result.resume_ok, result.resume = _resume_check(engine, corpus, spec, result.losses)
+    return result
+
+
+def _build_engine(spec: RunSpec, *, init_seed: int) -> halfprec.Engine:
+    torch.manual_seed(init_seed)
+    # Built in fp32: halfprec casts it to the run's precision and keeps these fp32 values as the masters, so
+    # the three runs start from the same weights (not from three different roundings of them).
+    model = GPT(GPTConfig(seq_len=spec.seq_len, n_layer=spec.n_layer, n_embd=spec.n_embd)).to(spec.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return halfprec.initialize(
+        model,
+        optimizer,
+        precision=spec.precision,
+        max_grad_norm=1.0,
+        # The default (1000 clean steps before the scale doubles) is for long runs; a short demo grows it
+        # sooner, so the FP16 plot shows the scaler probing upwards and backing off when grads overflow.
+        growth_interval=50,
+        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, _Schedule(spec.steps)),
+    )
+
+
+class _Schedule:
+    """Linear warmup over the first 10% of steps, then cosine decay to 10% of the peak LR."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.warmup = max(1, steps // 10)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.steps - self.warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _train(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec, result: RunResult, *, start: int,
+           desc: str | None = None, evaluate: bool = True) -> float:
+    """Train steps ``start .. spec.steps-1``, appending to ``result``; returns the seconds spent training."""
+    from tqdm import tqdm  # noqa: PLC0415 - the [demo] extra
+
+    engine.train()
+    seconds = 0.0
+    bar = tqdm(range(start, spec.steps), desc=desc or spec.precision, unit="step", file=sys.stderr)
+    for step in bar:
+        t0 = time.perf_counter()
+        # Batch `step` is a pure function of (seed, step): a resumed run sees the same batches.
+        x, y = corpus.batch("train", step=step, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed)
+        x, y = x.to(spec.device), y.to(spec.device)
+        logits = engine(x)  # (B, T, 256), in the run's precision
+        # The loss in fp32: the log-softmax of 16-bit logits loses the small probabilities it is made of.
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+        engine.backward(loss)  # scales the loss (FP16) before autograd
+        engine.step()  # unscale, check for inf/nan, clip, AdamW on the fp32 masters, round into the model
+        # (engine.step() also zeroes the grads and steps the LR schedule -- unless the step was skipped.)
+        record = engine.last_record
+        result.losses.append(loss.item())
+        result.loss_scales.append(record.loss_scale)
+        result.skipped.append(record.skipped)
+        seconds += time.perf_counter() - t0
+
+        if step + 1 == spec.resume_at:
+            # client_state carries what the engine cannot know: where the data stream is.
+            engine.save_checkpoint(spec.checkpoint_dir, client_state={"next_step": step + 1}, overwrite=True)
+        if evaluate and ((step + 1) % spec.eval_every == 0 or step + 1 == spec.steps):
+            result.val_curve.append((step + 1, _evaluate(engine, corpus, spec)))
+            engine.train()
+        bar.set_postfix(loss=f"{result.losses[-1]:.3f}", scale=f"{record.loss_scale:g}")
+    bar.close()
+    return seconds
+
+
+@torch.no_grad()
+def _evaluate(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec) -> float:
+    """Mean loss over the same ``eval_batches`` validation batches every time, so points are comparable."""
+    engine.eval()
+    total = 0.0
+    for i in range(spec.eval_batches):
+        x, y = corpus.batch("val", step=i, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed)
+        logits = engine(x.to(spec.device))
+        total += F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(spec.device).view(-1)).item()
+    return total / spec.eval_batches
+
+
+def _peak_memory(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.max_memory_allocated() / 2**20:.0f} MiB"
+    # ru_maxrss is KiB on Linux, bytes on macOS. It includes torch itself and the corpus, not just training.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return f"{rss / (2**20 if sys.platform == 'darwin' else 2**10):.0f} MiB"
+
+
+def _resume_check(done: halfprec.Engine, corpus: Corpus, spec: RunSpec, losses: list[float]) -> tuple[bool, str]:
+    """Load the mid-run checkpoint into a fresh engine, finish the run, compare with the uninterrupted one."""
+    # A different init seed, so that only the checkpoint can make the fresh model equal to the saved one.
+    fresh = _build_engine(spec, init_seed=spec.seed + 1)
+    client_state = fresh.load_checkpoint(spec.checkpoint_dir)
+    if spec.break_resume:
+        with torch.no_grad():
+            w = next(fresh.module.parameters())
+            w.view(-1)[0] = w.view(-1)[0] + 1.0  # test hook: a resume that is not exact must be caught
+    resumed = RunResult(spec.precision)
+    start = client_state["next_step"]
+    _train(fresh, corpus, spec, resumed, start=start, desc=f"{spec.precision} resumed", evaluate=False)
+
+    what = f"resume check ({spec.precision}): stopped at step {start}, saved, reloaded into a fresh engine, "
+    what += f"continued to {spec.steps}: "
+    n_same = sum(a == b for a, b in zip(losses[start:], resumed.losses, strict=True))
+    diff = None
+    if n_same < len(resumed.losses):
+        diff = f"{len(resumed.losses) - n_same} of {len(resumed.losses)} losses differ"
+    diff = diff or _first_difference(done.module.state_dict(), fresh.module.state_dict(), "weights")
+    diff = diff or _first_difference(done.optimizer.state_dict(), fresh.optimizer.state_dict(), "optimizer")
+    if diff is None and (done.global_step, done.skipped_steps) != (fresh.global_step, fresh.skipped_steps):
+        diff = "counters differ"
+    if diff is not None:
+        return False, what + f"MISMATCH: {diff}"
+    n_tensors = len(done.module.state_dict())
+    return True, what + (
+        f"OK, bit-identical ({n_same} losses, {n_tensors} weight tensors, fp32 masters, AdamW state, "
+        f"loss scale {fresh.optimizer.loss_scale:g})"
+    )
+
+
+def _first_difference(a: Any, b: Any, where: str) -> str | None:
+    """Where two nested state dicts first differ (tensors compared bit for bit, dtype included), else None."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+        return None if same and torch.equal(a, b) else f"{where} differs"
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{where} has different keys"
+        return next((d for k in a if (d := _first_difference(a[k], b[k], f"{where}[{k!r}]"))), None)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where} has a different length"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _first_difference(x, y, f"{where}[{i}]"))), None)
+    return None if a == b else f"{where}: {a!r} != {b!r}"
+
+
+# --- the CLI's edge: flags -> specs; results -> table and PNG --------------------------------------------
+def _specs(args: argparse.Namespace) -> list[RunSpec]:
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad or not precisions or len(set(precisions)) != len(precisions):
+        raise ValueError(f"--precisions {args.precisions!r}: give distinct names from {','.join(PRECISIONS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device; run with --device cpu")
+    for name in ("steps", "batch_size", "seq_len", "n_layer", "n_embd"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.steps < 2:
+        raise ValueError(f"--steps {args.steps}: the resume check needs at least 2 steps")
+    resume = args.resume_check
+    if resume == "auto":
+        # fp16 when it runs: its checkpoint also carries the dynamic loss scaler, the hardest state to restore.
+        resume = "fp16" if "fp16" in precisions else precisions[-1]
+    if resume != "none" and resume not in precisions:
+        raise ValueError(f"--resume-check {resume!r} is not among --precisions {','.join(precisions)}")
+    threads = args.threads or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    common = dict(
+        device=args.device, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        n_layer=args.n_layer, n_embd=args.n_embd, lr=args.lr, seed=args.seed, threads=threads or 1,
+        eval_every=max(1, args.steps // 5), eval_batches=8, corpus_bytes=args.corpus_bytes,
+    )  # fmt: skip
+    return [
+        RunSpec(
+            precision=p,
+            checkpoint_dir=str(args.out / "checkpoints" / p),
+            resume_at=args.steps // 2 if p == resume else None,
+            break_resume=args.break_resume,
+            **common,
+        )
+        for p in precisions
+    ]
+
+
+def _table(results: list[RunResult], device: str) -> str:
+    mem = "peak alloc" if device == "cuda" else "peak RSS"
+    header = ("precision", "train loss", "val loss", "tokens/s", mem, "skipped", "loss scale")
+    rows = [header]
+    for r in results:
+        scale = f"{r.loss_scale:g}" if r.precision == "fp16" else "-"  # bf16/fp32 need no scaling
+        rows.append((r.precision, f"{r.train_loss:.3f}", f"{r.val_loss:.3f}", f"{r.tokens_per_s:,.0f}",
+                     r.peak_memory, str(r.skipped_steps), scale))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]  # fmt: skip
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    notes = ["train loss: mean of the last 10 steps; val loss: 8 fixed held-out batches"]
+    if device == "cpu":
+        notes.append("peak RSS: the whole child process (torch and the corpus included)")
+        if any(r.precision == "fp16" for r in results):
+            notes.append("fp16 on CPU: matmuls take fp16 inputs, accumulate in fp32, round to fp16 (as GPUs do)")
+    return "\n".join(lines + [""] + notes)
+
+
+def _plot(results: list[RunResult], path: Path) -> Path:
+    import matplotlib  # noqa: PLC0415 - the [demo] extra
+
+    matplotlib.use("Agg")  # files only: no display needed, none opened
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fp16 = next((r for r in results if r.precision == "fp16"), None)
+    fig, axes = plt.subplots(2 if fp16 else 1, 1, figsize=(8, 7 if fp16 else 4), sharex=True, squeeze=False)
+    ax = axes[0, 0]
+    for r in results:
+        (line,) = ax.plot(range(1, len(r.losses) + 1), r.losses, lw=0.8, alpha=0.7, label=f"{r.precision} train")
+        steps, vals = zip(*r.val_curve, strict=True) if r.val_curve else ((), ())
+        ax.plot(steps, vals, "o-", color=line.get_color(), ms=4, label=f"{r.precision} val")
+    ax.axhline(math.log(256), color="grey", ls=":", lw=0.8, label="uniform bytes (5.55)")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.legend(ncol=2, fontsize=8)
+    ax.set_title("halfprec demo: same model, seed and data in each precision")
+    if fp16:
+        ax = axes[1, 0]
+        ax.step(range(1, len(fp16.loss_scales) + 1), fp16.loss_scales, where="post", label="fp16 loss scale")
+        skips = [i + 1 for i, s in enumerate(fp16.skipped) if s]
+        ax.plot(skips, [fp16.loss_scales[i - 1] for i in skips], "rx", label=f"skipped step ({len(skips)})")
+        ax.set_yscale("log", base=2)
+        ax.set_ylabel("loss scale")
+        ax.legend(fontsize=8)
+    axes[-1, 0].set_xlabel("optimizer step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.resolve()

@@ -1,0 +1,391 @@
+"""DeepSpeed JSON configs -> ``Config``: the per-key table and its reader.
+
+``DEEPSPEED_KEYS`` says, for every DeepSpeed key inside the blocks halfprec owns, whether it is mapped,
+accepted with a warning, or an error (rendered in ``docs/deepspeed-config.md`` by ``render_deepspeed_table``).
+Nothing is silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .config import _FSDP2_HINT, Config, _is_int, _is_number
+
+__all__ = [
+    "DEEPSPEED_KEYS",
+    "DeepSpeedConfigWarning",
+    "DeepSpeedKey",
+    "read_deepspeed",
+    "render_deepspeed_table",
+]
+
+
+class DeepSpeedConfigWarning(UserWarning):
+    """Keys of a DeepSpeed config that ``Config.from_deepspeed`` accepted without applying them."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedKey:
+    """One row of the DeepSpeed key table."""
+
+    key: str
+    """Dotted path inside the DeepSpeed config (``fp16.loss_scale``)."""
+    action: Literal["mapped", "warn", "error"]
+    """mapped: sets a Config field; warn: accepted, not applied, reported; error: refused."""
+    target: str
+    """The Config field it sets, or why it is not applied / refused."""
+    quiet: Callable[[Any], bool] | None = None
+    """For warn/error rows: values for which halfprec already does what the key asks (no warning, no error)."""
+    quiet_text: str = ""
+
+
+def _off(value: Any) -> bool:
+    return value is False or value is None
+
+
+def _no_offload(value: Any) -> bool:
+    return value is None or (isinstance(value, Mapping) and value.get("device", "none") in ("none", None))
+
+
+_OFF = "false"
+_PERF = "performance knob without effect in halfprec"
+_Z3 = "ZeRO-3 only: no effect at stage 0-2"
+_K = DeepSpeedKey
+
+DEEPSPEED_KEYS: tuple[DeepSpeedKey, ...] = (
+    _K("gradient_clipping", "mapped", "max_grad_norm (0 = no clipping = None)"),
+    _K("gradient_accumulation_steps", "mapped", "gradient_accumulation_steps"),
+    _K(
+        "communication_data_type",
+        "mapped",
+        "reduce_dtype ('fp32' -> 'fp32'; the 16-bit precision -> 'param')",
+    ),
+    _K("fp16.enabled", "mapped", "precision='fp16'"),
+    _K("fp16.loss_scale", "mapped", "static_loss_scale (0 = dynamic = None; else a power of two)"),
+    _K("fp16.initial_scale_power", "mapped", "initial_scale = 2**p"),
+    _K("fp16.loss_scale_window", "mapped", "growth_interval"),
+    _K("fp16.hysteresis", "mapped", "hysteresis"),
+    _K("fp16.min_loss_scale", "mapped", "min_scale (rounded up to a power of two, with a warning)"),
+    _K(
+        "fp16.consecutive_hysteresis",
+        "warn",
+        "halfprec refills hysteresis only on growth and backoff",
+        _off,
+        _OFF,
+    ),
+    _K("fp16.auto_cast", "warn", "halfprec does not cast inputs; cast them to fp16 yourself", _off, _OFF),
+    _K(
+        "fp16.fp16_master_weights_and_grads",
+        "error",
+        "halfprec always keeps fp32 masters and does not offload",
+        _off,
+        _OFF,
+    ),
+    _K("bf16.enabled", "mapped", "precision='bf16' (legacy block name 'bfloat16' too)"),
+    _K("bf16.check_grad_overflow", "mapped", "skip_nonfinite"),
+    _K(
+        "bf16.immediate_grad_update", "warn", "halfprec accumulates grads in .grad until the step", _off, _OFF
+    ),
+    _K("bf16.bf16_master_weights_and_grads", "error", "halfprec always keeps fp32 masters", _off, _OFF),
+    _K("bf16.bf16_optimizer_states", "error", "halfprec keeps optimizer state on fp32 masters", _off, _OFF),
+    _K("zero_optimization.stage", "mapped", "zero_stage (3 is an error pointing to FSDP2)"),
+    _K(
+        "zero_optimization.offload_optimizer",
+        "error",
+        "halfprec does not offload",
+        _no_offload,
+        "device 'none'",
+    ),
+    _K("zero_optimization.offload_param", "error", "halfprec does not offload", _no_offload, "device 'none'"),
+    _K("zero_optimization.cpu_offload", "error", "halfprec does not offload (deprecated key)", _off, _OFF),
+    _K(
+        "zero_optimization.cpu_offload_param",
+        "error",
+        "halfprec does not offload (deprecated key)",
+        _off,
+        _OFF,
+    ),
+    _K(
+        "zero_optimization.zenflow",
+        "error",
+        "ZenFlow is CPU-offload based; halfprec does not offload",
+        _off,
+        "null",
+    ),
+    _K("zero_optimization.cpu_offload_use_pin_memory", "warn", "no offload, so nothing to pin"),
+    _K(
+        "zero_optimization.load_from_fp32_weights",
+        "warn",
+        "halfprec always restores fp32 masters",
+        _off,
+        _OFF,
+    ),
+    *(
+        _K(f"zero_optimization.{k}", "warn", _PERF)
+        for k in (
+            "overlap_comm",
+            "contiguous_gradients",
+            "reduce_scatter",
+            "reduce_bucket_size",
+            "allgather_partitions",
+            "allgather_bucket_size",
+            "use_multi_rank_bucket_allreduce",
+            "round_robin_gradients",
+            "sub_group_size",
+            "ignore_unused_parameters",
+            "elastic_checkpoint",
+            "legacy_stage1",
+            "compute_grad_norm",
+            "parameter_alignment",
+            "zero_hpz_partition_size",
+            "zero_quantized_weights",
+            "zero_quantized_nontrainable_weights",
+            "zero_quantized_gradients",
+            "zeropp_loco_param",
+            "mics_shard_size",
+            "mics_hierarchical_params_gather",
+            "log_trace_cache_warnings",
+            "enable_sanity_checks",
+        )
+    ),
+    *(
+        _K(f"zero_optimization.{k}", "warn", _Z3)
+        for name in (
+            "prefetch_bucket_size",
+            "param_persistence_threshold",
+            "model_persistence_threshold",
+            "max_live_parameters",
+            "max_reuse_distance",
+            "gather_16bit_weights_on_model_save",
+            "module_granularity_threshold",
+            "use_all_reduce_for_fetch_params",
+            "allgather_sequential",
+            "partition_stream_chunk_size",
+        )
+        for k in (name, f"stage3_{name}")
+    ),
+    *(
+        _K(f"zero_optimization.{k}", "warn", _Z3)
+        for k in (
+            "stage3_gather_fp16_weights_on_model_save",
+            "memory_efficient_linear",
+            "pipeline_loading_checkpoint",
+            "override_module_apply",
+            "save_muon_momentum_buffer_in_memory",
+            "leaf_module",
+        )
+    ),
+)
+
+
+def render_deepspeed_table() -> str:
+    """``DEEPSPEED_KEYS`` as a Markdown table (the one in docs/deepspeed-config.md)."""
+    action = {"mapped": "mapped", "warn": "accepted, warning", "error": "error"}
+    lines = ["| DeepSpeed key | action | halfprec | no warning/error when |", "|---|---|---|---|"]
+    for row in DEEPSPEED_KEYS:
+        lines.append(f"| `{row.key}` | {action[row.action]} | {row.target} | {row.quiet_text} |")
+    return "\n".join(lines) + "\n"
+
+
+def _load_json(path: str | os.PathLike) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _close_matches(key: str) -> str:
+    match = difflib.get_close_matches(key, [r.key for r in DEEPSPEED_KEYS], n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+_ROWS = {row.key: row for row in DEEPSPEED_KEYS}
+_OWNED_TOP = (
+    "fp16",
+    "bf16",
+    "bfloat16",
+    "gradient_clipping",
+    "gradient_accumulation_steps",
+    "zero_optimization",
+)
+_OWNED_TOP += ("communication_data_type",)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
+
+
+def read_deepspeed(cls: type[Config], cfg: Mapping[str, Any] | str | os.PathLike) -> Config:
+    if isinstance(cfg, (str, os.PathLike)):
+        cfg = _load_json(cfg)
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"a DeepSpeed config is a dict (or a JSON file path), got {type(cfg).__name__}")
+    notes: list[str] = []
+    if "bf16" in cfg and "bfloat16" in cfg:
+        raise ValueError(
+            "the DeepSpeed config has both 'bf16' and its legacy name 'bfloat16'; keep only 'bf16'"
+        )
+    flat: dict[str, Any] = {}  # dotted key -> value, for every key inside the blocks halfprec owns
+    for name in ("fp16", "bf16", "bfloat16", "zero_optimization"):
+        if name not in cfg:
+            continue
+        block = cfg[name]
+        if name == "zero_optimization" and isinstance(block, bool):
+            notes.append(
+                f"zero_optimization={block!r} is DeepSpeed's deprecated form; read as stage {int(block)}"
+            )
+            block = {"stage": int(block)}
+        if not isinstance(block, Mapping):
+            raise ValueError(f"DeepSpeed '{name}' must be a dict, got {block!r}")
+        prefix = "bf16" if name == "bfloat16" else name
+        flat.update({f"{prefix}.{k}": v for k, v in block.items()})
+    flat.update(
+        {
+            k: cfg[k]
+            for k in ("gradient_clipping", "gradient_accumulation_steps", "communication_data_type")
+            if k in cfg
+        }
+    )
+
+    unknown = [k for k in flat if k not in _ROWS]
+    if unknown:
+        listed = "; ".join(k + _close_matches(k) for k in unknown)
+        raise ValueError(
+            f"unknown DeepSpeed config key(s) inside blocks halfprec owns: {listed}. Remove them or fix the "
+            "spelling; docs/deepspeed-config.md lists every key halfprec knows"
+        )
+    refused = []
+    for key, value in flat.items():
+        row = _ROWS[key]
+        if row.action == "mapped" or (row.quiet is not None and row.quiet(value)):
+            continue
+        if value == "auto":
+            notes.append(f"{key}='auto': halfprec's default (not applied: {row.target})")
+        elif row.action == "warn":
+            notes.append(f"{key}={value!r}: accepted, not applied ({row.target})")
+        else:
+            refused.append(f"{key}={value!r} ({row.target}; remove it or set it to {row.quiet_text})")
+    stage = flat.get("zero_optimization.stage")
+    if _is_int(stage) and stage == 3:
+        refused.insert(0, f"zero_optimization.stage=3 ({_FSDP2_HINT})")
+    if refused:
+        raise ValueError("DeepSpeed config asks for what halfprec does not do: " + "; ".join(refused))
+
+    fields: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    def put(field: str, key: str, value: Any) -> None:
+        fields[field], sources[field] = value, key
+
+    def auto(key: str, field: str) -> bool:
+        if flat.get(key) == "auto":
+            notes.append(f"{key}='auto': halfprec's default {field}={_DEFAULTS[field]!r}")
+            return True
+        return key not in flat
+
+    precision = _precision(flat, notes)
+    put("precision", "fp16.enabled/bf16.enabled", precision)
+    unused = [k for k in flat if _ROWS[k].action == "mapped" and k.split(".")[0] in ("fp16", "bf16")]
+    unused = [k for k in unused if not k.endswith(".enabled") and k.split(".")[0] != precision]
+    if unused:
+        notes.append(f"precision is {precision!r}, so these were not applied: {', '.join(unused)}")
+
+    if precision == "fp16":
+        if not auto("fp16.loss_scale", "static_loss_scale"):
+            value = flat["fp16.loss_scale"]
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"fp16.loss_scale must be 0 (dynamic) or a power of two > 0, got {value!r}")
+            put("static_loss_scale", "fp16.loss_scale", None if value == 0 else float(value))
+        if not auto("fp16.initial_scale_power", "initial_scale"):
+            power = flat["fp16.initial_scale_power"]
+            if not _is_int(power) or not -126 <= power <= 127:
+                raise ValueError(f"fp16.initial_scale_power must be an integer in [-126, 127], got {power!r}")
+            put("initial_scale", "fp16.initial_scale_power", 2.0**power)
+        for key, field in (("fp16.loss_scale_window", "growth_interval"), ("fp16.hysteresis", "hysteresis")):
+            if not auto(key, field):
+                put(field, key, flat[key])
+        if not auto("fp16.min_loss_scale", "min_scale"):
+            value = flat["fp16.min_loss_scale"]
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"fp16.min_loss_scale must be a finite number > 0, got {value!r}")
+            rounded = 2.0 ** math.ceil(math.log2(value))
+            if rounded < value:  # log2 rounding at the edge
+                rounded *= 2.0
+            if rounded != value:
+                notes.append(
+                    f"fp16.min_loss_scale={value!r} is not a power of two; rounded up to {rounded!r}"
+                )
+            put("min_scale", "fp16.min_loss_scale", rounded)
+    if precision == "bf16" and not auto("bf16.check_grad_overflow", "skip_nonfinite"):
+        put("skip_nonfinite", "bf16.check_grad_overflow", flat["bf16.check_grad_overflow"])
+
+    if not auto("gradient_clipping", "max_grad_norm"):
+        value = flat["gradient_clipping"]
+        if not _is_number(value) or not math.isfinite(value) or value < 0:
+            raise ValueError(
+                f"gradient_clipping must be a finite number >= 0 (0 = no clipping), got {value!r}"
+            )
+        put("max_grad_norm", "gradient_clipping", None if value == 0 else float(value))
+    if not auto("gradient_accumulation_steps", "gradient_accumulation_steps"):
+        put("gradient_accumulation_steps", "gradient_accumulation_steps", flat["gradient_accumulation_steps"])
+    if not auto("zero_optimization.stage", "zero_stage"):
+        put("zero_stage", "zero_optimization.stage", flat["zero_optimization.stage"])
+    if not auto("communication_data_type", "reduce_dtype"):
+        put(
+            "reduce_dtype",
+            "communication_data_type",
+            _reduce_dtype(flat["communication_data_type"], precision),
+        )
+
+    ignored = [k for k in cfg if k not in _OWNED_TOP]
+    if ignored:
+        notes.append(f"top-level keys halfprec does not own, not applied: {', '.join(ignored)}")
+    try:
+        config = cls(**fields)
+    except ValueError as e:
+        keys = [key for field, key in sources.items() if field in str(e)]
+        raise ValueError(f"{e} (from DeepSpeed {', '.join(keys) or 'config'})") from None
+    if notes:
+        warnings.warn(
+            "Config.from_deepspeed:\n  - " + "\n  - ".join(notes), DeepSpeedConfigWarning, stacklevel=3
+        )
+    return config
+
+
+def _precision(flat: dict[str, Any], notes: list[str]) -> str:
+    """fp16/bf16 ``enabled``: explicit true wins; 'auto' means halfprec's default (bf16); neither means fp32."""
+    enabled = {}
+    for name in ("fp16", "bf16"):
+        value = flat.get(f"{name}.enabled", False)
+        if value not in (True, False, "auto") or (value in (0, 1) and not isinstance(value, bool)):
+            raise ValueError(f"{name}.enabled must be true, false or 'auto', got {value!r}")
+        enabled[name] = value
+    if enabled["fp16"] is True and enabled["bf16"] is True:
+        raise ValueError("both fp16.enabled and bf16.enabled are true; enable one of them")
+    for name in ("fp16", "bf16"):
+        if enabled[name] is True:
+            return name
+    autos = [f"{name}.enabled" for name in ("fp16", "bf16") if enabled[name] == "auto"]
+    if not autos:
+        return "fp32"
+    if enabled["bf16"] is False and "bf16.enabled" in flat:
+        raise ValueError(
+            "fp16.enabled is 'auto' and bf16.enabled is false: 'auto' means halfprec's default (bf16), which the "
+            "config disables; set fp16.enabled to true or false"
+        )
+    notes.append(f"{' and '.join(autos)} = 'auto': halfprec's default precision='bf16'")
+    return "bf16"
+
+
+def _reduce_dtype(value: Any, precision: str) -> str:
+    if value in ("fp32", "float32", None):
+        return "fp32"
+    if value in ("fp16", "bf16") and value == precision:
+        return "param"
+    raise ValueError(
+        f"communication_data_type={value!r} with precision={precision!r}: halfprec reduces in fp32 or in the "
+        "params' dtype; use 'fp32'" + (f" or {precision!r}" if precision != "fp32" else "")
+    )
