@@ -7,6 +7,7 @@ import halfprec
 
 PUBLIC = [
     "Config",
+    "DeepSpeedConfigWarning",
     "DynamicLossScaler",
     "Engine",
     "LossScaler",

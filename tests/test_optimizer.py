@@ -674,3 +674,32 @@ def test_add_param_group_gets_masters():
     set_scaled_grads(params, grads_like(params, step=0), 1.0)
     mp.step()
     assert torch.equal(params[3], mp.master_params()[3].to(torch.bfloat16))
+
+
+CUDA_CASES = [
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (torch.optim.AdamW, dict(lr=1e-2, fused=True)),
+    (torch.optim.Adam, dict(lr=1e-2, capturable=True)),
+    (torch.optim.Adam, dict(lr=1e-2, foreach=False)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+    (torch.optim.Adagrad, dict(lr=0.1, initial_accumulator_value=0.1)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("cls,kwargs", CUDA_CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_parity_cuda(cls, kwargs, dtype):
+    model = make_model(dtype).cuda()
+    ref = fp32_copy(model)
+    mp = MixedPrecisionOptimizer(cls(model.parameters(), **kwargs), max_grad_norm=0.5)
+    oracle = cls(ref.parameters(), **kwargs)
+    for step in range(10):
+        grads = [g.cuda() for g in grads_like(list(model.parameters()), step=step)]
+        set_scaled_grads(model.parameters(), grads, mp.loss_scale)
+        for q, g in zip(ref.parameters(), grads, strict=True):
+            q.grad = g.float()
+        torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 0.5)
+        mp.step()
+        oracle.step()
+    _assert_parity(model, ref, mp, oracle)

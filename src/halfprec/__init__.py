@@ -1,12 +1,14 @@
 """halfprec: exact, fast mixed-precision training for PyTorch (FP16/BF16 weights, FP32 masters)."""
 
 from .config import Config
+from .deepspeed_config import DeepSpeedConfigWarning
 from .engine import Engine, StepRecord, initialize
 from .optimizer import MixedPrecisionOptimizer
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
 __all__ = [
     "Config",
+    "DeepSpeedConfigWarning",
     "DynamicLossScaler",
     "Engine",
     "LossScaler",

@@ -6,6 +6,7 @@ numbers to ``out/result-RANK.pt``; the pytest side compares them with the oracle
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -59,6 +60,12 @@ def make_optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
     if kind == "adagrad":
         return torch.optim.Adagrad(groups, lr=0.05, initial_accumulator_value=0.1, foreach=False)
     raise ValueError(kind)
+
+
+def group_order_names(model: torch.nn.Module) -> list[str]:
+    """Trainable param names in make_optimizer's group order (the order of master_params())."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return [n for n in names if n.endswith("weight")] + [n for n in names if not n.endswith("weight")]
 
 
 def batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,18 +238,16 @@ def scenario_ddp(out: str, configs: list, steps: int) -> dict:
         micro = cfg.get("micro", 1)
         for step in range(steps):
             for m in range(micro):
-                loss = loss_of(ddp, step, RANK, m, dtype, cfg.get("poison", []))
-                if m < micro - 1:
-                    with ddp.no_sync():
-                        mp.backward(loss)
-                else:
-                    mp.backward(loss)
+                # DDP decides whether to reduce in forward: the forward must run inside no_sync() too
+                sync = contextlib.nullcontext() if m == micro - 1 else ddp.no_sync()
+                with sync:
+                    mp.backward(loss_of(ddp, step, RANK, m, dtype, cfg.get("poison", [])))
             mp.step()
             trace["norms"].append(mp.grad_norm)
             trace["skipped"].append(mp.step_was_skipped)
             trace["scales"].append(mp.loss_scale)
             mp.zero_grad()
-        masters = dict(zip([n for n, p in model.named_parameters() if p.requires_grad], mp.master_params(), strict=True))
+        masters = dict(zip(group_order_names(model), mp.master_params(), strict=True))
         res[i] = {
             "trace": trace,
             "masters": {n: m.detach().clone() for n, m in masters.items()},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import halfprec
-from tests.optim.tolerances import tol
+from .tolerances import tol
 
 
 def make_params(sizes, dtype, device="cpu", seed=0):

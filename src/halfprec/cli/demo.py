@@ -108,10 +108,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd)
     n_files = len(stdlib_files())
     print(
-        f"halfprec demo: a {GPT(cfg).num_params() / 1e6:.2f}M-param byte-level GPT ({cfg.n_layer} layers, width "
-        f"{cfg.n_embd}) on the {n_files} source files of Python {sys.version.split()[0]}'s standard library\n"
+        f"halfprec demo: a {GPT(cfg).num_params() / 1e6:.2f}M-param byte-level GPT ({cfg.n_layer}-layer, "
+        f"width {cfg.n_embd}) on the {n_files} source files of Python {sys.version.split()[0]}'s standard library\n"
         f"{args.steps} steps x {args.batch_size} x {args.seq_len} bytes per precision, AdamW, clip 1.0; "
-        f"device {args.device}, {specs[0].threads} threads, seed {args.seed}"
+        f"device {args.device}, {specs[0].threads} threads, seed {args.seed}",
+        flush=True,  # before the children's progress bars
     )
     start = time.perf_counter()
     # One child per precision, one after another: each starts from a clean process, so its peak RSS is its
@@ -147,7 +148,8 @@ def train_precision(spec: RunSpec) -> RunResult:
 
     result.train_loss = sum(result.losses[-10:]) / len(result.losses[-10:])
     result.val_loss = _evaluate(engine, corpus, spec)
-    result.tokens_per_s = spec.steps * spec.batch_size * spec.seq_len / train_seconds
+    # The first step is left out: it pays one-off costs (kernel selection, allocator warm-up).
+    result.tokens_per_s = (spec.steps - 1) * spec.batch_size * spec.seq_len / train_seconds
     result.peak_memory = _peak_memory(spec.device)
     result.skipped_steps = engine.skipped_steps
     result.loss_scale = engine.optimizer.loss_scale
@@ -190,7 +192,8 @@ class _Schedule:
 
 def _train(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec, result: RunResult, *, start: int,
            desc: str | None = None, evaluate: bool = True) -> float:
-    """Train steps ``start .. spec.steps-1``, appending to ``result``; returns the seconds spent training."""
+    """Train steps ``start .. spec.steps-1``, appending to ``result``; returns the seconds spent training,
+    evaluation and the first step excluded."""
     from tqdm import tqdm  # noqa: PLC0415 - the [demo] extra
 
     engine.train()
@@ -211,7 +214,8 @@ def _train(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec, result: RunRe
         result.losses.append(loss.item())
         result.loss_scales.append(record.loss_scale)
         result.skipped.append(record.skipped)
-        seconds += time.perf_counter() - t0
+        if step > start:
+            seconds += time.perf_counter() - t0
 
         if step + 1 == spec.resume_at:
             # client_state carries what the engine cannot know: where the data stream is.
@@ -311,10 +315,11 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         resume = "fp16" if "fp16" in precisions else precisions[-1]
     if resume != "none" and resume not in precisions:
         raise ValueError(f"--resume-check {resume!r} is not among --precisions {','.join(precisions)}")
-    threads = args.threads or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     common = dict(
         device=args.device, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-        n_layer=args.n_layer, n_embd=args.n_embd, lr=args.lr, seed=args.seed, threads=threads or 1,
+        n_layer=args.n_layer, n_embd=args.n_embd, lr=args.lr, seed=args.seed, threads=args.threads or _usable_cores(),
         eval_every=max(1, args.steps // 5), eval_batches=8, corpus_bytes=args.corpus_bytes,
     )  # fmt: skip
     return [
@@ -327,6 +332,14 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         )
         for p in precisions
     ]
+
+
+def _usable_cores() -> int:
+    # The cores this process may run on (a container's or taskset's limit), not the machine's total: more
+    # torch threads than cores only makes them wait for each other.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _table(results: list[RunResult], device: str) -> str:

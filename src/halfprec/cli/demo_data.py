@@ -11,6 +11,7 @@ function of ``(seed, split, step)`` through a ``torch.Generator``, so resuming a
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,18 +20,21 @@ import torch
 
 __all__ = ["Corpus", "load_corpus", "stdlib_files"]
 
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _VAL_EVERY = 10  # every 10th file (in sorted order) is held out: a 90/10 split by file
 
 
 def stdlib_files(root: str | Path | None = None) -> list[Path]:
     """The ``*.py`` files under the standard library, sorted; third-party ``site-packages`` are left out."""
     root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
-    files = sorted(
-        p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts
-    )
+    files = []
+    for folder, subdirs, names in os.walk(root):
+        # Pruned, not filtered afterwards: site-packages (torch and friends) holds most of the files.
+        subdirs[:] = [d for d in subdirs if d not in _SKIP_DIRS]
+        files.extend(Path(folder, n) for n in names if n.endswith(".py"))
     if not files:
         raise RuntimeError(f"no *.py files found under {root}; the demo reads Python's standard library sources")
-    return files
+    return sorted(files)
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class Corpus:
         starts = torch.randint(data.numel() - seq_len - 1, (batch_size,), generator=g)
         offsets = torch.arange(seq_len + 1)
         window = data[starts[:, None] + offsets].long()  # (B, T+1)
-        return window[:, :-1], window[:, 1:]
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
 def load_corpus(*, max_bytes: int | None = None, root: str | Path | None = None) -> Corpus:

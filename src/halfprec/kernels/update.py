@@ -100,8 +100,7 @@ def _sgd_kernel(param_ptr, grad_ptr, master_ptr, buf_ptr, table_ptr, pscal_ptr, 
         p = tl.load(master_ptr + offs, mask=mask, other=0.0)
         g = g + p * wd
         if has_mom != 0.0:
-            bmask = mask & (first == 0.0)
-            buf = tl.load(buf_ptr + offs, mask=bmask, other=0.0)
+            buf = tl.load(buf_ptr + offs, mask=mask, other=0.0)
             buf = tl.where(first != 0.0, g, buf * mom + omd * g)
             tl.store(buf_ptr + offs, buf, mask=mask)
             g = tl.where(nesterov != 0.0, g + mom * buf, buf)

@@ -1,0 +1,45 @@
+"""The update kernels' 16-bit store: round to nearest even, bit-identical to torch's casts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_param_store_rounds_to_nearest_even(dtype):
+    from halfprec.kernels.settings import settings
+    from halfprec.kernels.update import adam_update
+    from halfprec.optim._buffers import build_table
+
+    n = 4097
+    g = torch.Generator().manual_seed(0)
+    master = torch.randn(n, generator=g) * 3
+    master[:6] = torch.tensor([65520.0, -65504.0, 1e-8, 0.0, -0.0, 3.4e38])  # finite: inf * 0 would be nan
+    # ties: values exactly halfway between two 16-bit numbers
+    master[6:10] = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8])
+    param = torch.empty(n, dtype=dtype)
+    grad = torch.zeros(n, dtype=dtype)
+    m, v = torch.zeros(n), torch.zeros(n)
+    table = build_table([0], [n], [0], settings().update_block, master.device)
+    pscal = torch.zeros(1, 16)
+    pscal[0, :9] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.1, 0.9, 0.1, 1.0])  # step_size 0: p unchanged
+    scalars = torch.zeros(8)
+    scalars[2] = 1.0
+    expected = master.to(dtype)
+    adam_update(param, grad, master.clone(), m, v, table, pscal, scalars)
+    got, want = param.view(torch.int16), expected.view(torch.int16)
+    assert torch.equal(got, want)
+
+
+def test_inactive_param_is_not_touched():
+    from halfprec.kernels.update import sgd_update
+
+    n = 127
+    param = torch.full((n,), 7.0, dtype=torch.float16)
+    master = torch.full((n,), 7.0)
+    grad = torch.ones(n, dtype=torch.float16)
+    pscal = torch.zeros(1, 16)  # active = 0
+    pscal[0, 1] = 1.0
+    sgd_update(param, grad, master, None, torch.tensor([[0, n, 0]]), pscal, torch.ones(8))
+    assert (master == 7.0).all() and (param == 7.0).all()

@@ -1,0 +1,118 @@
+"""GPU checks of the fused path (skipped without CUDA): bf16, large sizes, no host sync, CUDA-graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import halfprec
+from halfprec.optim import FusedAdagrad, FusedAdamW, FusedSGD
+
+from .helpers import assert_params_are_rounded_masters, assert_same_state, pair, random_grads, set_grads
+
+pytestmark = pytest.mark.gpu
+
+SIZES = [9, 41, 341, 4231, 1, 127, 4097, 2**16 + 3, (1024, 1031)]
+
+
+def _run(ref, fused, a, b, steps, scale=1.0):
+    for s in range(steps):
+        grads = random_grads(a, s, scale=scale, none={2} if s == 1 else ())
+        set_grads(a, grads)
+        set_grads(b, grads)
+        ref.step()
+        fused.step()
+        ref.zero_grad()
+        fused.zero_grad()
+
+
+@pytest.mark.parametrize(
+    ("torch_cls", "fused_cls", "hp"),
+    [
+        (torch.optim.AdamW, FusedAdamW, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)),
+        (torch.optim.SGD, FusedSGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+        (torch.optim.Adagrad, FusedAdagrad, dict(lr=0.05, lr_decay=0.01)),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_matches_torch_path(torch_cls, fused_cls, hp, dtype):
+    ref, fused, a, b = pair(torch_cls, fused_cls, SIZES, dtype, hp, device="cuda", max_grad_norm=1.0)
+    _run(ref, fused, a, b, 4)
+    assert_same_state(ref, fused, dtype)
+    assert_params_are_rounded_masters(fused)
+
+
+def test_dynamic_scaler_skip_on_cuda():
+    scaler = lambda: halfprec.DynamicLossScaler(init_scale=2.0**8, hysteresis=1)  # noqa: E731
+    ref, fused, a, b = pair(torch.optim.AdamW, FusedAdamW, SIZES[:5], torch.float16, dict(lr=1e-3),
+                            device="cuda", max_grad_norm=1.0, scaler=scaler)
+    _run(ref, fused, a, b, 2, scale=2.0**8)
+    grads = random_grads(a, 7)
+    grads[0][0] = float("nan")
+    set_grads(a, grads)
+    set_grads(b, grads)
+    ref.step()
+    fused.step()
+    assert fused.step_was_skipped and fused.skipped_steps == 1 and fused.loss_scale == 2.0**7
+    assert_same_state(ref, fused, torch.float16)
+
+
+def test_step_does_not_sync_with_the_host():
+    _, fused, _, b = pair(torch.optim.AdamW, FusedAdamW, SIZES, torch.float16, dict(lr=1e-3), device="cuda",
+                          max_grad_norm=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(fused, lambda s: 1.0 / (1 + s))
+    for s in range(3):
+        set_grads(b, random_grads(b, s))
+        if s == 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            fused.step()
+            sched.step()  # a new Python-float lr every step: uploaded without a sync
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        fused.zero_grad()
+    assert not fused.step_was_skipped
+
+
+def test_captured_step_replays_with_a_changing_lr():
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(64, 257), torch.nn.Tanh(), torch.nn.Linear(257, 3)).cuda().half()
+              for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    lr = torch.tensor(1e-2, device="cuda")
+    graphed = FusedAdamW(models[0].parameters(), lr=lr, weight_decay=0.1, max_grad_norm=1.0)
+    eager = FusedAdamW(models[1].parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
+    x = torch.randn(16, 64, device="cuda").half()
+
+    def backward(model, opt, i):
+        opt.zero_grad()
+        opt.backward(model(x * (1 + i)).float().pow(2).mean())
+
+    # warm up (compiles the kernels) on a side stream, as torch.cuda.graphs asks
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for opt, model in ((graphed, models[0]), (eager, models[1])):
+            backward(model, opt, 0)
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    backward(models[0], graphed, 1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.step()
+    lrs = [1e-2, 5e-3, 2e-3, 1e-3]
+    for i, value in enumerate(lrs, start=1):
+        if i > 1:
+            backward(models[0], graphed, i)
+        graphed.param_groups[0]["lr"].fill_(value)
+        graph.replay()
+        backward(models[1], eager, i)
+        eager.param_groups[0]["lr"] = value
+        eager.step()
+    torch.cuda.synchronize()
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(p, q)
+    for m, n in zip(graphed.master_params(), eager.master_params(), strict=True):
+        assert torch.equal(m, n)
+    sd = graphed.state_dict()["optimizer"]["state"]
+    assert float(sd[0]["step"]) == 1 + len(lrs)

@@ -1,0 +1,67 @@
+"""FusedSGD and FusedAdagrad against the exact torch path (interpreter on CPU, fp16 and fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from halfprec.optim import FusedAdagrad, FusedSGD
+
+from .helpers import assert_params_are_rounded_masters, assert_same_state, pair, random_grads, set_grads
+
+SIZES = [9, 41, 341, 4231, 1, 127]
+
+
+def _run(ref, fused, a, b, steps, none_at=None):
+    for s in range(steps):
+        grads = random_grads(a, s, none=none_at(s) if none_at else ())
+        set_grads(a, grads)
+        set_grads(b, grads)
+        ref.step()
+        fused.step()
+        ref.zero_grad()
+        fused.zero_grad()
+
+
+@pytest.mark.parametrize(
+    ("hp", "dtype", "clip"),
+    [
+        (dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01), torch.float16, 1.0),
+        (dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01), torch.float16, None),
+        (dict(lr=0.1), torch.float32, None),
+    ],
+)
+def test_sgd_matches_torch_path(hp, dtype, clip):
+    ref, fused, a, b = pair(torch.optim.SGD, FusedSGD, SIZES, dtype, hp, max_grad_norm=clip)
+    # param 2 first gets a grad at step 2: its momentum buffer starts then (a copy of the grad)
+    _run(ref, fused, a, b, 4, none_at=lambda s: {2} if s < 2 else ())
+    assert_same_state(ref, fused, dtype)
+    assert_params_are_rounded_masters(fused)
+
+
+@pytest.mark.parametrize(
+    ("hp", "dtype"),
+    [
+        (dict(lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1), torch.float16),
+        (dict(lr=0.05), torch.float32),
+    ],
+)
+def test_adagrad_matches_torch_path(hp, dtype):
+    ref, fused, a, b = pair(torch.optim.Adagrad, FusedAdagrad, SIZES, dtype, hp, max_grad_norm=1.0)
+    _run(ref, fused, a, b, 3, none_at=lambda s: {1} if s == 1 else ())
+    assert_same_state(ref, fused, dtype)
+    assert_params_are_rounded_masters(fused)
+
+
+ERRORS = [
+    (FusedSGD, dict(nesterov=True), ValueError, r"nesterov=True needs momentum > 0"),
+    (FusedSGD, dict(lr=-0.1), ValueError, r"lr must be >= 0"),
+    (FusedSGD, dict(maximize=True), ValueError, r"maximize=True is not supported"),
+    (FusedAdagrad, dict(lr_decay=-1.0), ValueError, r"lr_decay must be >= 0"),
+]
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "error", "match"), ERRORS)
+def test_errors(cls, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        cls([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))], **kwargs)
