@@ -703,3 +703,33 @@ def test_parity_cuda(cls, kwargs, dtype):
         mp.step()
         oracle.step()
     _assert_parity(model, ref, mp, oracle)
+
+
+def test_one_host_read_per_step(monkeypatch):
+    model = make_model(torch.float16)
+    mp = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), max_grad_norm=1.0)
+    set_scaled_grads(model.parameters(), grads_like(list(model.parameters()), step=0), mp.loss_scale)
+    reads, inner = [], {"on": False}
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *a, _r=real, _n=name):
+            if not inner["on"]:
+                reads.append(_n)
+            return _r(self, *a)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    inner_step = mp.optimizer.step
+
+    def step_without_counting(*a, **k):  # torch's for-loop Adam reads its CPU step counter: not ours
+        inner["on"] = True
+        try:
+            return inner_step(*a, **k)
+        finally:
+            inner["on"] = False
+
+    monkeypatch.setattr(mp.optimizer, "step", step_without_counting)
+    mp.step()
+    monkeypatch.undo()
+    assert reads == ["tolist"], reads
+    assert mp.grad_norm is not None and not mp.step_was_skipped

@@ -260,6 +260,60 @@ def scenario_ddp(out: str, configs: list, steps: int) -> dict:
     return res
 
 
+def scenario_ckpt_save(out: str, configs: list, steps: int, more: int) -> dict:
+    """Train, save ``out/A{i}``, train ``more`` steps: the continuation a resharded resume must reproduce."""
+    from halfprec.distributed import checkpoint
+
+    res = {}
+    for i, cfg in enumerate(configs):
+        model, opt = build_sharded(cfg)
+        train(model, opt, cfg, range(steps))
+        checkpoint.save(opt, Path(out) / f"A{i}")
+        train(model, opt, cfg, range(steps, steps + more))
+        res[i] = {"pieces": pieces(opt), "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return res
+
+
+def scenario_ckpt_reshard(out: str, configs: list, steps: int, more: int, source: str, target: str, resume: bool) -> dict:
+    """Load ``source{i}`` into a fresh sharded optimizer at this world size; save ``target{i}``; maybe resume."""
+    from halfprec.distributed import checkpoint
+
+    res = {}
+    for i, cfg in enumerate(configs):
+        model, opt = build_sharded(cfg)
+        checkpoint.load(opt, Path(out) / f"{source}{i}")
+        complete = all(set(opt.state.get(p, {})) == {"step", "exp_avg", "exp_avg_sq"} or cfg["opt"] != "adamw"
+                       for n, _s, _g, piece, p in opt._model_space() if piece is not None and n != "unused")
+        checkpoint.save(opt, Path(out) / f"{target}{i}")
+        res[i] = {"complete": complete, "n_pieces": len(opt.layout.pieces),
+                  "groups_held": [len(g["params"]) for g in opt.param_groups]}
+        if resume:
+            train(model, opt, cfg, range(steps, steps + more))
+            res[i]["pieces"] = pieces(opt)
+            res[i]["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return res
+
+
+def scenario_ckpt_die(out: str, cfg: dict) -> dict:
+    """Save ``ck`` after one step; rank 1 dies in the middle of overwriting it after a second step."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from halfprec.distributed import checkpoint
+
+    model, opt = build_sharded(cfg)
+    train(model, opt, cfg, range(1))
+    checkpoint.save(opt, Path(out) / "ck")
+    torch.save(pieces(opt), Path(out) / f"first-{RANK}.pt")
+    train(model, opt, cfg, range(1, 2))
+    if RANK == 1:
+        def die(self, *args, **kwargs):
+            os._exit(3)
+
+        FileSystemWriter.write_data = die
+    checkpoint.save(opt, Path(out) / "ck")
+    return {}
+
+
 def main() -> None:
     scenario, args_path = sys.argv[1], sys.argv[2]
     args = json.loads(Path(args_path).read_text())

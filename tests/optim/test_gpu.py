@@ -81,7 +81,8 @@ def test_captured_step_replays_with_a_changing_lr():
     models[1].load_state_dict(models[0].state_dict())
     lr = torch.tensor(1e-2, device="cuda")
     graphed = FusedAdamW(models[0].parameters(), lr=lr, weight_decay=0.1, max_grad_norm=1.0)
-    eager = FusedAdamW(models[1].parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
+    eager = FusedAdamW(models[1].parameters(), lr=torch.tensor(1e-2, device="cuda"), weight_decay=0.1,
+                       max_grad_norm=1.0)
     x = torch.randn(16, 64, device="cuda").half()
 
     def backward(model, opt, i):
@@ -107,7 +108,7 @@ def test_captured_step_replays_with_a_changing_lr():
         graphed.param_groups[0]["lr"].fill_(value)
         graph.replay()
         backward(models[1], eager, i)
-        eager.param_groups[0]["lr"] = value
+        eager.param_groups[0]["lr"].fill_(value)
         eager.step()
     torch.cuda.synchronize()
     for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):

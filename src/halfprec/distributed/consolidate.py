@@ -1,0 +1,46 @@
+"""Read a halfprec optimizer checkpoint (any world size) into whole tensors, without a process group.
+
+``halfprec export`` calls ``consolidate(dir)`` to get the FP32 weights keyed by parameter name and writes
+them as safetensors. Nothing but ``.metadata`` is unpickled, and that through an allow-list.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ._safe_dcp import SafeFileSystemReader, read_metadata, refuse_bytes
+
+__all__ = ["consolidate", "read_checkpoint"]
+
+
+def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every item of the checkpoint as a whole CPU tensor (masters and elementwise state stay 1-D)."""
+    if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
+        raise FileNotFoundError(f"{checkpoint_dir} is not a complete DCP checkpoint (no .metadata)")
+    metadata = read_metadata(checkpoint_dir)
+    refuse_bytes(metadata, metadata.state_dict_metadata.keys())
+    out = {
+        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: loading single-process" is what we want
+        dcp.load(out, storage_reader=SafeFileSystemReader(str(checkpoint_dir)), no_dist=True)
+    return out
+
+
+def consolidate(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The FP32 master weights of a checkpoint, in their params' shapes, keyed by parameter name."""
+    items = read_checkpoint(checkpoint_dir)
+    if "format/version" not in items:
+        raise ValueError(f"{checkpoint_dir} is not a halfprec optimizer checkpoint (no format/version item)")
+    out = {}
+    for key, value in items.items():
+        if key.startswith("master/"):
+            name = key[len("master/") :]
+            out[name] = value.view(tuple(items[f"shape/{name}"].tolist())).contiguous()
+    return out
