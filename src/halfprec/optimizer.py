@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ import torch
 from .masters import LOW_PRECISION, MasterStore
 from .migrate import migrate_state, restore_state_dtypes
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
+from .wrapper import WrappingOptimizer
 
 __all__ = ["MixedPrecisionOptimizer"]
 
@@ -43,7 +43,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype)
 
 
-class MixedPrecisionOptimizer(torch.optim.Optimizer):
+class MixedPrecisionOptimizer(WrappingOptimizer):
     """Give ``optimizer`` FP32 master weights for a model held in FP16/BF16.
 
     Args:
@@ -66,22 +66,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         param_dtype: torch.dtype | None = None,
     ) -> None:
         _validate(optimizer, loss_scaler, max_grad_norm, param_dtype)
-        self.optimizer = optimizer
+        self._init_wrapper(optimizer)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.skip_nonfinite = bool(skip_nonfinite)
         self.param_dtype = param_dtype
-        # Optimizer.__init__ is not called (param_groups/state/defaults forward to the inner optimizer), so the
-        # hook registries it would create are made here, as Optimizer.__setstate__ does.
-        for name in (
-            "_optimizer_step_pre_hooks",
-            "_optimizer_step_post_hooks",
-            "_optimizer_state_dict_pre_hooks",
-            "_optimizer_state_dict_post_hooks",
-            "_optimizer_load_state_dict_pre_hooks",
-            "_optimizer_load_state_dict_post_hooks",
-        ):
-            setattr(self, name, OrderedDict())
-        self._patch_step_function()
 
         self._store = MasterStore()
         self._own: list[torch.nn.Parameter] = []  # trainable params that are their own masters (fp32/fp64)
@@ -132,31 +120,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def _trainable_model_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self._model_params if p.requires_grad]
-
-    # --- forwarding (the inner optimizer's dicts, so schedulers write where the inner step reads) ----------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
@@ -321,8 +284,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def state_dict(self) -> dict[str, Any]:
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
+        self._run_hooks("_optimizer_state_dict_pre_hooks")
         masters = set(self._store.master_params())
         params = self._index_params()
         model = self._model_params
@@ -337,17 +299,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             "scaler": self.loss_scaler.state_dict(),
             "skipped_steps": self._skipped_steps,
         }
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, out)
-            if result is not None:
-                out = result
-        return out
+        return self._run_hooks("_optimizer_state_dict_post_hooks", out)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+        state_dict = self._run_hooks("_optimizer_load_state_dict_pre_hooks", state_dict)
         if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
             found = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(
@@ -366,8 +321,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.loss_scaler.load_state_dict(state_dict["scaler"])
         self._skipped_steps = int(state_dict["skipped_steps"])
         self._unscaled = False
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        self._run_hooks("_optimizer_load_state_dict_post_hooks")
 
     def _check_compatible(self, saved: list[dict[str, Any]]) -> None:
         params, model = self._index_params(), self._model_params
@@ -381,12 +335,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     f"state dict does not match this model at param {i}: saved shape {entry['shape']} dtype "
                     f"{entry['dtype']}, this model shape {mine['shape']} dtype {mine['dtype']}"
                 )
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return f"MixedPrecisionOptimizer({self.optimizer!r}, loss_scaler={self.loss_scaler!r})"

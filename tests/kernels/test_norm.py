@@ -25,7 +25,9 @@ def _run(grads, flags, scale, max_norm, check=True):
     for g, o in zip(grads, offsets, strict=True):
         flat[o : o + g.numel()] = g
     n = len(grads)
-    table = build_table(offsets, [g.numel() for g in grads], list(range(n)), settings().norm_block, flat.device)
+    table = build_table(
+        offsets, [g.numel() for g in grads], list(range(n)), settings().norm_block, flat.device
+    )
     sq = torch.zeros(table.shape[0])
     bad = torch.zeros(table.shape[0])
     scalars = torch.zeros(8)
@@ -34,9 +36,20 @@ def _run(grads, flags, scale, max_norm, check=True):
     flags_t = torch.tensor(flags, dtype=torch.int32)
     scale_t = torch.tensor(scale)
     norm.sumsq(flat, table, flags_t, scale_t, sq, bad)
-    norm.finalize(sq, bad, scale_t, scalars, max_norm, flags_t, steps, torch.zeros(n, dtype=torch.int32),
-                  torch.tensor([[1e-3, 0.9, 0.99, 1e-8, 0.0, 1.0, 0, 0]], dtype=torch.float64), pscal,
-                  check=check, kind=0)
+    norm.finalize(
+        sq,
+        bad,
+        scale_t,
+        scalars,
+        max_norm,
+        flags_t,
+        steps,
+        torch.zeros(n, dtype=torch.int32),
+        torch.tensor([[1e-3, 0.9, 0.99, 1e-8, 0.0, 1.0, 0, 0]], dtype=torch.float64),
+        pscal,
+        check=check,
+        kind=0,
+    )
     return scalars, steps
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import halfprec
+
 from .tolerances import tol
 
 
@@ -16,7 +17,9 @@ def make_params(sizes, dtype, device="cpu", seed=0):
     return a, b
 
 
-def pair(torch_cls, fused_cls, sizes, dtype, hp, *, device="cpu", max_grad_norm=None, scaler=None, groups=None):
+def pair(
+    torch_cls, fused_cls, sizes, dtype, hp, *, device="cpu", max_grad_norm=None, scaler=None, groups=None
+):
     """(reference MixedPrecisionOptimizer, fused optimizer, ref params, fused params)."""
     a, b = make_params(sizes, dtype, device)
     if groups is None:
@@ -24,8 +27,9 @@ def pair(torch_cls, fused_cls, sizes, dtype, hp, *, device="cpu", max_grad_norm=
     else:  # groups: list of (index list, group kwargs)
         ga = [{"params": [a[i] for i in idx], **kw} for idx, kw in groups]
         gb = [{"params": [b[i] for i in idx], **kw} for idx, kw in groups]
-    ref = halfprec.MixedPrecisionOptimizer(torch_cls(ga, **hp), loss_scaler=scaler() if scaler else None,
-                                           max_grad_norm=max_grad_norm)
+    ref = halfprec.MixedPrecisionOptimizer(
+        torch_cls(ga, **hp), loss_scaler=scaler() if scaler else None, max_grad_norm=max_grad_norm
+    )
     fused = fused_cls(gb, **hp, loss_scaler=scaler() if scaler else None, max_grad_norm=max_grad_norm)
     return ref, fused, a, b
 

@@ -50,8 +50,15 @@ def test_matches_torch_path(torch_cls, fused_cls, dtype, clip):
 
 def test_groups_mixed_dtypes_and_no_grad_params_keep_their_counters():
     groups = [([0, 2], dict(lr=3e-2, weight_decay=0.0)), ([1, 3, 4], dict(lr=1e-3))]
-    ref, fused, a, b = pair(torch.optim.AdamW, FusedAdamW, [33, 129, 7, 1000, 5], torch.float16, HP,
-                            max_grad_norm=1.0, groups=groups)
+    ref, fused, a, b = pair(
+        torch.optim.AdamW,
+        FusedAdamW,
+        [33, 129, 7, 1000, 5],
+        torch.float16,
+        HP,
+        max_grad_norm=1.0,
+        groups=groups,
+    )
     # param 1 gets no grad on steps 0 and 2, param 4 never: their counters must not advance
     _run(ref, fused, a, b, 4, none_at=lambda s: {1, 4} if s in (0, 2) else {4})
     assert_same_state(ref, fused, torch.float16)
@@ -71,8 +78,9 @@ def test_mixed_fp16_fp32_params_in_one_group():
 
 def test_skipped_step_changes_nothing_but_the_scaler(caplog):
     scaler = lambda: halfprec.DynamicLossScaler(init_scale=2.0**10, hysteresis=1)  # noqa: E731
-    ref, fused, a, b = pair(torch.optim.AdamW, FusedAdamW, [41, 341], torch.float16, HP, scaler=scaler,
-                            max_grad_norm=1.0)
+    ref, fused, a, b = pair(
+        torch.optim.AdamW, FusedAdamW, [41, 341], torch.float16, HP, scaler=scaler, max_grad_norm=1.0
+    )
     _run(ref, fused, a, b, 2, scale=2.0**10)
     before = fused.state_dict()
     grads = random_grads(a, 99)
@@ -92,7 +100,9 @@ def test_skipped_step_changes_nothing_but_the_scaler(caplog):
     for k, st in before["optimizer"]["state"].items():
         for name, v in st.items():
             assert torch.equal(after["optimizer"]["state"][k][name], v), (k, name)
-    skips = [r for r in caplog.records if "step skipped" in r.getMessage() and r.pathname.endswith("_report.py")]
+    skips = [
+        r for r in caplog.records if "step skipped" in r.getMessage() and r.pathname.endswith("_report.py")
+    ]
     assert len(skips) == 1
     fused.zero_grad()
     ref.zero_grad()
@@ -103,8 +113,9 @@ def test_skipped_step_changes_nothing_but_the_scaler(caplog):
 
 def test_loss_scaled_grads_give_the_unscaled_update():
     scaler = lambda: halfprec.StaticLossScaler(2.0**12)  # noqa: E731
-    ref, fused, a, b = pair(torch.optim.AdamW, FusedAdamW, SIZES[:4], torch.float16, HP, scaler=scaler,
-                            max_grad_norm=1.0)
+    ref, fused, a, b = pair(
+        torch.optim.AdamW, FusedAdamW, SIZES[:4], torch.float16, HP, scaler=scaler, max_grad_norm=1.0
+    )
     _run(ref, fused, a, b, 3, scale=2.0**12)
     assert_same_state(ref, fused, torch.float16)
 
@@ -173,7 +184,9 @@ def test_checkpoints_move_between_the_paths():
     ref, fused, a, b = pair(torch.optim.AdamW, FusedAdamW, [41, 341, 9], torch.float16, HP, max_grad_norm=1.0)
     _run(ref, fused, a, b, 2)
     # fused -> torch path and torch path -> fused, then both continue
-    ref2, fused2, a2, b2 = pair(torch.optim.AdamW, FusedAdamW, [41, 341, 9], torch.float16, HP, max_grad_norm=1.0)
+    ref2, fused2, a2, b2 = pair(
+        torch.optim.AdamW, FusedAdamW, [41, 341, 9], torch.float16, HP, max_grad_norm=1.0
+    )
     ref2.load_state_dict(fused.state_dict())
     fused2.load_state_dict(ref.state_dict())
     assert_params_are_rounded_masters(fused2)

@@ -58,8 +58,15 @@ def test_select_impl_gpu_policy():
 @pytest.mark.parametrize(
     ("factory", "cls"),
     [
-        (lambda ps: torch.optim.AdamW([{"params": ps[:1], "lr": 0.5}, {"params": ps[1:]}], lr=0.1, betas=(0.8, 0.9),
-                                      weight_decay=0.3), FusedAdamW),
+        (
+            lambda ps: torch.optim.AdamW(
+                [{"params": ps[:1], "lr": 0.5}, {"params": ps[1:]}],
+                lr=0.1,
+                betas=(0.8, 0.9),
+                weight_decay=0.3,
+            ),
+            FusedAdamW,
+        ),
         (lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.5, nesterov=True), FusedSGD),
         (lambda ps: torch.optim.Adagrad(ps, lr=0.3, initial_accumulator_value=0.1), FusedAdagrad),
     ],

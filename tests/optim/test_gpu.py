@@ -44,8 +44,16 @@ def test_cuda_matches_torch_path(torch_cls, fused_cls, hp, dtype):
 
 def test_dynamic_scaler_skip_on_cuda():
     scaler = lambda: halfprec.DynamicLossScaler(init_scale=2.0**8, hysteresis=1)  # noqa: E731
-    ref, fused, a, b = pair(torch.optim.AdamW, FusedAdamW, SIZES[:5], torch.float16, dict(lr=1e-3),
-                            device="cuda", max_grad_norm=1.0, scaler=scaler)
+    ref, fused, a, b = pair(
+        torch.optim.AdamW,
+        FusedAdamW,
+        SIZES[:5],
+        torch.float16,
+        dict(lr=1e-3),
+        device="cuda",
+        max_grad_norm=1.0,
+        scaler=scaler,
+    )
     _run(ref, fused, a, b, 2, scale=2.0**8)
     grads = random_grads(a, 7)
     grads[0][0] = float("nan")
@@ -58,8 +66,9 @@ def test_dynamic_scaler_skip_on_cuda():
 
 
 def test_step_does_not_sync_with_the_host():
-    _, fused, _, b = pair(torch.optim.AdamW, FusedAdamW, SIZES, torch.float16, dict(lr=1e-3), device="cuda",
-                          max_grad_norm=1.0)
+    _, fused, _, b = pair(
+        torch.optim.AdamW, FusedAdamW, SIZES, torch.float16, dict(lr=1e-3), device="cuda", max_grad_norm=1.0
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(fused, lambda s: 1.0 / (1 + s))
     for s in range(3):
         set_grads(b, random_grads(b, s))
@@ -76,13 +85,16 @@ def test_step_does_not_sync_with_the_host():
 
 def test_captured_step_replays_with_a_changing_lr():
     torch.manual_seed(0)
-    models = [torch.nn.Sequential(torch.nn.Linear(64, 257), torch.nn.Tanh(), torch.nn.Linear(257, 3)).cuda().half()
-              for _ in range(2)]
+    models = [
+        torch.nn.Sequential(torch.nn.Linear(64, 257), torch.nn.Tanh(), torch.nn.Linear(257, 3)).cuda().half()
+        for _ in range(2)
+    ]
     models[1].load_state_dict(models[0].state_dict())
     lr = torch.tensor(1e-2, device="cuda")
     graphed = FusedAdamW(models[0].parameters(), lr=lr, weight_decay=0.1, max_grad_norm=1.0)
-    eager = FusedAdamW(models[1].parameters(), lr=torch.tensor(1e-2, device="cuda"), weight_decay=0.1,
-                       max_grad_norm=1.0)
+    eager = FusedAdamW(
+        models[1].parameters(), lr=torch.tensor(1e-2, device="cuda"), weight_decay=0.1, max_grad_norm=1.0
+    )
     x = torch.randn(16, 64, device="cuda").half()
 
     def backward(model, opt, i):

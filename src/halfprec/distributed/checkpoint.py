@@ -233,7 +233,7 @@ def load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
             wanted[skey] = item
         plans.append((name, shape, tensor, wanted))
     for item, md in saved.items():
-        if item.startswith(("hparam/", "scaler/", "counters/", "group/")):
+        if item.startswith(("hparam/", "scaler/", "counters/", "group/", "shape/")):
             state_dict[item] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     dcp.load(
         state_dict,

@@ -22,7 +22,16 @@ import triton.language as tl
 
 from .settings import settings
 
-__all__ = ["KIND_ADAM", "KIND_SGD", "KIND_ADAGRAD", "KIND_LAMB", "PSCAL_WIDTH", "HP_WIDTH", "sumsq", "finalize"]
+__all__ = [
+    "KIND_ADAM",
+    "KIND_SGD",
+    "KIND_ADAGRAD",
+    "KIND_LAMB",
+    "PSCAL_WIDTH",
+    "HP_WIDTH",
+    "sumsq",
+    "finalize",
+]
 
 KIND_ADAM, KIND_SGD, KIND_ADAGRAD, KIND_LAMB = 0, 1, 2, 3
 PSCAL_WIDTH = 16
@@ -138,8 +147,14 @@ def _finalize_kernel(
             tl.store(ps + 3, eps.to(tl.float32), mask=m)
 
 
-def sumsq(grad: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, scale: torch.Tensor,
-          sq: torch.Tensor, bad: torch.Tensor) -> None:
+def sumsq(
+    grad: torch.Tensor,
+    table: torch.Tensor,
+    flags: torch.Tensor,
+    scale: torch.Tensor,
+    sq: torch.Tensor,
+    bad: torch.Tensor,
+) -> None:
     """Partial sums of squares of ``grad / scale`` into ``sq`` and non-finite counts into ``bad``."""
     n = table.shape[0]
     if n == 0:
@@ -148,9 +163,21 @@ def sumsq(grad: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, scale: t
     _sumsq_kernel[(n,)](grad, table, flags, scale, sq, bad, BLOCK=cfg.norm_block, num_warps=cfg.norm_warps)
 
 
-def finalize(sq: torch.Tensor, bad: torch.Tensor, scale: torch.Tensor, scalars: torch.Tensor,
-             max_norm: float | None, flags: torch.Tensor, steps: torch.Tensor, pgroup: torch.Tensor,
-             hp: torch.Tensor, pscal: torch.Tensor, *, check: bool, kind: int) -> None:
+def finalize(
+    sq: torch.Tensor,
+    bad: torch.Tensor,
+    scale: torch.Tensor,
+    scalars: torch.Tensor,
+    max_norm: float | None,
+    flags: torch.Tensor,
+    steps: torch.Tensor,
+    pgroup: torch.Tensor,
+    hp: torch.Tensor,
+    pscal: torch.Tensor,
+    *,
+    check: bool,
+    kind: int,
+) -> None:
     """Skip decision, clip coefficient, step counters and per-param scalars (one program)."""
     cfg = settings()
     _finalize_kernel[(1,)](

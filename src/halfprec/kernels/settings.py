@@ -18,8 +18,16 @@ __all__ = ["LaunchSettings", "settings"]
 class LaunchSettings:
     """Block sizes (elements per program) and warps per kernel."""
 
-    def __init__(self, *, update_block: int, update_warps: int, norm_block: int, norm_warps: int,
-                 final_block: int, final_warps: int) -> None:
+    def __init__(
+        self,
+        *,
+        update_block: int,
+        update_warps: int,
+        norm_block: int,
+        norm_warps: int,
+        final_block: int,
+        final_warps: int,
+    ) -> None:
         self.update_block = update_block
         self.update_warps = update_warps
         self.norm_block = norm_block
@@ -28,10 +36,12 @@ class LaunchSettings:
         self.final_warps = final_warps
 
 
-_GPU = LaunchSettings(update_block=4096, update_warps=8, norm_block=16384, norm_warps=8, final_block=2048,
-                      final_warps=8)
-_INTERPRETER = LaunchSettings(update_block=4096, update_warps=4, norm_block=16384, norm_warps=4,
-                              final_block=1024, final_warps=4)
+_GPU = LaunchSettings(
+    update_block=4096, update_warps=8, norm_block=16384, norm_warps=8, final_block=2048, final_warps=8
+)
+_INTERPRETER = LaunchSettings(
+    update_block=4096, update_warps=4, norm_block=16384, norm_warps=4, final_block=1024, final_warps=4
+)
 
 
 def settings() -> LaunchSettings:

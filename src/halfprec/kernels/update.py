@@ -41,8 +41,18 @@ def _lerp(a, b, w):
 
 
 @triton.jit
-def _adam_kernel(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, table_ptr, pscal_ptr, scalars_ptr,
-                 PARAM: tl.constexpr, BLOCK: tl.constexpr):
+def _adam_kernel(
+    param_ptr,
+    grad_ptr,
+    master_ptr,
+    m_ptr,
+    v_ptr,
+    table_ptr,
+    pscal_ptr,
+    scalars_ptr,
+    PARAM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     start = tl.load(table_ptr + pid * 3)
     end = tl.load(table_ptr + pid * 3 + 1)
@@ -78,8 +88,17 @@ def _adam_kernel(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, table_ptr, pscal
 
 
 @triton.jit
-def _sgd_kernel(param_ptr, grad_ptr, master_ptr, buf_ptr, table_ptr, pscal_ptr, scalars_ptr,
-                PARAM: tl.constexpr, BLOCK: tl.constexpr):
+def _sgd_kernel(
+    param_ptr,
+    grad_ptr,
+    master_ptr,
+    buf_ptr,
+    table_ptr,
+    pscal_ptr,
+    scalars_ptr,
+    PARAM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     start = tl.load(table_ptr + pid * 3)
     end = tl.load(table_ptr + pid * 3 + 1)
@@ -110,8 +129,17 @@ def _sgd_kernel(param_ptr, grad_ptr, master_ptr, buf_ptr, table_ptr, pscal_ptr, 
 
 
 @triton.jit
-def _adagrad_kernel(param_ptr, grad_ptr, master_ptr, sum_ptr, table_ptr, pscal_ptr, scalars_ptr,
-                    PARAM: tl.constexpr, BLOCK: tl.constexpr):
+def _adagrad_kernel(
+    param_ptr,
+    grad_ptr,
+    master_ptr,
+    sum_ptr,
+    table_ptr,
+    pscal_ptr,
+    scalars_ptr,
+    PARAM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     start = tl.load(table_ptr + pid * 3)
     end = tl.load(table_ptr + pid * 3 + 1)
@@ -152,8 +180,19 @@ def adam_update(param, grad, master, exp_avg, exp_avg_sq, table, pscal, scalars)
         return
     cfg = settings()
     p, code = _param_arg(param, master)
-    _adam_kernel[(n,)](p, grad, master, exp_avg, exp_avg_sq, table, pscal, scalars, PARAM=code,
-                       BLOCK=cfg.update_block, num_warps=cfg.update_warps)
+    _adam_kernel[(n,)](
+        p,
+        grad,
+        master,
+        exp_avg,
+        exp_avg_sq,
+        table,
+        pscal,
+        scalars,
+        PARAM=code,
+        BLOCK=cfg.update_block,
+        num_warps=cfg.update_warps,
+    )
 
 
 def sgd_update(param, grad, master, momentum_buffer, table, pscal, scalars) -> None:
@@ -164,8 +203,18 @@ def sgd_update(param, grad, master, momentum_buffer, table, pscal, scalars) -> N
     cfg = settings()
     p, code = _param_arg(param, master)
     buf = master if momentum_buffer is None else momentum_buffer
-    _sgd_kernel[(n,)](p, grad, master, buf, table, pscal, scalars, PARAM=code, BLOCK=cfg.update_block,
-                      num_warps=cfg.update_warps)
+    _sgd_kernel[(n,)](
+        p,
+        grad,
+        master,
+        buf,
+        table,
+        pscal,
+        scalars,
+        PARAM=code,
+        BLOCK=cfg.update_block,
+        num_warps=cfg.update_warps,
+    )
 
 
 def adagrad_update(param, grad, master, state_sum, table, pscal, scalars) -> None:
@@ -175,5 +224,15 @@ def adagrad_update(param, grad, master, state_sum, table, pscal, scalars) -> Non
         return
     cfg = settings()
     p, code = _param_arg(param, master)
-    _adagrad_kernel[(n,)](p, grad, master, state_sum, table, pscal, scalars, PARAM=code,
-                          BLOCK=cfg.update_block, num_warps=cfg.update_warps)
+    _adagrad_kernel[(n,)](
+        p,
+        grad,
+        master,
+        state_sum,
+        table,
+        pscal,
+        scalars,
+        PARAM=code,
+        BLOCK=cfg.update_block,
+        num_warps=cfg.update_warps,
+    )

@@ -47,23 +47,39 @@ class FusedOptimizer(torch.optim.Optimizer):
     _KIND: int = -1
     _STATE_NAMES: tuple[str, ...] = ()
 
-    def __init__(self, params, defaults: dict[str, Any], *, loss_scaler: LossScaler | None = None,
-                 max_grad_norm: float | None = None, skip_nonfinite: bool = True,
-                 param_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        params,
+        defaults: dict[str, Any],
+        *,
+        loss_scaler: LossScaler | None = None,
+        max_grad_norm: float | None = None,
+        skip_nonfinite: bool = True,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
         from ..kernels import triton_status
 
         ok, why = triton_status()
         if not ok:
-            raise ValueError(f"{type(self).__name__} needs Triton: {why}; or use the torch path "
-                             "(halfprec.MixedPrecisionOptimizer over a torch optimizer)")
-        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not math.isfinite(float(max_grad_norm))
-                                          or float(max_grad_norm) <= 0):
+            raise ValueError(
+                f"{type(self).__name__} needs Triton: {why}; or use the torch path "
+                "(halfprec.MixedPrecisionOptimizer over a torch optimizer)"
+            )
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool)
+            or not math.isfinite(float(max_grad_norm))
+            or float(max_grad_norm) <= 0
+        ):
             raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
         if param_dtype is not None and param_dtype not in LOW_PRECISION:
-            raise ValueError(f"param_dtype must be torch.float16, torch.bfloat16 or None, got {param_dtype!r}")
+            raise ValueError(
+                f"param_dtype must be torch.float16, torch.bfloat16 or None, got {param_dtype!r}"
+            )
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
-            raise ValueError(f"loss_scaler must be a halfprec StaticLossScaler or DynamicLossScaler, got "
-                             f"{type(loss_scaler).__name__}")
+            raise ValueError(
+                f"loss_scaler must be a halfprec StaticLossScaler or DynamicLossScaler, got "
+                f"{type(loss_scaler).__name__}"
+            )
         self._built = False
         super().__init__(params, defaults)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -76,15 +92,18 @@ class FusedOptimizer(torch.optim.Optimizer):
             loss_scaler = DynamicLossScaler() if has_fp16 else StaticLossScaler(1.0)
         self._check = has_fp16 or self.skip_nonfinite
         self.loss_scaler = loss_scaler.to(self._device)
-        self._reporter = SkipReporter(dynamic=loss_scaler.is_dynamic,
-                                      min_scale=getattr(loss_scaler, "min_scale", 1.0))
+        self._reporter = SkipReporter(
+            dynamic=loss_scaler.is_dynamic, min_scale=getattr(loss_scaler, "min_scale", 1.0)
+        )
         self._stepped = False
 
     # --- construction --------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_built", False):
-            raise RuntimeError(f"{type(self).__name__} lays out its flat buffers at construction: pass every "
-                               "param group to the constructor")
+            raise RuntimeError(
+                f"{type(self).__name__} lays out its flat buffers at construction: pass every "
+                "param group to the constructor"
+            )
         super().add_param_group(param_group)
         self._validate_group(self.param_groups[-1], len(self.param_groups) - 1)
 
@@ -98,8 +117,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if not p.is_floating_point() or p.dtype == torch.float64:
-                    raise ValueError(f"param of shape {tuple(p.shape)} has dtype {p.dtype}; the fused "
-                                     "optimizers train fp16, bf16 and fp32 params")
+                    raise ValueError(
+                        f"param of shape {tuple(p.shape)} has dtype {p.dtype}; the fused "
+                        "optimizers train fp16, bf16 and fp32 params"
+                    )
                 if not p.requires_grad:
                     continue
                 if self.param_dtype is not None and p.dtype == torch.float32:
@@ -109,14 +130,18 @@ class FusedOptimizer(torch.optim.Optimizer):
                 group_of.append(gi)
         devices = {p.device for p in trainable}
         if len(devices) > 1:
-            raise ValueError(f"trainable params span several devices {sorted(map(str, devices))}; build one "
-                             "fused optimizer per device")
+            raise ValueError(
+                f"trainable params span several devices {sorted(map(str, devices))}; build one "
+                "fused optimizer per device"
+            )
         self._device = devices.pop() if devices else torch.device("cpu")
         import os
 
         if self._device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"the fused optimizers run on CUDA params, got params on {self._device}; move the "
-                             "model to CUDA or use the torch path")
+            raise ValueError(
+                f"the fused optimizers run on CUDA params, got params on {self._device}; move the "
+                "model to CUDA or use the torch path"
+            )
         self._trainable = trainable
         self._index = {p: i for i, p in enumerate(trainable)}
         dev = self._device
@@ -128,8 +153,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         partial_offset = 0
         self._partial_slices: list[tuple[int, int]] = []
         for idx in by_dtype.values():
-            chunk = Chunk([trainable[i] for i in idx], idx, originals, self._state_names_for_build(),
-                          norm_block=cfg.norm_block, update_block=cfg.update_block)
+            chunk = Chunk(
+                [trainable[i] for i in idx],
+                idx,
+                originals,
+                self._state_names_for_build(),
+                norm_block=cfg.norm_block,
+                update_block=cfg.update_block,
+            )
             self._chunks.append(chunk)
             for local, i in enumerate(idx):
                 self._where[i] = (chunk, local)
@@ -149,7 +180,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._marked = [False] * n_params
         self._init_state()
         ref = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(_make_hook(ref, i)) for i, p in enumerate(trainable)]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(_make_hook(ref, i)) for i, p in enumerate(trainable)
+        ]
 
     def _state_names_for_build(self) -> tuple[str, ...]:
         return self._STATE_NAMES
@@ -226,9 +259,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.scale_loss(loss).backward(**kwargs)
 
     def unscale_(self) -> None:
-        raise RuntimeError(f"{type(self).__name__} folds unscaling and clipping into its update kernel, so the "
-                           "grads are never unscaled in place; use max_grad_norm for clipping, or the torch path "
-                           "(impl='torch') to inspect unscaled grads")
+        raise RuntimeError(
+            f"{type(self).__name__} folds unscaling and clipping into its update kernel, so the "
+            "grads are never unscaled in place; use max_grad_norm for clipping, or the torch path "
+            "(impl='torch') to inspect unscaled grads"
+        )
 
     # --- the step --------------------------------------------------------------------------------------
     def _upload_hyper(self, capturing: bool) -> None:
@@ -236,9 +271,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         key = tuple(tuple(None if torch.is_tensor(v) else v for v in row) for row in rows)
         if key != self._hp_key:
             if capturing:
-                raise RuntimeError("a param group's hyper-parameters changed while a CUDA graph was being "
-                                   "captured; run one eager step first, and use 0-d device tensors for values "
-                                   "that change between replays (group['lr'] = torch.tensor(lr, device='cuda'))")
+                raise RuntimeError(
+                    "a param group's hyper-parameters changed while a CUDA graph was being "
+                    "captured; run one eager step first, and use 0-d device tensors for values "
+                    "that change between replays (group['lr'] = torch.tensor(lr, device='cuda'))"
+                )
             cpu = torch.tensor([[0.0 if v is None else v for v in row] for row in key], dtype=torch.float64)
             self._hp.copy_(cpu, non_blocking=True)
             self._hp_key = key
@@ -264,11 +301,29 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._upload_hyper(capturing)
         scale = self.loss_scaler.scale
         for chunk, (off, n) in zip(self._chunks, self._partial_slices, strict=True):
-            norm.sumsq(chunk.grad, chunk.norm_table, self._flags, scale, self._sq[off : off + n],
-                       self._bad[off : off + n])
+            norm.sumsq(
+                chunk.grad,
+                chunk.norm_table,
+                self._flags,
+                scale,
+                self._sq[off : off + n],
+                self._bad[off : off + n],
+            )
         sq_n = sum(n for _, n in self._partial_slices)
-        norm.finalize(self._sq[:sq_n], self._bad[:sq_n], scale, self._scalars, self.max_grad_norm, self._flags,
-                      self._steps, self._pgroup, self._hp, self._pscal, check=self._check, kind=self._KIND)
+        norm.finalize(
+            self._sq[:sq_n],
+            self._bad[:sq_n],
+            scale,
+            self._scalars,
+            self.max_grad_norm,
+            self._flags,
+            self._steps,
+            self._pgroup,
+            self._hp,
+            self._pscal,
+            check=self._check,
+            kind=self._KIND,
+        )
         for chunk in self._chunks:
             self._launch_update(chunk)
         self.loss_scaler.update(self._scalars[0])
@@ -369,8 +424,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         if len(saved_groups) != len(self.param_groups) or any(
             len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups, strict=True)
         ):
-            raise ValueError("state dict has a different number of param groups or params per group than this "
-                             "optimizer")
+            raise ValueError(
+                "state dict has a different number of param groups or params per group than this optimizer"
+            )
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             for key, v in saved.items():
                 if key != "params":
@@ -406,9 +462,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state dict holds {len(saved)} params, this optimizer {len(self._all)}")
         for k, (entry, p) in enumerate(zip(saved, self._all, strict=True)):
             if entry["shape"] != list(p.shape) or entry["dtype"] != str(p.dtype):
-                raise ValueError(f"state dict does not match this model at param {k}: saved shape "
-                                 f"{entry['shape']} dtype {entry['dtype']}, this model shape {list(p.shape)} "
-                                 f"dtype {p.dtype}")
+                raise ValueError(
+                    f"state dict does not match this model at param {k}: saved shape "
+                    f"{entry['shape']} dtype {entry['dtype']}, this model shape {list(p.shape)} "
+                    f"dtype {p.dtype}"
+                )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self._trainable)} params, loss_scaler={self.loss_scaler!r})"

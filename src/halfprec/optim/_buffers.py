@@ -26,8 +26,9 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def build_table(offsets: Sequence[int], sizes: Sequence[int], indices: Sequence[int], block: int,
-                device: torch.device) -> torch.Tensor:
+def build_table(
+    offsets: Sequence[int], sizes: Sequence[int], indices: Sequence[int], block: int, device: torch.device
+) -> torch.Tensor:
     rows: list[tuple[int, int, int]] = []
     for off, n, gi in zip(offsets, sizes, indices, strict=True):
         end = off + n
@@ -38,9 +39,16 @@ def build_table(offsets: Sequence[int], sizes: Sequence[int], indices: Sequence[
 class Chunk:
     """The flat buffers of the params of one device and dtype (see the module docstring)."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], indices: Sequence[int],
-                 originals: dict[torch.Tensor, torch.Tensor], state_names: Sequence[str], *,
-                 norm_block: int, update_block: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        indices: Sequence[int],
+        originals: dict[torch.Tensor, torch.Tensor],
+        state_names: Sequence[str],
+        *,
+        norm_block: int,
+        update_block: int,
+    ) -> None:
         self.params = list(params)
         self.indices = list(indices)
         self.device = self.params[0].device

@@ -28,22 +28,49 @@ class FusedAdagrad(FusedOptimizer):
     _KIND = 2
     _STATE_NAMES = ("sum",)
 
-    def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
-                 loss_scaler=None, max_grad_norm: float | None = None, skip_nonfinite: bool = True,
-                 param_dtype: torch.dtype | None = None) -> None:
-        defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
-                        initial_accumulator_value=initial_accumulator_value, foreach=None, maximize=maximize,
-                        differentiable=False, fused=None)
-        super().__init__(params, defaults, loss_scaler=loss_scaler, max_grad_norm=max_grad_norm,
-                         skip_nonfinite=skip_nonfinite, param_dtype=param_dtype)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        *,
+        maximize: bool = False,
+        loss_scaler=None,
+        max_grad_norm: float | None = None,
+        skip_nonfinite: bool = True,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            lr_decay=lr_decay,
+            weight_decay=weight_decay,
+            eps=eps,
+            initial_accumulator_value=initial_accumulator_value,
+            foreach=None,
+            maximize=maximize,
+            differentiable=False,
+            fused=None,
+        )
+        super().__init__(
+            params,
+            defaults,
+            loss_scaler=loss_scaler,
+            max_grad_norm=max_grad_norm,
+            skip_nonfinite=skip_nonfinite,
+            param_dtype=param_dtype,
+        )
 
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
         for name in ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value"):
             _check_number(name, group[name], 0.0, None, index)
         if group.get("maximize", False):
-            raise ValueError(f"param group {index}: maximize=True is not supported by FusedAdagrad; use the torch "
-                             "path (halfprec.MixedPrecisionOptimizer over torch.optim.Adagrad)")
+            raise ValueError(
+                f"param group {index}: maximize=True is not supported by FusedAdagrad; use the torch "
+                "path (halfprec.MixedPrecisionOptimizer over torch.optim.Adagrad)"
+            )
 
     def _init_state(self) -> None:
         for i in range(len(self._trainable)):
@@ -62,12 +89,22 @@ class FusedAdagrad(FusedOptimizer):
         from ..kernels.update import adagrad_update
 
         param = chunk.master if chunk.param is None else chunk.param
-        adagrad_update(param, chunk.grad, chunk.master, chunk.state["sum"], chunk.update_table, self._pscal,
-                       self._scalars)
+        adagrad_update(
+            param,
+            chunk.grad,
+            chunk.master,
+            chunk.state["sum"],
+            chunk.update_table,
+            self._pscal,
+            self._scalars,
+        )
 
     def _export_state(self, i: int, step: float) -> dict[str, Any]:
         chunk, local = self._where[i]
-        return {"step": torch.tensor(step, dtype=torch.float32), "sum": chunk.state_views("sum")[local].clone()}
+        return {
+            "step": torch.tensor(step, dtype=torch.float32),
+            "sum": chunk.state_views("sum")[local].clone(),
+        }
 
     def _import_state(self, i: int, saved: dict[str, Any]) -> float:
         step = float(saved.get("step", 0.0))

@@ -43,16 +43,44 @@ class FusedAdam(FusedOptimizer):
     _STATE_NAMES = ("exp_avg", "exp_avg_sq")
     _DECOUPLED = False
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, decoupled_weight_decay: bool | None = None, amsgrad: bool = False,
-                 maximize: bool = False, loss_scaler=None, max_grad_norm: float | None = None,
-                 skip_nonfinite: bool = True, param_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        decoupled_weight_decay: bool | None = None,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        loss_scaler=None,
+        max_grad_norm: float | None = None,
+        skip_nonfinite: bool = True,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
         decoupled = self._DECOUPLED if decoupled_weight_decay is None else bool(decoupled_weight_decay)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, foreach=None, capturable=False, differentiable=False, fused=None,
-                        decoupled_weight_decay=decoupled)
-        super().__init__(params, defaults, loss_scaler=loss_scaler, max_grad_norm=max_grad_norm,
-                         skip_nonfinite=skip_nonfinite, param_dtype=param_dtype)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=None,
+            capturable=False,
+            differentiable=False,
+            fused=None,
+            decoupled_weight_decay=decoupled,
+        )
+        super().__init__(
+            params,
+            defaults,
+            loss_scaler=loss_scaler,
+            max_grad_norm=max_grad_norm,
+            skip_nonfinite=skip_nonfinite,
+            param_dtype=param_dtype,
+        )
 
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
         _check_number("lr", group["lr"], 0.0, None, index)
@@ -63,8 +91,10 @@ class FusedAdam(FusedOptimizer):
         _check_number("betas[1]", b2, 0.0, 1.0, index)
         for flag in ("amsgrad", "maximize"):
             if group.get(flag, False):
-                raise ValueError(f"param group {index}: {flag}=True is not supported by {type(self).__name__}; "
-                                 "use the torch path (halfprec.MixedPrecisionOptimizer over torch.optim.AdamW)")
+                raise ValueError(
+                    f"param group {index}: {flag}=True is not supported by {type(self).__name__}; "
+                    "use the torch path (halfprec.MixedPrecisionOptimizer over torch.optim.AdamW)"
+                )
 
     def _hp_row(self, group: dict[str, Any]) -> list[Any]:
         b1, b2 = group["betas"]
@@ -75,8 +105,16 @@ class FusedAdam(FusedOptimizer):
         from ..kernels.update import adam_update
 
         param = chunk.master if chunk.param is None else chunk.param
-        adam_update(param, chunk.grad, chunk.master, chunk.state["exp_avg"], chunk.state["exp_avg_sq"],
-                    chunk.update_table, self._pscal, self._scalars)
+        adam_update(
+            param,
+            chunk.grad,
+            chunk.master,
+            chunk.state["exp_avg"],
+            chunk.state["exp_avg_sq"],
+            chunk.update_table,
+            self._pscal,
+            self._scalars,
+        )
 
     def _export_state(self, i: int, step: float) -> dict[str, Any]:
         if step == 0:
@@ -103,7 +141,14 @@ class FusedAdamW(FusedAdam):
 
     _DECOUPLED = True
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("decoupled_weight_decay", True)
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)

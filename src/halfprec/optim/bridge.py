@@ -22,15 +22,21 @@ def _fused_class(optimizer: torch.optim.Optimizer):
     from .adam import FusedAdam, FusedAdamW
     from .sgd import FusedSGD
 
-    return {torch.optim.AdamW: FusedAdamW, torch.optim.Adam: FusedAdam, torch.optim.SGD: FusedSGD,
-            torch.optim.Adagrad: FusedAdagrad}.get(type(optimizer))
+    return {
+        torch.optim.AdamW: FusedAdamW,
+        torch.optim.Adam: FusedAdam,
+        torch.optim.SGD: FusedSGD,
+        torch.optim.Adagrad: FusedAdagrad,
+    }.get(type(optimizer))
 
 
 def fused_unsupported_reason(optimizer: torch.optim.Optimizer, *, explicit: bool) -> str | None:
     """Why the fused path cannot take ``optimizer`` (None when it can). ``explicit``: impl='triton' was asked."""
     if _fused_class(optimizer) is None:
-        return (f"{type(optimizer).__name__} has no fused kernel (torch Adam, AdamW, SGD and Adagrad do); use "
-                "impl='torch'")
+        return (
+            f"{type(optimizer).__name__} has no fused kernel (torch Adam, AdamW, SGD and Adagrad do); use "
+            "impl='torch'"
+        )
     for i, group in enumerate(optimizer.param_groups):
         for flag in ("foreach", "fused"):
             if group.get(flag) is not None and not explicit:
@@ -42,7 +48,9 @@ def fused_unsupported_reason(optimizer: torch.optim.Optimizer, *, explicit: bool
     off_cuda = sorted({str(p.device) for p in params if p.device.type != "cuda"})
     if off_cuda:
         return f"params on {off_cuda}; the fused kernels need CUDA params: move the model to CUDA or use impl='torch'"
-    odd = sorted({str(p.dtype) for p in params if p.dtype not in (torch.float16, torch.bfloat16, torch.float32)})
+    odd = sorted(
+        {str(p.dtype) for p in params if p.dtype not in (torch.float16, torch.bfloat16, torch.float32)}
+    )
     if odd:
         return f"params of dtype {odd}; the fused kernels train fp16, bf16 and fp32 params: use impl='torch'"
     from ..kernels import triton_status
@@ -74,8 +82,14 @@ def select_impl(optimizer: torch.optim.Optimizer, impl: str) -> str:
 _SKIP_KEYS = {"params", "foreach", "fused", "capturable", "differentiable"}
 
 
-def fused_from_torch(optimizer: torch.optim.Optimizer, *, loss_scaler=None, max_grad_norm: float | None = None,
-                     skip_nonfinite: bool = True, param_dtype: torch.dtype | None = None):
+def fused_from_torch(
+    optimizer: torch.optim.Optimizer,
+    *,
+    loss_scaler=None,
+    max_grad_norm: float | None = None,
+    skip_nonfinite: bool = True,
+    param_dtype: torch.dtype | None = None,
+):
     """The fused optimizer equivalent to ``optimizer``: same params, groups and per-group hyper-parameters
     (every group key is copied, so LR schedulers and state dicts carry over), and its state if it has any.
 
@@ -84,12 +98,21 @@ def fused_from_torch(optimizer: torch.optim.Optimizer, *, loss_scaler=None, max_
     """
     cls = _fused_class(optimizer)
     if cls is None:
-        raise ValueError(f"{type(optimizer).__name__} has no fused kernel (torch Adam, AdamW, SGD and Adagrad do)")
+        raise ValueError(
+            f"{type(optimizer).__name__} has no fused kernel (torch Adam, AdamW, SGD and Adagrad do)"
+        )
     saved_state = optimizer.state_dict() if len(optimizer.state) else None
-    groups = [{k: v for k, v in g.items() if k not in _SKIP_KEYS} | {"params": list(g["params"])}
-              for g in optimizer.param_groups]
-    fused = cls(groups, loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
-                param_dtype=param_dtype)
+    groups = [
+        {k: v for k, v in g.items() if k not in _SKIP_KEYS} | {"params": list(g["params"])}
+        for g in optimizer.param_groups
+    ]
+    fused = cls(
+        groups,
+        loss_scaler=loss_scaler,
+        max_grad_norm=max_grad_norm,
+        skip_nonfinite=skip_nonfinite,
+        param_dtype=param_dtype,
+    )
     for mine, theirs in zip(fused.param_groups, optimizer.param_groups, strict=True):
         for k, v in theirs.items():
             if k != "params":

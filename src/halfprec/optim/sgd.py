@@ -29,14 +29,40 @@ class FusedSGD(FusedOptimizer):
 
     _KIND = 1
 
-    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False, loss_scaler=None,
-                 max_grad_norm: float | None = None, skip_nonfinite: bool = True,
-                 param_dtype: torch.dtype | None = None) -> None:
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, maximize=maximize, foreach=None, differentiable=False, fused=None)
-        super().__init__(params, defaults, loss_scaler=loss_scaler, max_grad_norm=max_grad_norm,
-                         skip_nonfinite=skip_nonfinite, param_dtype=param_dtype)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        loss_scaler=None,
+        max_grad_norm: float | None = None,
+        skip_nonfinite: bool = True,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            foreach=None,
+            differentiable=False,
+            fused=None,
+        )
+        super().__init__(
+            params,
+            defaults,
+            loss_scaler=loss_scaler,
+            max_grad_norm=max_grad_norm,
+            skip_nonfinite=skip_nonfinite,
+            param_dtype=param_dtype,
+        )
 
     def _state_names_for_build(self) -> tuple[str, ...]:
         return ("momentum_buffer",) if any(float(g["momentum"]) != 0 for g in self.param_groups) else ()
@@ -51,29 +77,52 @@ class FusedSGD(FusedOptimizer):
         _check_number("momentum", group["momentum"], 0.0, None, index)
         _check_number("weight_decay", group["weight_decay"], 0.0, None, index)
         if group["nesterov"] and (float(group["momentum"]) <= 0 or float(group["dampening"]) != 0):
-            raise ValueError(f"param group {index}: nesterov=True needs momentum > 0 and dampening = 0, got "
-                             f"momentum={group['momentum']!r}, dampening={group['dampening']!r}")
+            raise ValueError(
+                f"param group {index}: nesterov=True needs momentum > 0 and dampening = 0, got "
+                f"momentum={group['momentum']!r}, dampening={group['dampening']!r}"
+            )
         if group.get("maximize", False):
-            raise ValueError(f"param group {index}: maximize=True is not supported by FusedSGD; use the torch "
-                             "path (halfprec.MixedPrecisionOptimizer over torch.optim.SGD)")
+            raise ValueError(
+                f"param group {index}: maximize=True is not supported by FusedSGD; use the torch "
+                "path (halfprec.MixedPrecisionOptimizer over torch.optim.SGD)"
+            )
 
     def _hp_row(self, group: dict[str, Any]) -> list[Any]:
-        return [group["lr"], group["momentum"], group["dampening"], group["weight_decay"],
-                1.0 if group["nesterov"] else 0.0, 0.0, 0.0, 0.0]
+        return [
+            group["lr"],
+            group["momentum"],
+            group["dampening"],
+            group["weight_decay"],
+            1.0 if group["nesterov"] else 0.0,
+            0.0,
+            0.0,
+            0.0,
+        ]
 
     def _launch_update(self, chunk) -> None:
         from ..kernels.update import sgd_update
 
         param = chunk.master if chunk.param is None else chunk.param
-        sgd_update(param, chunk.grad, chunk.master, chunk.state.get("momentum_buffer"), chunk.update_table,
-                   self._pscal, self._scalars)
+        sgd_update(
+            param,
+            chunk.grad,
+            chunk.master,
+            chunk.state.get("momentum_buffer"),
+            chunk.update_table,
+            self._pscal,
+            self._scalars,
+        )
 
     def _group_of(self, i: int) -> dict[str, Any]:
         p = self._trainable[i]
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
     def _export_state(self, i: int, step: float) -> dict[str, Any]:
-        if step == 0 or float(self._group_of(i)["momentum"]) == 0 or "momentum_buffer" not in self._where[i][0].state:
+        if (
+            step == 0
+            or float(self._group_of(i)["momentum"]) == 0
+            or "momentum_buffer" not in self._where[i][0].state
+        ):
             return {}
         chunk, local = self._where[i]
         return {"momentum_buffer": chunk.state_views("momentum_buffer")[local].clone()}

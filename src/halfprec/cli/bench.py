@@ -1,0 +1,42 @@
+"""``halfprec bench``: time one optimizer step (fused, generic torch path, plain torch pipeline) on the GPU,
+print a table and write JSON. The measurement lives in ``halfprec.optim.bench``; this module maps argparse to it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workload",
+        default="268M",
+        choices=["268M", "1B", "small"],
+        help="param shapes: 268M = 16 x 4096x4096 + 16 x 4096 (default), 1B = 16 x 8192x8192 + ...",
+    )
+    parser.add_argument("--optimizers", default="adamw", help="comma list of adamw, sgd, adagrad")
+    parser.add_argument("--dtypes", default="float16", help="comma list of float16, bfloat16")
+    parser.add_argument("--impls", default="fused,torch,plain", help="comma list of fused, torch, plain")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..optim.bench import format_table, run_bench
+
+    result = run_bench(
+        workload=args.workload,
+        optimizers=args.optimizers.split(","),
+        dtypes=args.dtypes.split(","),
+        impls=args.impls.split(","),
+        warmup=args.warmup,
+        iters=args.iters,
+    )
+    print(format_table(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0

@@ -1,0 +1,329 @@
+"""halfprec as a Lightning precision plugin: ``Trainer(plugins=[HalfprecPrecision("bf16")])`` and Fabric.
+
+The model is built in fp32. ``convert_module`` casts it to the 16-bit dtype (params in place, same
+``Parameter`` objects, and floating buffers, as Lightning's ``"bf16-true"`` does) and keeps each param's fp32
+tensor; the Trainer then runs ``configure_optimizers`` over the 16-bit params and hands the optimizers to
+``connect``, which swaps the fp32 tensors back in just long enough for
+``MixedPrecisionOptimizer(optimizer, param_dtype=...)`` to wrap the plain optimizer, so the masters start from
+the fp32 weights, not from their 16-bit roundings.
+
+Trainer flavour (``HalfprecPrecision``):
+
+* ``connect`` wraps every plain optimizer (a ``MixedPrecisionOptimizer`` returned by ``configure_optimizers``
+  is kept as it is) and replaces each ``interval="step"`` scheduler with a proxy that does not step after a
+  skipped optimizer step: Lightning calls ``lr_scheduler_step`` on every step and gives the plugin no hook
+  there. Schedulers built in ``configure_optimizers`` over the plain optimizer keep working: the wrapper
+  updates the same ``param_groups`` dicts. ``interval="epoch"`` schedulers count epochs and are not held.
+* ``backward`` multiplies the loss by the loss scale (fp16); ``optimizer_step`` runs the closure, unscales
+  into the fp32 master grads, runs ``on_before_optimizer_step`` and clipping, then ``mp.step()``, which
+  skips on overflow with no warning.
+* ``gradient_clip_val`` (norm) is handed to the ``MixedPrecisionOptimizer``, which clips the unscaled master
+  grads inside ``step()`` after its overflow check, with the same arithmetic as
+  ``torch.nn.utils.clip_grad_norm_``; ``gradient_clip_algorithm="value"`` clamps the finite master grads.
+* ``main_params`` returns the masters. Checkpoints: ``optimizer_states`` in the ``.ckpt`` is
+  ``mp.state_dict()`` (masters, moments, loss scaler, skip counter), so resume needs nothing else.
+
+Fabric flavour (``HalfprecFabricPrecision``): Fabric's ``Precision`` has no ``connect`` and Fabric users build
+the optimizer before ``fabric.setup``, so the wrapping is an explicit helper, :func:`setup_fabric`, called in
+place of ``fabric.setup``. It wraps the plain optimizers (casting the params, fp32 masters) and then calls
+``fabric.setup``. ``fabric.backward(loss)`` scales; ``fabric.save``/``fabric.load`` of the optimizer carry the
+masters and the scaler; hold the schedule yourself: ``if not optimizer.step_was_skipped: scheduler.step()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Generator, Iterable
+from typing import Any
+
+import torch
+
+from ..optimizer import MixedPrecisionOptimizer
+from ..scaler import LossScaler
+
+try:
+    from lightning.fabric.plugins import Precision as _FabricPrecision
+    from lightning.pytorch.plugins.precision import Precision as _TrainerPrecision
+    from lightning_utilities import apply_to_collection
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "halfprec.integrations.lightning needs the lightning package: pip install 'halfprec[integrations]'"
+    ) from e
+
+__all__ = ["HalfprecFabricPrecision", "HalfprecPrecision", "setup_fabric"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_LIGHTNING_NAME = {"bf16": "bf16-true", "fp16": "16-true"}
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """The object under Lightning's/Fabric's optimizer wrappers (they keep it in ``_optimizer``)."""
+    while hasattr(optimizer, "_optimizer"):
+        optimizer = optimizer._optimizer
+    return optimizer
+
+
+class _Common:
+    """Dtype handling, wrapping and clipping shared by the Trainer and the Fabric flavours."""
+
+    def _init_halfprec(self, precision: str, loss_scaler: LossScaler | None, skip_nonfinite: bool) -> None:
+        if precision not in _DTYPES:
+            raise ValueError(
+                f"HalfprecPrecision precision must be 'bf16' or 'fp16', got {precision!r} (Lightning's own "
+                "'bf16-mixed'/'16-mixed' are autocast over fp32 weights: pass precision= to the Trainer instead)"
+            )
+        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+            raise ValueError(f"loss_scaler must be a halfprec loss scaler, got {type(loss_scaler).__name__}")
+        self.precision = _LIGHTNING_NAME[precision]
+        self.dtype = _DTYPES[precision]
+        self.loss_scaler = loss_scaler
+        self.skip_nonfinite = skip_nonfinite
+        self._fp32: dict[torch.Tensor, torch.Tensor] = {}  # param -> its fp32 tensor, until connect/setup
+        self._optimizers: list[MixedPrecisionOptimizer] = []
+
+    # --- dtypes -----------------------------------------------------------------------------------------
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        with torch.no_grad():
+            for p in module.parameters():
+                if p.dtype == torch.float32:
+                    self._fp32[p] = p.data
+                    p.data = p.data.to(self.dtype)
+        return module.to(dtype=self.dtype)  # the floating buffers
+
+    def convert_input(self, data: Any) -> Any:
+        return apply_to_collection(data, function=_to_dtype, dtype=torch.Tensor, dst_type=self.dtype)
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        # As Lightning's "bf16-true": tensors created inside forward default to the 16-bit dtype.
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(default)
+
+    # --- wrapping ---------------------------------------------------------------------------------------
+    def _wrap(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None) -> MixedPrecisionOptimizer:
+        optimizer = _unwrap(optimizer)
+        if isinstance(optimizer, MixedPrecisionOptimizer):
+            mp = optimizer
+        else:
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        if p in self._fp32:
+                            p.data = self._fp32[p]  # back to fp32 so that param_dtype keeps it as the master
+            scaler = None if self.loss_scaler is None else copy.deepcopy(self.loss_scaler)
+            mp = MixedPrecisionOptimizer(
+                optimizer,
+                loss_scaler=scaler,
+                max_grad_norm=max_grad_norm,
+                skip_nonfinite=self.skip_nonfinite,
+                param_dtype=self.dtype,
+            )
+        if mp not in self._optimizers:
+            self._optimizers.append(mp)
+        return mp
+
+    def _release_fp32(self) -> None:
+        # Params outside every optimizer stay 16-bit; their fp32 tensors are not needed any more.
+        self._fp32.clear()
+
+    def _mp(self, optimizer: Any = None) -> MixedPrecisionOptimizer:
+        if optimizer is not None:
+            mp = _unwrap(optimizer)
+            if not isinstance(mp, MixedPrecisionOptimizer):
+                raise RuntimeError(
+                    f"the halfprec plugin got a {type(mp).__name__}; it steps halfprec MixedPrecisionOptimizers "
+                    "only (in Fabric, set up the optimizers with halfprec.integrations.lightning.setup_fabric)"
+                )
+            return mp
+        if len(self._optimizers) == 1:
+            return self._optimizers[0]
+        if not self._optimizers:
+            raise RuntimeError(
+                "no halfprec optimizer is set up yet: with Fabric call halfprec.integrations.lightning."
+                "setup_fabric(fabric, model, optimizer) instead of fabric.setup(model, optimizer)"
+            )
+        raise RuntimeError(
+            f"{len(self._optimizers)} halfprec optimizers share this plugin and backward() was not told which "
+            "one's loss scale to use; use one optimizer, or bf16 (no loss scale)"
+        )
+
+    def _scaled(self, tensor: torch.Tensor, optimizer: Any = None) -> torch.Tensor:
+        if self.dtype == torch.bfloat16 and optimizer is None and len(self._optimizers) != 1:
+            return tensor  # bf16 without a configured scaler: nothing to scale
+        return self._mp(optimizer).scale_loss(tensor)
+
+    # --- gradients ----------------------------------------------------------------------------------------
+    def main_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return self._mp(optimizer).master_params()
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        self._mp(optimizer).unscale_()
+
+    def _clip_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        mp = self._mp(optimizer)
+        mp.unscale_()
+        with torch.no_grad():
+            for m in mp.master_params():
+                if m.grad is not None:
+                    # Non-finite entries are left alone so that step() still sees the overflow and skips.
+                    m.grad.copy_(torch.where(m.grad.isfinite(), m.grad.clamp(-clip_val, clip_val), m.grad))
+
+
+def _to_dtype(tensor: torch.Tensor, dst_type: torch.dtype) -> torch.Tensor:
+    return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
+
+
+class _HoldOnSkipScheduler(torch.optim.lr_scheduler.LRScheduler):
+    """A scheduler that forwards to ``scheduler`` but does not step after a skipped optimizer step.
+
+    ``LRScheduler.__init__`` is not called: every attribute and all state live in the wrapped scheduler, so
+    its ``state_dict`` is what the checkpoint stores and loads.
+    """
+
+    def __init__(self, scheduler: Any, optimizer: MixedPrecisionOptimizer) -> None:
+        self.__dict__["_scheduler"] = scheduler
+        self.__dict__["_mp"] = optimizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_scheduler"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._scheduler, name, value)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self._mp.step_was_skipped:
+            return
+        self._scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self._scheduler.get_last_lr()
+
+    def get_lr(self) -> list[float]:
+        return self._scheduler.get_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._scheduler.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"HoldOnSkip({self._scheduler!r})"
+
+
+class HalfprecPrecision(_Common, _TrainerPrecision):
+    """``lightning.pytorch.Trainer(plugins=[HalfprecPrecision("bf16" | "fp16")])``: 16-bit weights, fp32 masters.
+
+    Args:
+        precision: ``"bf16"`` or ``"fp16"``, the dtype of the model's weights.
+        loss_scaler: a halfprec loss scaler (copied per optimizer); ``None`` = ``DynamicLossScaler()`` for
+            fp16, no scaling for bf16.
+        skip_nonfinite: skip steps with non-finite bf16 grads too (fp16 is always checked).
+    """
+
+    def __init__(self, precision: str, *, loss_scaler: LossScaler | None = None, skip_nonfinite: bool = True) -> None:
+        self._init_halfprec(precision, loss_scaler, skip_nonfinite)
+        self._base_clip: dict[int, float | None] = {}
+
+    def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple[Any, list, list]:
+        trainer = getattr(model, "_trainer", None)
+        clip_val = getattr(trainer, "gradient_clip_val", None) if trainer is not None else None
+        by_id: dict[int, MixedPrecisionOptimizer] = {}
+        wrapped = []
+        for optimizer in optimizers:
+            mp = self._wrap(optimizer)
+            if mp.max_grad_norm is not None and clip_val:
+                raise ValueError(
+                    f"the MixedPrecisionOptimizer clips at max_grad_norm={mp.max_grad_norm!r} and the Trainer has "
+                    f"gradient_clip_val={clip_val!r}; set one of them (returning plain optimizers from "
+                    "configure_optimizers lets gradient_clip_val decide)"
+                )
+            self._base_clip[id(mp)] = mp.max_grad_norm
+            by_id[id(_unwrap(optimizer))] = by_id[id(mp)] = by_id[id(mp.optimizer)] = mp
+            wrapped.append(mp)
+        self._release_fp32()
+        for config in lr_schedulers:
+            scheduler = config.scheduler
+            mp = by_id.get(id(getattr(scheduler, "optimizer", None)))
+            if mp is not None and config.interval == "step" and not isinstance(scheduler, _HoldOnSkipScheduler):
+                config.scheduler = _HoldOnSkipScheduler(scheduler, mp)
+        return model, wrapped, lr_schedulers
+
+    def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        model.backward(self._scaled(tensor, optimizer), *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        mp = self._mp(optimizer)
+        mp.max_grad_norm = self._base_clip.get(id(mp))  # clip_gradients may set it for this step only
+        closure_result = closure()
+        if closure_result is None and getattr(model, "automatic_optimization", False):
+            return closure_result  # training_step returned None: no backward ran, nothing to step
+        mp.unscale_()
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
+        mp.step(**kwargs)
+        return closure_result
+
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        # Deferred into step(): the overflow check runs first and grad_norm stays the pre-clip norm.
+        self._mp(optimizer).max_grad_norm = float(clip_val)
+
+    def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        self._clip_by_value(optimizer, float(clip_val))
+
+
+class HalfprecFabricPrecision(_Common, _FabricPrecision):
+    """``Fabric(plugins=[HalfprecFabricPrecision("bf16" | "fp16")])``; set up with :func:`setup_fabric`.
+
+    Args are those of :class:`HalfprecPrecision`.
+    """
+
+    def __init__(self, precision: str, *, loss_scaler: LossScaler | None = None, skip_nonfinite: bool = True) -> None:
+        self._init_halfprec(precision, loss_scaler, skip_nonfinite)
+
+    def convert_output(self, data: Any) -> Any:
+        # As Fabric's "bf16-true": outputs come back in the default dtype (an exact upcast).
+        return apply_to_collection(data, function=_to_dtype, dtype=torch.Tensor, dst_type=torch.get_default_dtype())
+
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        self._scaled(tensor).backward(*args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        return self._mp(optimizer).step(**kwargs)
+
+
+def setup_fabric(
+    fabric: Any,
+    module: torch.nn.Module,
+    *optimizers: torch.optim.Optimizer,
+    max_grad_norm: float | None = None,
+    **setup_kwargs: Any,
+) -> Any:
+    """``fabric.setup(module, *optimizers)`` with each plain optimizer wrapped in a ``MixedPrecisionOptimizer``.
+
+    Call it instead of ``fabric.setup`` on the fp32 module and the optimizers built over it; ``fabric`` must
+    have a ``HalfprecFabricPrecision`` plugin. ``max_grad_norm`` clips the unscaled master grads inside each
+    step (``fabric.clip_gradients(..., error_if_nonfinite=False)`` also works on the masters, but raises on
+    an fp16 overflow step with the default ``error_if_nonfinite=True``).
+    """
+    plugin = getattr(fabric, "_precision", None)
+    if not isinstance(plugin, HalfprecFabricPrecision):
+        raise ValueError(
+            f"fabric has the precision plugin {type(plugin).__name__}; build it with "
+            "Fabric(plugins=[HalfprecFabricPrecision('bf16' | 'fp16')]) and no precision= argument"
+        )
+    plugin.convert_module(module)  # the fp32 tensors are remembered, the params cast
+    wrapped = [plugin._wrap(opt, max_grad_norm) for opt in _as_list(optimizers)]
+    plugin._release_fp32()
+    return fabric.setup(module, *wrapped, **setup_kwargs)
+
+
+def _as_list(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    out = list(optimizers)
+    if not out:
+        raise ValueError("setup_fabric needs at least one optimizer; without one use fabric.setup(module)")
+    return out
