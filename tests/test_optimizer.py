@@ -733,3 +733,20 @@ def test_one_host_read_per_step(monkeypatch):
     monkeypatch.undo()
     assert reads == ["tolist"], reads
     assert mp.grad_norm is not None and not mp.step_was_skipped
+
+
+def test_calls_through_a_dict_copying_wrapper_reach_the_optimizer():
+    """Lightning's and Fabric's optimizer wrappers copy ``__dict__`` into a dynamic subclass instance."""
+    model = make_model(torch.float16)
+    mp = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scaler=StaticLossScaler(4.0))
+    wrapper = object.__new__(type("Wrapped", (type(mp),), {}))
+    wrapper.__dict__ = dict(mp.__dict__)
+    before = [m.detach().clone() for m in mp.master_params()]
+    set_scaled_grads(model.parameters(), grads_like(list(model.parameters()), step=0), 4.0)
+    wrapper.unscale_()
+    assert mp._s.unscaled
+    mp.master_params()[0].grad.zero_()  # a user edit between unscale_() and step() is kept
+    wrapper.step()
+    assert torch.equal(mp.master_params()[0], before[0])  # zero grad: unchanged
+    assert not torch.equal(mp.master_params()[1], before[1])
+    assert mp.skipped_steps == wrapper.skipped_steps == 0 and not mp._s.unscaled

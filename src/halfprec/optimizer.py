@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,14 +92,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._has_fp16 = has_fp16
         self.loss_scaler = loss_scaler.to(devices.pop() if devices else torch.device("cpu"))
 
-        self._unscaled = False
-        self._grads: list[torch.Tensor] = []
-        self._grad_versions: list[tuple[int, int]] = []
-        self._grad_norm_value: float | None = None
-        self._step_scale: float | None = None
-        self._step_was_skipped = False
-        self._skipped_steps = 0
-        self._warned_min_scale = False
+        self._s = _StepState()
 
     # --- construction --------------------------------------------------------------------------------
     def _build_masters(self, groups: list[dict[str, Any]]) -> dict:
@@ -134,22 +128,22 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     @property
     def step_was_skipped(self) -> bool:
         """True when the last ``step()`` skipped the update (non-finite grads)."""
-        return self._step_was_skipped
+        return self._s.step_was_skipped
 
     @property
     def skipped_steps(self) -> int:
-        return self._skipped_steps
+        return self._s.skipped_steps
 
     @property
     def grad_norm(self) -> float | None:
         """Global L2 norm of the unscaled grads of the last step, before clipping (None: neither checked nor
         clipped). Read in the step's one host sync, so reading it costs nothing."""
-        return self._grad_norm_value
+        return self._s.grad_norm_value
 
     @property
     def step_loss_scale(self) -> float | None:
         """The loss scale the last step's gradients were scaled with (before the scaler's update)."""
-        return self._step_scale
+        return self._s.step_scale
 
     @property
     def loss_scale(self) -> float:
@@ -174,7 +168,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Scale ``loss`` and run autograd backward; ``kwargs`` go to ``Tensor.backward``."""
-        if self._unscaled:
+        if self._s.unscaled:
             raise RuntimeError(
                 "backward() called after unscale_() and before step(): the new grads would be mixed with "
                 "unscaled ones. Call unscale_() after the last backward() of the step."
@@ -187,15 +181,15 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     @torch.no_grad()
     def unscale_(self) -> None:
         """Fill the fp32 master grads from the model grads and divide by the loss scale. Idempotent."""
-        if self._unscaled:
+        if self._s.unscaled:
             return
         grads = self._store.copy_grads_in()
         grads += [p.grad for p in self._own if p.grad is not None]
         if grads and not self._scaling_is_off():
             torch._foreach_mul_(grads, self.loss_scaler.inv_scale())
-        self._grads = grads
-        self._grad_versions = self._model_grad_versions()
-        self._unscaled = True
+        self._s.grads = grads
+        self._s.grad_versions = self._model_grad_versions()
+        self._s.unscaled = True
 
     def _model_grad_versions(self) -> list[tuple[int, int]]:
         return [(id(p.grad), p.grad._version) for p in self._trainable_model_params() if p.grad is not None]
@@ -211,14 +205,14 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     @torch.no_grad()
     def _step(self) -> None:
-        if self._unscaled and self._grad_versions != self._model_grad_versions():
-            self._unscaled = False
+        if self._s.unscaled and self._s.grad_versions != self._model_grad_versions():
+            self._s.unscaled = False
             raise RuntimeError(
                 "the model's gradients changed after unscale_() (another backward() or zero_grad() ran); "
                 "call unscale_() after the last backward() of the step, right before step()"
             )
         self.unscale_()
-        grads, self._unscaled = self._grads, False
+        grads, self._s.unscaled = self._s.grads, False
         check = self._has_fp16 or self.skip_nonfinite
         norm = None
         if grads and (check or self.max_grad_norm is not None):
@@ -236,11 +230,11 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         skipped, was_at_min, before, *norm_value = torch.stack(
             values
         ).tolist()  # the one host sync of the step
-        self._grad_norm_value = norm_value[0] if norm_value else None
-        self._step_scale = before
-        self._step_was_skipped = bool(skipped)
+        self._s.grad_norm_value = norm_value[0] if norm_value else None
+        self._s.step_scale = before
+        self._s.step_was_skipped = bool(skipped)
         if skipped:
-            self._skipped_steps += 1
+            self._s.skipped_steps += 1
             self._report_skip(before, bool(was_at_min))
             return
         if self.max_grad_norm is not None:
@@ -255,10 +249,10 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             "halfprec: step skipped, non-finite gradients (loss scale %g -> %g, %d skipped so far)",
             scale_before,
             after,
-            self._skipped_steps,
+            self._s.skipped_steps,
         )
-        if was_at_min and self.loss_scaler.is_dynamic and not self._warned_min_scale:
-            self._warned_min_scale = True
+        if was_at_min and self.loss_scaler.is_dynamic and not self._s.warned_min_scale:
+            self._s.warned_min_scale = True
             warnings.warn(
                 f"halfprec: gradients overflowed at the minimum loss scale {scale_before:g}; the scale cannot "
                 "go lower, so every such step is skipped. Lower min_scale, lower the learning rate, or train "
@@ -277,7 +271,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 p.grad.detach_()
                 p.grad.zero_()
         self._store.clear_grads()
-        self._unscaled = False
+        self._s.unscaled = False
 
     # --- checkpoint state ------------------------------------------------------------------------------
     def _index_params(self) -> list[torch.Tensor]:
@@ -297,7 +291,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 for i, (p, m) in enumerate(zip(params, model, strict=True))
             ],
             "scaler": self.loss_scaler.state_dict(),
-            "skipped_steps": self._skipped_steps,
+            "skipped_steps": self._s.skipped_steps,
         }
         return self._run_hooks("_optimizer_state_dict_post_hooks", out)
 
@@ -319,8 +313,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 params[int(index)].copy_(value)
         self._store.copy_params_out()
         self.loss_scaler.load_state_dict(state_dict["scaler"])
-        self._skipped_steps = int(state_dict["skipped_steps"])
-        self._unscaled = False
+        self._s.skipped_steps = int(state_dict["skipped_steps"])
+        self._s.unscaled = False
         self._run_hooks("_optimizer_load_state_dict_post_hooks")
 
     def _check_compatible(self, saved: list[dict[str, Any]]) -> None:
@@ -338,6 +332,21 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def __repr__(self) -> str:
         return f"MixedPrecisionOptimizer({self.optimizer!r}, loss_scaler={self.loss_scaler!r})"
+
+
+@dataclass
+class _StepState:
+    """Everything a step changes, in one object: wrappers that copy the optimizer's ``__dict__`` (Lightning's
+    and Fabric's) share it, so a call made through such a wrapper updates the real optimizer."""
+
+    unscaled: bool = False
+    grads: list[torch.Tensor] = field(default_factory=list)
+    grad_versions: list[tuple[int, int]] = field(default_factory=list)
+    grad_norm_value: float | None = None
+    step_scale: float | None = None
+    step_was_skipped: bool = False
+    skipped_steps: int = 0
+    warned_min_scale: bool = False
 
 
 def _check_params(params: list, known: set) -> None:

@@ -23,7 +23,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world_size: int, scenario: str, out: Path, *, timeout: float = 150.0, expect_ok: bool = True, **kwargs):
+def launch(
+    world_size: int, scenario: str, out: Path, *, timeout: float = 150.0, expect_ok: bool = True, **kwargs
+):
     """Run ``scenario`` on ``world_size`` ranks; return the exit codes. Results land in ``out/result-R.pt``."""
     out.mkdir(parents=True, exist_ok=True)
     args = out / f"args-{scenario}.json"
@@ -44,7 +46,9 @@ def launch(world_size: int, scenario: str, out: Path, *, timeout: float = 150.0,
         log = open(out / f"log-{scenario}-{rank}.txt", "w")  # noqa: SIM115 - closed below
         logs.append(log)
         procs.append(
-            subprocess.Popen([sys.executable, str(WORKER), scenario, str(args)], env=env, stdout=log, stderr=log)
+            subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, str(args)], env=env, stdout=log, stderr=log
+            )
         )
     deadline = time.monotonic() + timeout
     codes = []

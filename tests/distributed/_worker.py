@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import halfprec
 from halfprec.distributed.sharded import ShardedMixedPrecisionOptimizer
 
-RANK = int(os.environ["RANK"])
-WORLD = int(os.environ["WORLD_SIZE"])
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -73,7 +73,9 @@ def batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Ten
     return torch.randn(6, 7, generator=g), torch.randn(6, 5, generator=g)
 
 
-def loss_of(model: torch.nn.Module, step: int, rank: int, micro: int, dtype: torch.dtype, poison: list) -> torch.Tensor:
+def loss_of(
+    model: torch.nn.Module, step: int, rank: int, micro: int, dtype: torch.dtype, poison: list
+) -> torch.Tensor:
     x, y = batch(step, rank, micro)
     loss = F.mse_loss(model(x.to(dtype)).float(), y)
     if [step, rank] in poison:
@@ -115,11 +117,16 @@ def oracle(cfg: dict, steps: int, world: int) -> dict:
                 if cfg["stage"] == 2:  # stage 2 reduces each micro-batch: keep them apart
                     acc = (acc or []) + [[g.clone() for g in grads]]
                     low.zero_grad(set_to_none=True)
-            per_rank.append(acc if cfg["stage"] == 2 else [[low.get_parameter(n).grad.clone() for n in names]])
+            per_rank.append(
+                acc if cfg["stage"] == 2 else [[low.get_parameter(n).grad.clone() for n in names]]
+            )
         total = None
         for m in range(len(per_rank[0])):
             if cfg["reduce"] == "fp32":
-                s = [sum((per_rank[r][m][k].float() for r in range(1, world)), per_rank[0][m][k].float()) for k in range(len(names))]
+                s = [
+                    sum((per_rank[r][m][k].float() for r in range(1, world)), per_rank[0][m][k].float())
+                    for k in range(len(names))
+                ]
             else:
                 s = [per_rank[0][m][k] / world for k in range(len(names))]
                 for r in range(1, world):
@@ -251,7 +258,11 @@ def scenario_ddp(out: str, configs: list, steps: int) -> dict:
         res[i] = {
             "trace": trace,
             "masters": {n: m.detach().clone() for n, m in masters.items()},
-            "state": {n: {k: v.clone() for k, v in mp.state[m].items()} for n, m in masters.items() if mp.state.get(m)},
+            "state": {
+                n: {k: v.clone() for k, v in mp.state[m].items()}
+                for n, m in masters.items()
+                if mp.state.get(m)
+            },
             "params": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
             "skipped_steps": mp.skipped_steps,
         }
@@ -270,11 +281,16 @@ def scenario_ckpt_save(out: str, configs: list, steps: int, more: int) -> dict:
         train(model, opt, cfg, range(steps))
         checkpoint.save(opt, Path(out) / f"A{i}")
         train(model, opt, cfg, range(steps, steps + more))
-        res[i] = {"pieces": pieces(opt), "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        res[i] = {
+            "pieces": pieces(opt),
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        }
     return res
 
 
-def scenario_ckpt_reshard(out: str, configs: list, steps: int, more: int, source: str, target: str, resume: bool) -> dict:
+def scenario_ckpt_reshard(
+    out: str, configs: list, steps: int, more: int, source: str, target: str, resume: bool
+) -> dict:
     """Load ``source{i}`` into a fresh sharded optimizer at this world size; save ``target{i}``; maybe resume."""
     from halfprec.distributed import checkpoint
 
@@ -282,11 +298,17 @@ def scenario_ckpt_reshard(out: str, configs: list, steps: int, more: int, source
     for i, cfg in enumerate(configs):
         model, opt = build_sharded(cfg)
         checkpoint.load(opt, Path(out) / f"{source}{i}")
-        complete = all(set(opt.state.get(p, {})) == {"step", "exp_avg", "exp_avg_sq"} or cfg["opt"] != "adamw"
-                       for n, _s, _g, piece, p in opt._model_space() if piece is not None and n != "unused")
+        complete = all(
+            set(opt.state.get(p, {})) == {"step", "exp_avg", "exp_avg_sq"} or cfg["opt"] != "adamw"
+            for n, _s, _g, piece, p in opt._model_space()
+            if piece is not None and n != "unused"
+        )
         checkpoint.save(opt, Path(out) / f"{target}{i}")
-        res[i] = {"complete": complete, "n_pieces": len(opt.layout.pieces),
-                  "groups_held": [len(g["params"]) for g in opt.param_groups]}
+        res[i] = {
+            "complete": complete,
+            "n_pieces": len(opt.layout.pieces),
+            "groups_held": [len(g["params"]) for g in opt.param_groups],
+        }
         if resume:
             train(model, opt, cfg, range(steps, steps + more))
             res[i]["pieces"] = pieces(opt)
@@ -306,6 +328,7 @@ def scenario_ckpt_die(out: str, cfg: dict) -> dict:
     torch.save(pieces(opt), Path(out) / f"first-{RANK}.pt")
     train(model, opt, cfg, range(1, 2))
     if RANK == 1:
+
         def die(self, *args, **kwargs):
             os._exit(3)
 
@@ -314,12 +337,115 @@ def scenario_ckpt_die(out: str, cfg: dict) -> dict:
     return {}
 
 
+def scenario_gpu(out: str, steps: int) -> dict:
+    """World size 1 on CUDA/NCCL: stage 1 and 2 equal MixedPrecisionOptimizer bit for bit; DCP round trip."""
+    from halfprec.distributed import checkpoint
+    from halfprec.distributed.consolidate import consolidate
+
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
+    )
+    res = {}
+    for stage in (1, 2):
+        cfg = {"dtype": "fp16", "opt": "adamw", "stage": stage, "reduce": "fp32"}
+        ref_model = make_model(torch.float16).to(device)
+        ref = halfprec.MixedPrecisionOptimizer(
+            make_optimizer(ref_model, "adamw"), loss_scaler=make_scaler(cfg)
+        )
+        model = make_model(torch.float16).to(device)
+        opt = ShardedMixedPrecisionOptimizer(
+            make_optimizer(model, "adamw"), named_parameters=model, stage=stage, loss_scaler=make_scaler(cfg)
+        )
+        for step in range(steps):
+            for m, o in ((ref_model, ref), (model, opt)):
+                x, y = batch(step, 0)
+                o.backward(F.mse_loss(m(x.to(device, torch.float16)).float(), y.to(device)))
+                o.step()
+                o.zero_grad()
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters(), strict=True))
+        checkpoint.save(opt, Path(out) / f"gpu{stage}")
+        weights = consolidate(Path(out) / f"gpu{stage}")
+        masters = dict(zip(group_order_names(ref_model), ref.master_params(), strict=True))
+        exported = all(torch.equal(weights[n], m.detach().cpu()) for n, m in masters.items())
+        res[stage] = {"same_params": same, "same_masters_in_checkpoint": exported, "scale": opt.loss_scale}
+    return res
+
+
+def scenario_misc(out: str) -> dict:
+    """Surface checks that need a process group: schedulers, named groups, errors, rank-local state dicts."""
+    cfg = {"dtype": "bf16", "opt": "adamw", "stage": 1, "reduce": "fp32", "bucket": 30}
+    res: dict = {}
+    model, opt = build_sharded(cfg)
+    res["is_optimizer"] = isinstance(opt, torch.optim.Optimizer)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, opt, cfg, range(2))
+        sched.step()
+    res["lr_after"] = [g["lr"] for g in opt.param_groups]
+    res["scheduler_warnings"] = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+    # buckets are launched while backward runs, not all at its end
+    opt.backward(loss_of(model, 5, RANK, 0, torch.bfloat16, []))
+    res["buckets"] = len(opt.layout.buckets)
+    res["overlapped"] = opt._reducer.overlapped
+    res["stage1_grads_are_views"] = all(
+        p.grad is not None and p.grad.data_ptr() >= opt._reducer.flat_grad.data_ptr()
+        for n, p in model.named_parameters()
+        if p.requires_grad and n != "unused"
+    )
+    try:
+        opt.unscale_()
+        opt.backward(loss_of(model, 5, RANK, 0, torch.bfloat16, []))
+        res["backward_after_unscale"] = "no error"
+    except RuntimeError as e:
+        res["backward_after_unscale"] = str(e)
+    opt.step()
+    opt.zero_grad()
+    # rank-local state dict: same world size round trip
+    sd = opt.state_dict()
+    model2, opt2 = build_sharded(cfg)
+    opt2.load_state_dict(sd)
+    res["local_round_trip"] = torch.equal(opt2.flat_master, opt.flat_master) and all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters(), strict=True)
+    )
+    # stage 2 frees whole grads and refuses no_sync
+    cfg2 = dict(cfg, stage=2)
+    model3, opt3 = build_sharded(cfg2)
+    opt3.backward(loss_of(model3, 0, RANK, 0, torch.bfloat16, []))
+    res["stage2_grads_freed"] = all(p.grad is None for p in model3.parameters())
+    try:
+        with opt3.no_sync():
+            pass
+        res["stage2_no_sync"] = "no error"
+    except RuntimeError as e:
+        res["stage2_no_sync"] = str(e)
+    # an optimizer built from named_parameters (torch keeps param_names in its groups)
+    model4 = make_model(torch.bfloat16)
+    inner = torch.optim.AdamW(model4.named_parameters(), lr=0.01)
+    opt4 = ShardedMixedPrecisionOptimizer(inner, named_parameters=model4, bucket_size=30)
+    train(model4, opt4, cfg, range(1))
+    res["param_names"] = [list(g.get("param_names", [])) for g in opt4.param_groups]
+    try:
+        opt4.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+        res["add_param_group"] = "no error"
+    except RuntimeError as e:
+        res["add_param_group"] = str(e)
+    return res
+
+
+def scenario_multi(out: str, parts: list) -> dict:
+    """Several scenarios in one process group: ``parts`` is ``[[name, kwargs], ...]``."""
+    return {name: globals()[f"scenario_{name}"](out=out, **kwargs) for name, kwargs in parts}
+
+
 def main() -> None:
     scenario, args_path = sys.argv[1], sys.argv[2]
     args = json.loads(Path(args_path).read_text())
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo",
+        os.environ.get("HALFPREC_TEST_BACKEND", "gloo"),
         init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
         rank=RANK,
         world_size=WORLD,

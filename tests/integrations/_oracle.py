@@ -47,7 +47,9 @@ def make_batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor
 def make_loader(batches) -> torch.utils.data.DataLoader:
     xs = torch.cat([x for x, _ in batches])
     ys = torch.cat([y for _, y in batches])
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=BATCH, shuffle=False)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(xs, ys), batch_size=BATCH, shuffle=False
+    )
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -96,8 +98,22 @@ class Record:
     scales: list[float] = dataclasses.field(default_factory=list)
 
 
-def plain_loop(dtype, batches, *, accum=1, inf_at=(), max_grad_norm=CLIP, model=None, mp=None, sched=None):
-    """The reference: ``mp.backward(loss / accum)`` per micro-batch, ``mp.step()`` at each boundary."""
+def plain_loop(
+    dtype,
+    batches,
+    *,
+    accum=1,
+    inf_at=(),
+    max_grad_norm=CLIP,
+    model=None,
+    mp=None,
+    sched=None,
+    cast_targets=False,
+):
+    """The reference: ``mp.backward(loss / accum)`` per micro-batch, ``mp.step()`` at each boundary.
+
+    ``cast_targets``: round the targets to ``dtype`` too, as Lightning's ``convert_input`` does to the batch.
+    """
     if model is None:
         model = make_model()
         mp = make_optimizer(model, dtype, max_grad_norm)
@@ -105,7 +121,7 @@ def plain_loop(dtype, batches, *, accum=1, inf_at=(), max_grad_norm=CLIP, model=
     injector = InfInjector(model[0].weight, inf_at)
     rec = Record()
     for i, (x, y) in enumerate(batches):
-        loss = loss_fn(model(x.to(dtype)), y)
+        loss = loss_fn(model(x.to(dtype)), y.to(dtype) if cast_targets else y)
         rec.losses.append(loss.item())
         mp.backward(loss / accum)
         if (i + 1) % accum == 0:

@@ -51,7 +51,9 @@ def _setup(dtype, batches, accum, *, seed=0):
     return accelerator, model, mp, opt, loader, sched
 
 
-def _train(accelerator, model, mp, opt, loader, sched, dtype, rec, inf_at=(), skip_seen=None, stop_after=None):
+def _train(
+    accelerator, model, mp, opt, loader, sched, dtype, rec, inf_at=(), skip_seen=None, stop_after=None
+):
     injector = InfInjector(model[0].weight, inf_at)
     for i, (x, y) in enumerate(loader):
         if i == stop_after:
@@ -98,7 +100,9 @@ def test_overflow_skip_holds_schedule(name, recwarn, caplog):
     _train(accelerator, model, mp, opt, loader, sched, dtype, rec, inf_at=inf_at, skip_seen=seen)
     assert rec.skipped == [False, True, False] == ref.skipped
     assert seen == [False, True, False]  # accelerator.optimizer_step_was_skipped, which the HF Trainer reads
-    assert rec.lrs == pytest.approx([0.009, 0.009, 0.0081], rel=1e-12)  # AcceleratedScheduler held on the skip
+    assert rec.lrs == pytest.approx(
+        [0.009, 0.009, 0.0081], rel=1e-12
+    )  # AcceleratedScheduler held on the skip
     assert rec == ref
     assert_same_weights(model, mp, ref_model, ref_mp)
     assert mp.skipped_steps == 1
@@ -118,7 +122,9 @@ def test_save_state_resume_bit_exact(name, tmp_path):
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    acc2, model2, mp2, opt2, loader2, sched2 = _setup(dtype, batches, 2, seed=123)  # other weights, then loaded
+    acc2, model2, mp2, opt2, loader2, sched2 = _setup(
+        dtype, batches, 2, seed=123
+    )  # other weights, then loaded
     acc2.register_for_checkpointing(mp2.loss_scaler)
     acc2.load_state(tmp_path / "ckpt")
     second = Record()
@@ -160,3 +166,39 @@ def test_prepare_before_first_step_round_trips_state():
     for a, b in zip(before, mp.master_params(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert opt.step_was_skipped is False and mp.loss_scale == 2.0**8
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_fused_optimizer_matches_plain_loop(name):
+    # The fused optimizers own masters and a scale too; the link and the scaled entry point are the same.
+    from halfprec.optim import FusedAdamW
+
+    from ._oracle import CLIP, LR, make_scaler
+
+    def fused(model, dtype):
+        return FusedAdamW(
+            model.parameters(),
+            lr=LR,
+            weight_decay=0.1,
+            loss_scaler=make_scaler(dtype),
+            max_grad_norm=CLIP,
+            param_dtype=dtype,
+        )
+
+    dtype, batches = DTYPES[name], make_batches(6)
+    ref_model = make_model()
+    ref_mp = fused(ref_model, dtype)
+    _, _, _, ref = plain_loop(
+        dtype, batches, accum=2, inf_at=(2,), model=ref_model, mp=ref_mp, sched=make_scheduler(ref_mp)
+    )
+    accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=2)
+    model = make_model()
+    mp = fused(model, dtype)
+    model, opt, loader, sched = hp_accelerate.prepare(
+        accelerator, model, mp, make_loader(batches), make_scheduler(mp)
+    )
+    rec, seen = Record(), []
+    _train(accelerator, model, mp, opt, loader, sched, dtype, rec, inf_at=(2,), skip_seen=seen)
+    assert seen == [False, True, False] and rec == ref
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

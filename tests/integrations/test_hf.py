@@ -141,7 +141,9 @@ def test_trainer_built_optimizer_matches_plain_loop(name, tmp_path):
         **kwargs,
     )
     scaler = halfprec.DynamicLossScaler() if dtype == torch.float16 else None
-    ref_mp = halfprec.MixedPrecisionOptimizer(inner, loss_scaler=scaler, max_grad_norm=CLIP, param_dtype=dtype)
+    ref_mp = halfprec.MixedPrecisionOptimizer(
+        inner, loss_scaler=scaler, max_grad_norm=CLIP, param_dtype=dtype
+    )
     ref_sched = transformers.get_scheduler("linear", ref_mp, num_warmup_steps=0, num_training_steps=3)
     _, _, _, ref = plain_loop(dtype, batches, accum=2, model=ref_model, mp=ref_mp, sched=ref_sched)
     assert model.losses == ref.losses
@@ -189,22 +191,61 @@ def test_resume_from_checkpoint_bit_exact(name, tmp_path):
     ],
 )
 def test_precision_flags_are_an_error(setting, match, tmp_path):
-    class _Args:  # TrainingArguments itself refuses fp16 on a CPU-only box, so the check sees the flag first
-        def __init__(self, **kw):
-            self.__dict__.update(kw)
-
     with pytest.raises(ValueError, match=match):
-        HalfprecTrainer(model=RegressionModel(), args=_Args(**setting), halfprec_dtype=torch.bfloat16)
+        HalfprecTrainer(
+            model=RegressionModel(), args=_args(tmp_path, 1, **setting), halfprec_dtype=torch.bfloat16
+        )
 
 
 def test_misconfiguration_errors(tmp_path):
     batches = make_batches(2)
     with pytest.raises(ValueError, match=r"halfprec_dtype is None.*halfprec_dtype=torch\.bfloat16"):
-        HalfprecTrainer(model=RegressionModel(), args=_args(tmp_path, 1), train_dataset=_dataset(batches)).train()
+        HalfprecTrainer(
+            model=RegressionModel(), args=_args(tmp_path, 1), train_dataset=_dataset(batches)
+        ).train()
     model = RegressionModel()
     mp = make_optimizer(model.net, torch.bfloat16, max_grad_norm=0.5)
-    trainer = HalfprecTrainer(model=model, args=_args(tmp_path, 1), train_dataset=_dataset(batches), optimizers=(mp, None))
+    trainer = HalfprecTrainer(
+        model=model, args=_args(tmp_path, 1), train_dataset=_dataset(batches), optimizers=(mp, None)
+    )
     with pytest.raises(ValueError, match=r"max_grad_norm=0\.5 but TrainingArguments has max_grad_norm=0\.05"):
         trainer.train()
     with pytest.raises(ValueError, match=r"halfprec_dtype must be"):
         HalfprecTrainer(model=RegressionModel(), args=_args(tmp_path, 1), halfprec_dtype=torch.float32)
+
+
+_CHILD = """
+import sys, torch
+from tests.integrations._oracle import DTYPES, make_batches
+from tests.integrations.test_hf import _trainer
+name, out, ckpt = sys.argv[1:4]
+trainer, model, mp, steps = _trainer(out, DTYPES[name], make_batches(8), 4, seed=123)
+trainer.train(resume_from_checkpoint=ckpt)
+torch.save({"params": [p.detach() for p in model.parameters()], "masters": [m.detach() for m in mp.master_params()],
+            "losses": model.losses, "lrs": steps.lrs, "scale": mp.loss_scale}, out + "/child.pt")
+"""
+
+
+def test_resume_in_a_fresh_process_bit_exact(tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+
+    dtype, batches = torch.float16, make_batches(8)
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2)
+    trainer, *_ = _trainer(tmp_path, dtype, batches, 2, save_strategy="steps", save_steps=2)
+    trainer.train()
+    root = pathlib.Path(__file__).resolve().parents[2]
+    subprocess.run(
+        [sys.executable, "-c", _CHILD, "fp16", str(tmp_path), str(tmp_path / "checkpoint-2")],
+        cwd=root,
+        check=True,
+    )
+    child = torch.load(tmp_path / "child.pt", weights_only=True)
+    assert (
+        child["losses"] == ref.losses[4:] and child["lrs"] == ref.lrs[2:] and child["scale"] == ref.scales[-1]
+    )
+    for a, b in zip(child["params"], ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(child["masters"], ref_mp.master_params(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

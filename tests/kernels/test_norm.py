@@ -7,6 +7,7 @@ import torch
 
 from halfprec.optim._buffers import build_table
 
+from ..optim.helpers import DEVICE
 from ..optim.tolerances import tol
 
 SIZES = [1, 127, 4097, 2**16 + 3]
@@ -21,7 +22,7 @@ def _run(grads, flags, scale, max_norm, check=True):
     for g in grads:
         offsets.append(total)
         total += (g.numel() + 15) // 16 * 16
-    flat = torch.full((total,), float("nan"), dtype=dtype)  # padding is never read
+    flat = torch.zeros(total, dtype=dtype)  # padding is zero (and read)
     for g, o in zip(grads, offsets, strict=True):
         flat[o : o + g.numel()] = g
     n = len(grads)
@@ -35,6 +36,9 @@ def _run(grads, flags, scale, max_norm, check=True):
     pscal = torch.zeros(n, 16)
     flags_t = torch.tensor(flags, dtype=torch.int32)
     scale_t = torch.tensor(scale)
+    flat, table, sq, bad, scalars, steps, pscal, flags_t, scale_t = (
+        t.to(DEVICE) for t in (flat, table, sq, bad, scalars, steps, pscal, flags_t, scale_t)
+    )
     norm.sumsq(flat, table, flags_t, scale_t, sq, bad)
     norm.finalize(
         sq,
@@ -44,13 +48,13 @@ def _run(grads, flags, scale, max_norm, check=True):
         max_norm,
         flags_t,
         steps,
-        torch.zeros(n, dtype=torch.int32),
-        torch.tensor([[1e-3, 0.9, 0.99, 1e-8, 0.0, 1.0, 0, 0]], dtype=torch.float64),
+        torch.zeros(n, dtype=torch.int32, device=DEVICE),
+        torch.tensor([[1e-3, 0.9, 0.99, 1e-8, 0.0, 1.0, 0, 0]], dtype=torch.float64, device=DEVICE),
         pscal,
         check=check,
         kind=0,
     )
-    return scalars, steps
+    return scalars.cpu(), steps.cpu()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

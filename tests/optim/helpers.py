@@ -8,8 +8,11 @@ import halfprec
 
 from .tolerances import tol
 
+# the interpreter on CPU; the GPU when there is one (the interpreter is off there)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-def make_params(sizes, dtype, device="cpu", seed=0):
+
+def make_params(sizes, dtype, device=DEVICE, seed=0):
     g = torch.Generator().manual_seed(seed)
     init = [torch.randn(n if isinstance(n, tuple) else (n,), generator=g) for n in sizes]
     a = [torch.nn.Parameter(t.to(device=device, dtype=dtype)) for t in init]
@@ -18,7 +21,7 @@ def make_params(sizes, dtype, device="cpu", seed=0):
 
 
 def pair(
-    torch_cls, fused_cls, sizes, dtype, hp, *, device="cpu", max_grad_norm=None, scaler=None, groups=None
+    torch_cls, fused_cls, sizes, dtype, hp, *, device=DEVICE, max_grad_norm=None, scaler=None, groups=None
 ):
     """(reference MixedPrecisionOptimizer, fused optimizer, ref params, fused params)."""
     a, b = make_params(sizes, dtype, device)

@@ -13,7 +13,14 @@ import torch
 import halfprec
 from halfprec.optim import FusedAdam, FusedAdamW
 
-from .helpers import assert_params_are_rounded_masters, assert_same_state, pair, random_grads, set_grads
+from .helpers import (
+    DEVICE,
+    assert_params_are_rounded_masters,
+    assert_same_state,
+    pair,
+    random_grads,
+    set_grads,
+)
 
 SIZES = [9, 41, 341, 4231, 1, 127, 4097]
 HP = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
@@ -68,7 +75,7 @@ def test_groups_mixed_dtypes_and_no_grad_params_keep_their_counters():
 
 def test_mixed_fp16_fp32_params_in_one_group():
     a16, b16 = pair(torch.optim.AdamW, FusedAdamW, [5], torch.float16, HP)[2:]
-    a32 = [torch.nn.Parameter(torch.randn(77))]
+    a32 = [torch.nn.Parameter(torch.randn(77, device=DEVICE))]
     b32 = [torch.nn.Parameter(a32[0].detach().clone())]
     ref = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(a16 + a32, **HP), max_grad_norm=1.0)
     fused = FusedAdamW(b16 + b32, **HP, max_grad_norm=1.0)
@@ -133,8 +140,8 @@ class _Net(torch.nn.Module):
 
 def _nets():
     torch.manual_seed(0)
-    n1 = _Net().half()
-    n2 = _Net().half()
+    n1 = _Net().half().to(DEVICE)
+    n2 = _Net().half().to(DEVICE)
     n2.load_state_dict(n1.state_dict())
     return n1, n2
 
@@ -146,7 +153,7 @@ def test_backward_hooks_views_and_accumulation(zero):
     fused = FusedAdamW(n2.parameters(), **HP, max_grad_norm=1.0)
     for s in range(3):
         for micro in range(2):  # gradient accumulation: the second backward adds into the same view
-            x = torch.randn(4, 13, generator=torch.Generator().manual_seed(10 * s + micro)).half()
+            x = torch.randn(4, 13, generator=torch.Generator().manual_seed(10 * s + micro)).half().to(DEVICE)
             ref.backward(n1(x).float().pow(2).mean())
             fused.backward(n2(x).float().pow(2).mean())
         ref.step()
@@ -219,19 +226,21 @@ ERRORS = [
 @pytest.mark.parametrize(("kwargs", "error", "match"), ERRORS)
 def test_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
-        FusedAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))], **kwargs)
+        FusedAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16, device=DEVICE))], **kwargs)
 
 
 def test_add_param_group_after_construction_and_unscale_raise():
-    opt = FusedAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))])
+    opt = FusedAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16, device=DEVICE))])
     with pytest.raises(RuntimeError, match="pass every param group to the constructor"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))]})
+        opt.add_param_group(
+            {"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float16, device=DEVICE))]}
+        )
     with pytest.raises(RuntimeError, match="folds unscaling"):
         opt.unscale_()
 
 
 def test_param_dtype_casts_fp32_model_and_keeps_fp32_masters():
-    p = torch.nn.Parameter(torch.randn(41))
+    p = torch.nn.Parameter(torch.randn(41, device=DEVICE))
     original = p.detach().clone()
     opt = FusedAdamW([p], param_dtype=torch.float16)
     assert p.dtype == torch.float16

@@ -11,6 +11,8 @@ import torch
 from halfprec.optim import FusedAdagrad, FusedAdamW, FusedSGD
 from halfprec.optim.bridge import fused_from_torch, select_impl
 
+from .helpers import DEVICE
+
 
 def _p(device="cpu"):
     return [torch.nn.Parameter(torch.zeros(4, dtype=torch.float16, device=device))]
@@ -72,7 +74,7 @@ def test_select_impl_gpu_policy():
     ],
 )
 def test_fused_from_torch_copies_groups(factory, cls):
-    ps = [torch.nn.Parameter(torch.randn(5).half()) for _ in range(2)]
+    ps = [torch.nn.Parameter(torch.randn(5, device=DEVICE).half()) for _ in range(2)]
     inner = factory(ps)
     want = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
     fused = fused_from_torch(inner, max_grad_norm=1.0)

@@ -7,7 +7,14 @@ import torch
 
 from halfprec.optim import FusedAdagrad, FusedSGD
 
-from .helpers import assert_params_are_rounded_masters, assert_same_state, pair, random_grads, set_grads
+from .helpers import (
+    DEVICE,
+    assert_params_are_rounded_masters,
+    assert_same_state,
+    pair,
+    random_grads,
+    set_grads,
+)
 
 SIZES = [9, 41, 341, 4231, 1, 127]
 
@@ -64,4 +71,4 @@ ERRORS = [
 @pytest.mark.parametrize(("cls", "kwargs", "error", "match"), ERRORS)
 def test_errors(cls, kwargs, error, match):
     with pytest.raises(error, match=match):
-        cls([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))], **kwargs)
+        cls([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16, device=DEVICE))], **kwargs)

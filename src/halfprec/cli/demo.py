@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default: cpu)")
     add("--steps", type=int, default=200, help="optimizer steps per precision (default: 200)")
-    add("--precisions", default=",".join(PRECISIONS), help="comma-separated, from fp32,bf16,fp16 (default: all)")
+    add("--precisions", default=",".join(PRECISIONS), help="comma-separated subset of fp32,bf16,fp16")
     add("--out", type=Path, default=Path("halfprec-demo"), help="directory for the PNG and checkpoints")
     add("--seed", type=int, default=0, help="seeds the model's init and the batches (default: 0)")
     add("--batch-size", type=int, default=16, help="sequences per step (default: 16)")
@@ -93,7 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--n-layer", type=int, default=3, help="transformer blocks (default: 3)")
     add("--n-embd", type=int, default=128, help="model width, a multiple of 4 (default: 128)")
     add("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default: 3e-3)")
-    add("--threads", type=int, default=None, help="CPU threads for torch (default: the cores this process may use)")
+    add(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: the cores this process may use)",
+    )
     add("--corpus-bytes", type=int, default=None, help="read at most this many stdlib bytes (default: all)")
     add("--resume-check", default="auto", help="precision to resume-check, or 'none' (default: fp16 if run)")
     add("--break-resume", action="store_true", help=argparse.SUPPRESS)  # test hook: the check must then fail
@@ -102,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         specs = _specs(args)
-    except ValueError as e:
+        _check_extras()
+    except (ValueError, ImportError) as e:
         print(f"halfprec demo: {e}", file=sys.stderr)
         return 2
     cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd)
@@ -190,8 +196,16 @@ class _Schedule:
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _train(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec, result: RunResult, *, start: int,
-           desc: str | None = None, evaluate: bool = True) -> float:
+def _train(
+    engine: halfprec.Engine,
+    corpus: Corpus,
+    spec: RunSpec,
+    result: RunResult,
+    *,
+    start: int,
+    desc: str | None = None,
+    evaluate: bool = True,
+) -> float:
     """Train steps ``start .. spec.steps-1``, appending to ``result``; returns the seconds spent training,
     evaluation and the first step excluded."""
     from tqdm import tqdm  # noqa: PLC0415 - the [demo] extra
@@ -202,7 +216,9 @@ def _train(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec, result: RunRe
     for step in bar:
         t0 = time.perf_counter()
         # Batch `step` is a pure function of (seed, step): a resumed run sees the same batches.
-        x, y = corpus.batch("train", step=step, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed)
+        x, y = corpus.batch(
+            "train", step=step, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed
+        )
         x, y = x.to(spec.device), y.to(spec.device)
         logits = engine(x)  # (B, T, 256), in the run's precision
         # The loss in fp32: the log-softmax of 16-bit logits loses the small probabilities it is made of.
@@ -248,7 +264,9 @@ def _peak_memory(device: str) -> str:
     return f"{rss / (2**20 if sys.platform == 'darwin' else 2**10):.0f} MiB"
 
 
-def _resume_check(done: halfprec.Engine, corpus: Corpus, spec: RunSpec, losses: list[float]) -> tuple[bool, str]:
+def _resume_check(
+    done: halfprec.Engine, corpus: Corpus, spec: RunSpec, losses: list[float]
+) -> tuple[bool, str]:
     """Load the mid-run checkpoint into a fresh engine, finish the run, compare with the uninterrupted one."""
     # A different init seed, so that only the checkpoint can make the fresh model equal to the saved one.
     fresh = _build_engine(spec, init_seed=spec.seed + 1)
@@ -288,12 +306,17 @@ def _first_difference(a: Any, b: Any, where: str) -> str | None:
     if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys():
             return f"{where} has different keys"
-        return next((d for k in a if (d := _first_difference(a[k], b[k], f"{where}[{k!r}]"))), None)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        pairs = [(a[k], b[k], f"{where}[{k!r}]") for k in a]
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return f"{where} has a different length"
-        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _first_difference(x, y, f"{where}[{i}]"))), None)
-    return None if a == b else f"{where}: {a!r} != {b!r}"
+        pairs = [(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True))]
+    else:
+        return None if a == b else f"{where}: {a!r} != {b!r}"
+    for x, y, inner in pairs:
+        if (diff := _first_difference(x, y, inner)) is not None:
+            return diff
+    return None
 
 
 # --- the CLI's edge: flags -> specs; results -> table and PNG --------------------------------------------
@@ -319,8 +342,9 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     common = dict(
         device=args.device, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-        n_layer=args.n_layer, n_embd=args.n_embd, lr=args.lr, seed=args.seed, threads=args.threads or _usable_cores(),
-        eval_every=max(1, args.steps // 5), eval_batches=8, corpus_bytes=args.corpus_bytes,
+        n_layer=args.n_layer, n_embd=args.n_embd, lr=args.lr, seed=args.seed,
+        threads=args.threads or _usable_cores(), eval_every=max(1, args.steps // 5), eval_batches=8,
+        corpus_bytes=args.corpus_bytes,
     )  # fmt: skip
     return [
         RunSpec(
@@ -332,6 +356,15 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         )
         for p in precisions
     ]
+
+
+def _check_extras() -> None:
+    # Checked before training, not found missing at the plot two minutes later.
+    for name in ("tqdm", "matplotlib"):
+        try:
+            __import__(name)
+        except ImportError as e:
+            raise ImportError(f"the demo needs {name}: pip install 'halfprec[demo]'") from e
 
 
 def _usable_cores() -> int:
@@ -351,14 +384,19 @@ def _table(results: list[RunResult], device: str) -> str:
         rows.append((r.precision, f"{r.train_loss:.3f}", f"{r.val_loss:.3f}", f"{r.tokens_per_s:,.0f}",
                      r.peak_memory, str(r.skipped_steps), scale))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in rows]  # fmt: skip
-    lines.insert(1, "  ".join("-" * w for w in widths))
+
+    def line(row: tuple[str, ...]) -> str:  # names left-aligned, numbers right-aligned
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        return "  ".join(cells)
+
+    lines = [line(header), "  ".join("-" * w for w in widths), *map(line, rows[1:])]
     notes = ["train loss: mean of the last 10 steps; val loss: 8 fixed held-out batches"]
     if device == "cpu":
         notes.append("peak RSS: the whole child process (torch and the corpus included)")
         if any(r.precision == "fp16" for r in results):
-            notes.append("fp16 on CPU: matmuls take fp16 inputs, accumulate in fp32, round to fp16 (as GPUs do)")
+            notes.append(
+                "on CPU, fp16 matmuls take fp16 inputs, accumulate in fp32 and round to fp16, as GPUs do"
+            )
     return "\n".join(lines + [""] + notes)
 
 
@@ -373,7 +411,9 @@ def _plot(results: list[RunResult], path: Path) -> Path:
     fig, axes = plt.subplots(2 if fp16 else 1, 1, figsize=(8, 7 if fp16 else 4), sharex=True, squeeze=False)
     ax = axes[0, 0]
     for r in results:
-        (line,) = ax.plot(range(1, len(r.losses) + 1), r.losses, lw=0.8, alpha=0.7, label=f"{r.precision} train")
+        (line,) = ax.plot(
+            range(1, len(r.losses) + 1), r.losses, lw=0.8, alpha=0.7, label=f"{r.precision} train"
+        )
         steps, vals = zip(*r.val_curve, strict=True) if r.val_curve else ((), ())
         ax.plot(steps, vals, "o-", color=line.get_color(), ms=4, label=f"{r.precision} val")
     ax.axhline(math.log(256), color="grey", ls=":", lw=0.8, label="uniform bytes (5.55)")

@@ -33,7 +33,9 @@ def stdlib_files(root: str | Path | None = None) -> list[Path]:
         subdirs[:] = [d for d in subdirs if d not in _SKIP_DIRS]
         files.extend(Path(folder, n) for n in names if n.endswith(".py"))
     if not files:
-        raise RuntimeError(f"no *.py files found under {root}; the demo reads Python's standard library sources")
+        raise RuntimeError(
+            f"no *.py files found under {root}; the demo reads Python's standard library sources"
+        )
     return sorted(files)
 
 

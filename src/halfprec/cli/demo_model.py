@@ -143,7 +143,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
-        if T > self.cfg.seq_len:
+        if self.cfg.seq_len < T:
             raise ValueError(f"sequence of {T} tokens is longer than GPTConfig.seq_len={self.cfg.seq_len}")
         pos = torch.arange(T, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)

@@ -27,7 +27,9 @@ from ._layout import Layout
 __all__ = ["GradReducer"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_MAX_IN_FLIGHT = 2  # stage 2: reduce-scatters in flight before the oldest is waited for (bounds staging memory)
+_MAX_IN_FLIGHT = (
+    2  # stage 2: reduce-scatters in flight before the oldest is waited for (bounds staging memory)
+)
 
 
 class GradReducer:
@@ -51,6 +53,7 @@ class GradReducer:
         self.grad_shard: torch.Tensor | None = None  # fp32, local coordinates; allocated on first use
         self.used = [False] * len(params)  # got a grad on this rank since zero_grad
         self.up_to_date = False  # grad_shard holds the reduction of every grad produced so far
+        self.overlapped = 0  # buckets of the last backward launched before it ended (observability, tests)
         self._sync = True
         self._expected = [sum(1 for i in b.params if layout.numels[i] > 0) for b in layout.buckets]
         self._reset_pass()
@@ -112,11 +115,13 @@ class GradReducer:
             param.grad = None
         if not self._queued:
             self._queued = True
+            self.overlapped = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._ready[b] += 1
         while self._next < len(self._ready) and self._ready[self._next] >= self._expected[self._next]:
             self._launch(self._next)
             self._next += 1
+            self.overlapped = self._next
 
     def _end_of_backward(self) -> None:
         with torch.no_grad():

@@ -90,7 +90,13 @@ class Layout:
             lo_g, hi_g = bucket.shard_range(rank)
             begin, end = max(self.offsets[i], lo_g), min(self.offsets[i] + n, hi_g)
             if begin < end:
-                piece = Piece(i, bucket.index, begin - self.offsets[i], end - self.offsets[i], bucket.local + begin - lo_g)
+                piece = Piece(
+                    i,
+                    bucket.index,
+                    begin - self.offsets[i],
+                    end - self.offsets[i],
+                    bucket.local + begin - lo_g,
+                )
                 self.pieces.append(piece)
                 self.piece_of[i] = piece
 

@@ -153,7 +153,9 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
         for fqn, offset in self.chunks.items():
             tensor = self.state_dict[fqn]
             local = ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=tensor.size())
-            items.extend(create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [local]))
+            items.extend(
+                create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [local])
+            )
         return dataclasses.replace(plan, items=items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:

@@ -12,7 +12,14 @@ import torch
 from ..masters import LOW_PRECISION
 from ..scaler import LossScaler
 
-__all__ = ["ELEMENTWISE", "SCALAR_KEYS", "check_optimizer", "is_elementwise", "named_trainable", "shard_state"]
+__all__ = [
+    "ELEMENTWISE",
+    "SCALAR_KEYS",
+    "check_optimizer",
+    "is_elementwise",
+    "named_trainable",
+    "shard_state",
+]
 
 # 0-d state entries of the elementwise torch optimizers; every other state tensor has the param's shape. The
 # names matter only for 0-d params, whose per-element state is 0-d as well.
@@ -23,12 +30,25 @@ def is_elementwise(key: str, value: torch.Tensor, shape: torch.Size) -> bool:
     """True when state ``key`` holds one value per element of a param of ``shape`` (else it is a scalar)."""
     return value.shape == shape and (value.dim() > 0 or key not in SCALAR_KEYS)
 
+
 # Optimizers whose update of an element depends only on that element's grad, state and the group's scalars:
 # stepping a piece of a param is then exactly stepping the param. LAMB, LARS, Adafactor, Muon, Shampoo and
 # LBFGS need whole tensors (norms, factored moments, orthogonalisation) and are refused.
 ELEMENTWISE = tuple(
     getattr(torch.optim, name)
-    for name in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD")
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adagrad",
+        "Adadelta",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Rprop",
+        "ASGD",
+    )
     if hasattr(torch.optim, name)
 )
 
@@ -51,11 +71,15 @@ def check_optimizer(optimizer: Any, loss_scaler: Any, max_grad_norm: Any, param_
         )
     for i, group in enumerate(optimizer.param_groups):
         if group.get("differentiable", False):
-            raise ValueError(f"param group {i} has differentiable=True; build the optimizer with differentiable=False")
+            raise ValueError(
+                f"param group {i} has differentiable=True; build the optimizer with differentiable=False"
+            )
     if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
         raise ValueError(f"loss_scaler must be a halfprec loss scaler, got {type(loss_scaler).__name__}")
     if max_grad_norm is not None and (
-        isinstance(max_grad_norm, bool) or not math.isfinite(float(max_grad_norm)) or float(max_grad_norm) <= 0
+        isinstance(max_grad_norm, bool)
+        or not math.isfinite(float(max_grad_norm))
+        or float(max_grad_norm) <= 0
     ):
         raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
     if param_dtype is not None and param_dtype not in LOW_PRECISION:
@@ -107,7 +131,9 @@ def _fresh_state(optimizer: torch.optim.Optimizer, pieces: list[torch.nn.Paramet
     for group in optimizer.param_groups:
         mine = [p for p in group["params"] if id(p) in wanted]
         if mine:
-            groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": mine})
+            groups.append(
+                {**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": mine}
+            )
     if not groups:
         return {}
     try:

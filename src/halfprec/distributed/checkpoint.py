@@ -21,9 +21,11 @@ behind, and the previous checkpoint untouched.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,15 @@ FORMAT_VERSION = 1
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes one process when no group is initialized: that is the intent here."""
+    with warnings.catch_warnings():
+        if not _distributed():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _barrier(group) -> None:
@@ -111,7 +122,11 @@ def _hparam_tensor(value: Any) -> torch.Tensor | None:
         return value.detach().to("cpu", copy=True)
     if isinstance(value, (int, float)):
         return torch.tensor(float(value), dtype=torch.float64)
-    if isinstance(value, tuple) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+    if (
+        isinstance(value, tuple)
+        and value
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    ):
         return torch.tensor([float(v) for v in value], dtype=torch.float64)
     return None
 
@@ -157,7 +172,9 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
                 if scalars:
                     state_dict[item] = value.detach()
             else:
-                raise ValueError(f"optimizer state {skey!r} of {name!r} has shape {tuple(value.shape)}: not elementwise")
+                raise ValueError(
+                    f"optimizer state {skey!r} of {name!r} has shape {tuple(value.shape)}: not elementwise"
+                )
     if rank == 0:
         state_dict.update(_global_items(optimizer, _all_names(optimizer, named_parameters)))
     tmp = path.with_name(path.name + ".tmp")
@@ -165,13 +182,14 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(group)
-    dcp.save(
-        state_dict,
-        storage_writer=FileSystemWriter(str(tmp)),
-        planner=ChunkSavePlanner(chunks),
-        process_group=group,
-        no_dist=not _distributed(),
-    )
+    with _quiet_single_process():
+        dcp.save(
+            state_dict,
+            storage_writer=FileSystemWriter(str(tmp)),
+            planner=ChunkSavePlanner(chunks),
+            process_group=group,
+            no_dist=not _distributed(),
+        )
     _barrier(group)
     if rank == 0:
         _commit(tmp, path)
@@ -198,7 +216,9 @@ def load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
     """Load a checkpoint written at any world size into ``optimizer`` (sharded or not). Collective when distributed."""
     path = Path(path)
     if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata); was the save interrupted?")
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint (no .metadata); was the save interrupted?"
+        )
     group = getattr(optimizer, "process_group", process_group)
     metadata = read_metadata(path)
     saved = metadata.state_dict_metadata
@@ -235,13 +255,14 @@ def load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
     for item, md in saved.items():
         if item.startswith(("hparam/", "scaler/", "counters/", "group/", "shape/")):
             state_dict[item] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    dcp.load(
-        state_dict,
-        storage_reader=SafeFileSystemReader(str(path)),
-        planner=ChunkLoadPlanner(chunks),
-        process_group=group,
-        no_dist=not _distributed(),
-    )
+    with _quiet_single_process():
+        dcp.load(
+            state_dict,
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=ChunkLoadPlanner(chunks),
+            process_group=group,
+            no_dist=not _distributed(),
+        )
     _apply(optimizer, state_dict, plans, set(chunks), path)
 
 
@@ -250,10 +271,14 @@ def _check_names(path: Path, saved: dict, names: list) -> None:
     theirs = {k[len("master/") :] for k in saved if k.startswith("master/")}
     missing, extra = sorted(set(mine) - theirs), sorted(theirs - set(mine))
     if missing or extra:
-        raise ValueError(f"{path} does not match this model: missing params {missing}, unexpected params {extra}")
+        raise ValueError(
+            f"{path} does not match this model: missing params {missing}, unexpected params {extra}"
+        )
     for name, (shape, _) in mine.items():
         if tuple(saved[f"master/{name}"].size) != (math.prod(shape),):
-            raise ValueError(f"{path}: param {name!r} has {saved[f'master/{name}'].size} elements saved, shape {tuple(shape)} here")
+            raise ValueError(
+                f"{path}: param {name!r} has {saved[f'master/{name}'].size} elements saved, shape {tuple(shape)} here"
+            )
 
 
 @torch.no_grad()
@@ -261,11 +286,15 @@ def _apply(optimizer, loaded: dict[str, torch.Tensor], plans: list, chunked: set
     sharded = isinstance(optimizer, ShardedMixedPrecisionOptimizer)
     for name, shape, tensor, wanted in plans:
         if tuple(loaded[f"shape/{name}"].tolist()) != tuple(shape):
-            raise ValueError(f"{path}: param {name!r} was saved with shape {loaded[f'shape/{name}'].tolist()}")
+            raise ValueError(
+                f"{path}: param {name!r} was saved with shape {loaded[f'shape/{name}'].tolist()}"
+            )
         tensor.copy_(loaded[f"master/{name}"].view(tensor.shape))
         group = optimizer.param_groups[int(loaded[f"group/{name}"])]
         if not any(p is tensor for p in group["params"]):
-            raise ValueError(f"{path}: param {name!r} was saved in param group {int(loaded[f'group/{name}'])}")
+            raise ValueError(
+                f"{path}: param {name!r} was saved in param group {int(loaded[f'group/{name}'])}"
+            )
         on_device = group.get("capturable", False) or group.get("fused", False)
         state = {}
         for skey, item in wanted.items():

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..masters import LOW_PRECISION
 from ..migrate import restore_state_dtypes
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from ._grads import GradReducer
@@ -114,7 +113,10 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.layout = Layout(
-            [p.numel() for p in self._params], world_size=self.world_size, rank=self.rank, bucket_size=bucket_size
+            [p.numel() for p in self._params],
+            world_size=self.world_size,
+            rank=self.rank,
+            bucket_size=bucket_size,
         )
         self._build_buffers()
         self._build_pieces()
@@ -124,7 +126,9 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
             loss_scaler = DynamicLossScaler() if self._has_fp16 else StaticLossScaler(1.0)
         self.loss_scaler = loss_scaler.to(self.device)
         comm = torch.float32 if reduce_dtype == "fp32" else self.dtype
-        self._reducer = GradReducer(self._params, self.layout, stage=stage, comm_dtype=comm, group=process_group)
+        self._reducer = GradReducer(
+            self._params, self.layout, stage=stage, comm_dtype=comm, group=process_group
+        )
         self._unscaled = False
         self._grad_norm: torch.Tensor | None = None
         self._step_was_skipped = False
@@ -171,7 +175,11 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
         index_of = {id(p): i for i, p in enumerate(self._params)}
         mapping = {}
         for group in self.optimizer.param_groups:
-            order = [index_of[id(p)] for p in group["params"] if id(p) in index_of and index_of[id(p)] in self._piece_params]
+            order = [
+                index_of[id(p)]
+                for p in group["params"]
+                if id(p) in index_of and index_of[id(p)] in self._piece_params
+            ]
             mapping.update({self._params[i]: (self._piece_params[i], self.layout.piece_of[i]) for i in order})
             group["params"] = [self._piece_params[i] for i in order]
             if "param_names" in group:
@@ -303,12 +311,8 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
         self._step_was_skipped = skipped
         if skipped:
             self._skipped_steps += 1
-            logger.warning(
-                "halfprec: step skipped, non-finite gradients on some rank (loss scale %g -> %g, %d skipped so far)",
-                before,
-                self.loss_scaler.loss_scale,
-                self._skipped_steps,
-            )
+            if self.rank == 0:
+                self._log_skip(before)
             return
         used_anywhere = values[3:]
         for i, piece_param in self._piece_params.items():
@@ -323,6 +327,14 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
             shard.mul_(coef.to(shard.device))
         self.optimizer.step()
         self._publish()
+
+    def _log_skip(self, before: float) -> None:
+        logger.warning(
+            "halfprec: step skipped, non-finite gradients on some rank (loss scale %g -> %g, %d skipped so far)",
+            before,
+            self.loss_scaler.loss_scale,
+            self._skipped_steps,
+        )
 
     @torch.no_grad()
     def _publish(self) -> None:
@@ -411,4 +423,3 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
             f"ShardedMixedPrecisionOptimizer({self.optimizer!r}, stage={self.stage}, world_size={self.world_size}, "
             f"reduce_dtype={self.reduce_dtype!r}, loss_scaler={self.loss_scaler!r})"
         )
-

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..optimizer import MixedPrecisionOptimizer
+from . import _halfprec_optimizer_types
 
 __all__ = ["attach", "check_accelerator", "prepare"]
 
@@ -89,13 +90,14 @@ def _link(prepared: Any, mp: MixedPrecisionOptimizer) -> None:
 def attach(accelerator: Any) -> None:
     """Check ``accelerator`` and make every prepared ``MixedPrecisionOptimizer``'s skips visible to it.
 
+    Works for ``MixedPrecisionOptimizer`` and the fused optimizers (``halfprec.optim.FusedAdamW``, ...).
     Idempotent: safe to call after every ``accelerator.prepare``. After it, ``opt.step_was_skipped``,
     ``accelerator.optimizer_step_was_skipped`` and ``AcceleratedScheduler.step`` see halfprec's skips.
     """
     check_accelerator(accelerator)
     for prepared in accelerator._optimizers:
         inner = getattr(prepared, "optimizer", None)
-        if isinstance(inner, MixedPrecisionOptimizer):
+        if isinstance(inner, _halfprec_optimizer_types()):
             _link(prepared, inner)
 
 

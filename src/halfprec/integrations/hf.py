@@ -11,7 +11,7 @@ What changes against the stock Trainer, and why:
 
 * ``create_optimizer``: the optimizer the Trainer builds (or the plain one passed in ``optimizers=``) is wrapped
   in ``MixedPrecisionOptimizer(param_dtype=halfprec_dtype)``, so the masters start from the fp32 weights; a
-  ``MixedPrecisionOptimizer`` passed in ``optimizers=`` is used as it is.
+  ``MixedPrecisionOptimizer`` or fused halfprec optimizer passed in ``optimizers=`` is used as it is.
 * ``max_grad_norm`` is applied by halfprec to the unscaled fp32 master grads (the Trainer's own
   ``accelerator.clip_grad_norm_`` would clip the scaled 16-bit grads), and the logged ``grad_norm`` is
   halfprec's unscaled, pre-clip norm.
@@ -38,6 +38,7 @@ import torch
 
 from ..optimizer import MixedPrecisionOptimizer
 from ..scaler import LossScaler
+from . import _halfprec_optimizer_types
 from . import accelerate as _hp_accelerate
 
 __all__ = ["HalfprecCallback", "HalfprecTrainer", "HalfprecTrainerMixin", "check_training_args"]
@@ -54,6 +55,33 @@ def _import_transformers():
 
 
 transformers = _import_transformers()
+
+
+def _check_trainer_hooks() -> None:
+    # The mixin overrides these Trainer methods (three of them private); fail loudly, not silently, where a
+    # transformers version lays the loop out differently.
+    import inspect
+
+    names = (
+        "compute_loss",
+        "create_optimizer",
+        "create_scheduler",
+        "log",
+        "_clip_grad_norm",
+        "_get_grad_norm",
+    )
+    missing = [n for n in names if not callable(getattr(transformers.Trainer, n, None))]
+    log_step = getattr(transformers.Trainer, "_maybe_log_save_evaluate", None)
+    if log_step is None or list(inspect.signature(log_step).parameters)[1:3] != ["tr_loss", "grad_norm"]:
+        missing.append("_maybe_log_save_evaluate(tr_loss, grad_norm, ...)")
+    if missing:
+        raise ImportError(
+            f"halfprec.integrations.hf does not support transformers {transformers.__version__}: its Trainer lacks "
+            f"{', '.join(missing)} (tested with 5.24)"
+        )
+
+
+_check_trainer_hooks()
 
 
 def check_training_args(args: Any) -> None:
@@ -78,8 +106,8 @@ def check_training_args(args: Any) -> None:
 
 
 def _unwrap(optimizer: Any) -> MixedPrecisionOptimizer | None:
-    """The MixedPrecisionOptimizer inside an AcceleratedOptimizer (or itself)."""
-    while optimizer is not None and not isinstance(optimizer, MixedPrecisionOptimizer):
+    """The halfprec optimizer inside an AcceleratedOptimizer (or itself), or None."""
+    while optimizer is not None and not isinstance(optimizer, _halfprec_optimizer_types()):
         optimizer = getattr(optimizer, "optimizer", None)
     return optimizer
 
@@ -121,7 +149,9 @@ class HalfprecTrainerMixin:
         if training_args is not None:
             check_training_args(training_args)
         if halfprec_dtype is not None and halfprec_dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"halfprec_dtype must be torch.float16, torch.bfloat16 or None, got {halfprec_dtype!r}")
+            raise ValueError(
+                f"halfprec_dtype must be torch.float16, torch.bfloat16 or None, got {halfprec_dtype!r}"
+            )
         self.halfprec_dtype = halfprec_dtype
         self._halfprec_loss_scaler = loss_scaler
         super().__init__(*args, **kwargs)
@@ -136,7 +166,11 @@ class HalfprecTrainerMixin:
         return _unwrap(self.optimizer)
 
     def _halfprec_max_grad_norm(self, mp: MixedPrecisionOptimizer | None) -> float | None:
-        wanted = float(self.args.max_grad_norm) if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
+        wanted = (
+            float(self.args.max_grad_norm)
+            if self.args.max_grad_norm and self.args.max_grad_norm > 0
+            else None
+        )
         have = None if mp is None else mp.max_grad_norm
         if have is not None and wanted is not None and have != wanted:
             raise ValueError(
@@ -174,7 +208,9 @@ class HalfprecTrainerMixin:
 
     # --- loss scaling ---------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
         loss = result[0] if return_outputs else result
         mp = self.halfprec_optimizer
         if mp is not None and torch.is_tensor(loss) and loss.requires_grad:

@@ -41,6 +41,7 @@ import torch
 
 from ..optimizer import MixedPrecisionOptimizer
 from ..scaler import LossScaler
+from . import _halfprec_optimizer_types
 
 try:
     from lightning.fabric.plugins import Precision as _FabricPrecision
@@ -105,10 +106,12 @@ class _Common:
             torch.set_default_dtype(default)
 
     # --- wrapping ---------------------------------------------------------------------------------------
-    def _wrap(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None) -> MixedPrecisionOptimizer:
+    def _wrap(
+        self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
+    ) -> MixedPrecisionOptimizer:
         optimizer = _unwrap(optimizer)
-        if isinstance(optimizer, MixedPrecisionOptimizer):
-            mp = optimizer
+        if isinstance(optimizer, _halfprec_optimizer_types()):
+            mp = optimizer  # already owns masters and a loss scale (MixedPrecisionOptimizer, FusedAdamW, ...)
         else:
             with torch.no_grad():
                 for group in optimizer.param_groups:
@@ -134,7 +137,7 @@ class _Common:
     def _mp(self, optimizer: Any = None) -> MixedPrecisionOptimizer:
         if optimizer is not None:
             mp = _unwrap(optimizer)
-            if not isinstance(mp, MixedPrecisionOptimizer):
+            if not isinstance(mp, _halfprec_optimizer_types()):
                 raise RuntimeError(
                     f"the halfprec plugin got a {type(mp).__name__}; it steps halfprec MixedPrecisionOptimizers "
                     "only (in Fabric, set up the optimizers with halfprec.integrations.lightning.setup_fabric)"
@@ -226,7 +229,9 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         skip_nonfinite: skip steps with non-finite bf16 grads too (fp16 is always checked).
     """
 
-    def __init__(self, precision: str, *, loss_scaler: LossScaler | None = None, skip_nonfinite: bool = True) -> None:
+    def __init__(
+        self, precision: str, *, loss_scaler: LossScaler | None = None, skip_nonfinite: bool = True
+    ) -> None:
         self._init_halfprec(precision, loss_scaler, skip_nonfinite)
         self._base_clip: dict[int, float | None] = {}
 
@@ -244,13 +249,17 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
                     "configure_optimizers lets gradient_clip_val decide)"
                 )
             self._base_clip[id(mp)] = mp.max_grad_norm
-            by_id[id(_unwrap(optimizer))] = by_id[id(mp)] = by_id[id(mp.optimizer)] = mp
+            by_id[id(_unwrap(optimizer))] = by_id[id(mp)] = by_id[id(getattr(mp, "optimizer", mp))] = mp
             wrapped.append(mp)
         self._release_fp32()
         for config in lr_schedulers:
             scheduler = config.scheduler
             mp = by_id.get(id(getattr(scheduler, "optimizer", None)))
-            if mp is not None and config.interval == "step" and not isinstance(scheduler, _HoldOnSkipScheduler):
+            if (
+                mp is not None
+                and config.interval == "step"
+                and not isinstance(scheduler, _HoldOnSkipScheduler)
+            ):
                 config.scheduler = _HoldOnSkipScheduler(scheduler, mp)
         return model, wrapped, lr_schedulers
 
@@ -259,14 +268,18 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
         mp = self._mp(optimizer)
-        mp.max_grad_norm = self._base_clip.get(id(mp))  # clip_gradients may set it for this step only
-        closure_result = closure()
-        if closure_result is None and getattr(model, "automatic_optimization", False):
-            return closure_result  # training_step returned None: no backward ran, nothing to step
-        mp.unscale_()
-        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
-        mp.step(**kwargs)
-        return closure_result
+        try:
+            closure_result = closure()
+            if closure_result is None and getattr(model, "automatic_optimization", False):
+                return closure_result  # training_step returned None: no backward ran, nothing to step
+            mp.unscale_()
+            self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
+            mp.step(**kwargs)
+            return closure_result
+        finally:
+            # clip_grad_by_norm (in _after_closure, or the user's before a manual opt.step()) sets the norm for
+            # this one step.
+            mp.max_grad_norm = self._base_clip.get(id(mp))
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         # Deferred into step(): the overflow check runs first and grad_norm stays the pre-clip norm.
@@ -282,12 +295,16 @@ class HalfprecFabricPrecision(_Common, _FabricPrecision):
     Args are those of :class:`HalfprecPrecision`.
     """
 
-    def __init__(self, precision: str, *, loss_scaler: LossScaler | None = None, skip_nonfinite: bool = True) -> None:
+    def __init__(
+        self, precision: str, *, loss_scaler: LossScaler | None = None, skip_nonfinite: bool = True
+    ) -> None:
         self._init_halfprec(precision, loss_scaler, skip_nonfinite)
 
     def convert_output(self, data: Any) -> Any:
         # As Fabric's "bf16-true": outputs come back in the default dtype (an exact upcast).
-        return apply_to_collection(data, function=_to_dtype, dtype=torch.Tensor, dst_type=torch.get_default_dtype())
+        return apply_to_collection(
+            data, function=_to_dtype, dtype=torch.Tensor, dst_type=torch.get_default_dtype()
+        )
 
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         self._scaled(tensor).backward(*args, **kwargs)

@@ -41,12 +41,12 @@ HP_WIDTH = 8
 @triton.jit
 def _sumsq_kernel(grad_ptr, table_ptr, flags_ptr, scale_ptr, sq_ptr, bad_ptr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    start = tl.load(table_ptr + pid * 3)
+    start = tl.multiple_of(tl.load(table_ptr + pid * 3), 16)
     end = tl.load(table_ptr + pid * 3 + 1)
     pidx = tl.load(table_ptr + pid * 3 + 2)
     got = tl.load(flags_ptr + pidx)
     inv = 1.0 / tl.load(scale_ptr)
-    end = tl.where(got != 0, end, start)  # no grad this step: read nothing
+    end = tl.multiple_of(tl.where(got != 0, end, start), 16)  # no grad this step: read nothing
     offs = start + tl.arange(0, BLOCK)
     mask = offs < end
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv

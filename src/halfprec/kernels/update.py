@@ -54,8 +54,8 @@ def _adam_kernel(
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    start = tl.load(table_ptr + pid * 3)
-    end = tl.load(table_ptr + pid * 3 + 1)
+    start = tl.multiple_of(tl.load(table_ptr + pid * 3), 16)
+    end = tl.multiple_of(tl.load(table_ptr + pid * 3 + 1), 16)
     ps = pscal_ptr + tl.load(table_ptr + pid * 3 + 2) * 16
     active = tl.load(ps)
     if active != 0.0:
@@ -100,8 +100,8 @@ def _sgd_kernel(
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    start = tl.load(table_ptr + pid * 3)
-    end = tl.load(table_ptr + pid * 3 + 1)
+    start = tl.multiple_of(tl.load(table_ptr + pid * 3), 16)
+    end = tl.multiple_of(tl.load(table_ptr + pid * 3 + 1), 16)
     ps = pscal_ptr + tl.load(table_ptr + pid * 3 + 2) * 16
     active = tl.load(ps)
     if active != 0.0:
@@ -141,8 +141,8 @@ def _adagrad_kernel(
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    start = tl.load(table_ptr + pid * 3)
-    end = tl.load(table_ptr + pid * 3 + 1)
+    start = tl.multiple_of(tl.load(table_ptr + pid * 3), 16)
+    end = tl.multiple_of(tl.load(table_ptr + pid * 3 + 1), 16)
     ps = pscal_ptr + tl.load(table_ptr + pid * 3 + 2) * 16
     active = tl.load(ps)
     if active != 0.0:

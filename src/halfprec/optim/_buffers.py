@@ -8,7 +8,9 @@ A chunk holds, for its params in group order, at offsets padded to ``ALIGN`` ele
 * ``master``: fp32 masters; ``state[name]``: fp32 optimizer state (``exp_avg``, ``sum``, ...);
 * ``norm_table`` / ``update_table``: int64 [programs, 3] rows (start, end, global param index) that split every
   param into kernel blocks without crossing a param boundary, so each program reads one param's scalars.
-Padding is never read by the kernels (rows end at the param's last element).
+Rows end at the param's end rounded up to ``ALIGN``: the padding is zero in every buffer and an update keeps it
+zero (zero grad, zero master, zero state), and with block starts and ends known to be multiples of 16 the
+compiler can vectorize the loads and the mask (unaligned ends made every access scalar: 1.56x the floor).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def build_table(
 ) -> torch.Tensor:
     rows: list[tuple[int, int, int]] = []
     for off, n, gi in zip(offsets, sizes, indices, strict=True):
-        end = off + n
+        end = off + _aligned(n)
         rows.extend((s, min(s + block, end), gi) for s in range(off, end, block))
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(device)
 

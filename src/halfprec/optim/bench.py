@@ -42,6 +42,8 @@ class BenchRow:
     vs_plain: float | None
     extra_mib: float
     skipped_ms: float | None = None
+    graph_ms: float | None = None
+    graph_skipped_ms: float | None = None
 
 
 def _time(fn, before=None, *, warmup: int, iters: int) -> float:
@@ -111,10 +113,12 @@ class _PlainPipeline:
         self.masters = [p.detach().float().requires_grad_() for p in params]
         for m in self.masters:
             m.grad = torch.empty_like(m)
-        self.opt = _torch_opt(name, self.masters, fused=True)
+        # fused where torch has a CUDA kernel (Adam/AdamW/SGD), else its default (foreach)
+        self.opt = _torch_opt(name, self.masters, fused=True if name != "adagrad" else None)
         self.found_inf = torch.zeros((), device="cuda")
         self.inv_scale = torch.ones((), device="cuda")
-        self.opt.found_inf = self.found_inf
+        if name != "adagrad":  # torch's foreach Adagrad takes no found_inf
+            self.opt.found_inf = self.found_inf
 
     def step(self):
         mg = [m.grad for m in self.masters]
@@ -126,6 +130,20 @@ class _PlainPipeline:
         torch._foreach_copy_([p.data for p in self.params], self.masters)
 
 
+def _capture(opt, mark) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mark()
+        opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    mark()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    return graph
+
+
 def _extra_mib(fn, before=None) -> float:
     if before is not None:
         before()
@@ -135,6 +153,45 @@ def _extra_mib(fn, before=None) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) -> tuple:
+    """(n, ms, extra MiB, skipped ms, graph ms, graph skipped ms) of one implementation."""
+    params = _params(shapes, dtype)
+    n = sum(p.numel() for p in params)
+    skipped_ms = None
+    if impl == "fused":
+        opt = _fused_opt(name, params)
+        mark = lambda opt=opt: opt._flags.fill_(1)  # noqa: E731  (what the backward hooks do)
+        fn = opt.step
+    elif impl == "torch":
+        opt = halfprec.MixedPrecisionOptimizer(_torch_opt(name, params), max_grad_norm=1.0)
+        mark, fn = None, opt.step
+    else:
+        pipe = _PlainPipeline(name, params)
+        mark, fn = None, pipe.step
+    ms = _time(fn, mark, warmup=warmup, iters=iters)
+    extra = _extra_mib(fn, mark)
+    graph_ms = graph_skipped_ms = None
+    if impl == "fused":
+        chunk = opt._chunks[0]
+        chunk.grad[0] = float("inf")
+        skipped_ms = _time(fn, mark, warmup=2, iters=iters)
+        assert opt.step_was_skipped
+        chunk.grad[0] = 0.0
+        # the same step replayed from a CUDA graph: GPU time without Python launch overhead
+        graph = _capture(opt, mark)
+        graph_ms = _time(graph.replay, mark, warmup=2, iters=iters)
+        chunk.grad[0] = float("inf")
+        graph_skipped_ms = _time(graph.replay, mark, warmup=2, iters=iters)
+        assert opt.step_was_skipped
+        chunk.grad[0] = 0.0
+        del graph
+    result = (n, ms, extra, skipped_ms, graph_ms, graph_skipped_ms)
+    del params, fn
+    opt = pipe = None
+    torch.cuda.empty_cache()
+    return result
 
 
 def run_bench(
@@ -149,6 +206,9 @@ def run_bench(
     """Measure every (optimizer, dtype, impl); returns {"copy_gbps", "rows", ...} (rows as dicts)."""
     if not torch.cuda.is_available():
         raise RuntimeError("halfprec bench needs a CUDA device")
+    import logging
+
+    logging.getLogger("halfprec").setLevel(logging.ERROR)  # the timed overflow steps would log each skip
     bw = copy_bandwidth()
     shapes = WORKLOADS[workload]
     rows: list[BenchRow] = []
@@ -160,33 +220,13 @@ def run_bench(
             for impl in ("plain", "torch", "fused"):
                 if impl not in impls:
                     continue
-                params = _params(shapes, dtype)
-                n = sum(p.numel() for p in params)
-                skipped_ms = None
-                if impl == "fused":
-                    opt = _fused_opt(name, params)
-                    mark = lambda opt=opt: opt._flags.fill_(1)  # noqa: E731  (what the backward hooks do)
-                    fn = opt.step
-                elif impl == "torch":
-                    opt = halfprec.MixedPrecisionOptimizer(_torch_opt(name, params), max_grad_norm=1.0)
-                    mark, fn = None, opt.step
-                else:
-                    pipe = _PlainPipeline(name, params)
-                    mark, fn = None, pipe.step
-                ms = _time(fn, mark, warmup=warmup, iters=iters)
-                extra = _extra_mib(fn, mark)
-                if impl == "fused":
-                    chunk = opt._chunks[0]
-                    chunk.grad[0] = float("inf")
-                    skipped_ms = _time(fn, mark, warmup=2, iters=iters)
-                    chunk.grad[0] = 0.0
-                    assert opt.step_was_skipped
-                results[impl] = (n, ms, extra, skipped_ms)
-                del params, fn
-                opt = pipe = None
-                torch.cuda.empty_cache()
+                try:
+                    results[impl] = _measure(impl, name, shapes, dtype, warmup=warmup, iters=iters)
+                except Exception as e:  # one failing configuration must not lose the others
+                    print(f"bench: {name} {dtype_name} {impl} failed: {type(e).__name__}: {e}")
+                    torch.cuda.empty_cache()
             plain_ms = results.get("plain", (0, None))[1]
-            for impl, (n, ms, extra, skipped_ms) in results.items():
+            for impl, (n, ms, extra, skipped_ms, graph_ms, graph_skipped_ms) in results.items():
                 floor_ms = FLOOR_BYTES[name] * n / (bw * 1e9) * 1e3
                 gbps = FLOOR_BYTES[name] * n / (ms * 1e-3) / 1e9
                 rows.append(
@@ -202,6 +242,8 @@ def run_bench(
                         vs_plain=None if plain_ms is None else plain_ms / ms,
                         extra_mib=extra,
                         skipped_ms=skipped_ms,
+                        graph_ms=graph_ms,
+                        graph_skipped_ms=graph_skipped_ms,
                     )
                 )
     return {
@@ -228,16 +270,18 @@ def format_table(result: dict[str, Any]) -> str:
         f"device {result['device']}, torch {result['torch']}, triton {result['triton']}, workload "
         f"{result['workload']}, copy bandwidth {result['copy_gbps']:.0f} GB/s",
         "| impl | optimizer | dtype | N params | ms | floor ms | x floor | GB/s | % copy BW | x faster than plain "
-        "| extra MiB | skipped-step ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| extra MiB | skipped-step ms | graph ms | graph skipped ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         floor_ms = r["ms"] / r["x_floor"]
         vs = "" if r["vs_plain"] is None else f"{r['vs_plain']:.2f}"
-        sk = "" if r["skipped_ms"] is None else f"{r['skipped_ms']:.3f}"
+        sk, gr, gs = (
+            "" if r[k] is None else f"{r[k]:.3f}" for k in ("skipped_ms", "graph_ms", "graph_skipped_ms")
+        )
         lines.append(
             f"| {r['impl']} | {r['optimizer']} | {r['dtype']} | {r['n_params'] / 1e6:.1f}M | {r['ms']:.3f} "
             f"| {floor_ms:.3f} | {r['x_floor']:.2f} | {r['gbps']:.0f} | {r['pct_copy_bw']:.1f} | {vs} "
-            f"| {r['extra_mib']:.1f} | {sk} |"
+            f"| {r['extra_mib']:.1f} | {sk} | {gr} | {gs} |"
         )
     return "\n".join(lines)

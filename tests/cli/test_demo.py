@@ -1,0 +1,176 @@
+"""`halfprec demo`: data determinism, the model, one short end-to-end run, and the resume check's failure path."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+import pytest
+import torch
+
+from halfprec.cli import demo
+from halfprec.cli.demo_data import load_corpus, stdlib_files
+from halfprec.cli.demo_model import GPT, GPTConfig
+
+pytest.importorskip("tqdm")
+pytest.importorskip("matplotlib")
+
+# Tiny sizes: the point is the plumbing, not the learning (the defaults are measured by hand, see the report).
+TINY = ["--steps", "6", "--batch-size", "4", "--seq-len", "32", "--n-layer", "1", "--n-embd", "32",
+        "--corpus-bytes", "3000000", "--threads", "1"]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    # train_precision() sets torch's thread count, as the demo's child processes do; not for the rest of pytest.
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _spec(tmp_path, precision: str, **kw) -> demo.RunSpec:
+    fields = dict(
+        precision=precision, device="cpu", steps=6, batch_size=4, seq_len=32, n_layer=1, n_embd=32, lr=3e-3,
+        seed=0, threads=1, eval_every=3, eval_batches=2, corpus_bytes=3_000_000,
+        checkpoint_dir=str(tmp_path / "ckpt" / precision),
+    )  # fmt: skip
+    fields.update(kw)
+    return demo.RunSpec(**fields)
+
+
+# --- data ------------------------------------------------------------------------------------------------
+def test_corpus_split_is_deterministic_and_by_file():
+    a, b = load_corpus(max_bytes=3_000_000), load_corpus(max_bytes=3_000_000)
+    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+    files = stdlib_files()[: a.n_files]
+    val = b"".join(p.read_bytes() for i, p in enumerate(files) if i % 10 == 9)
+    train = b"".join(p.read_bytes() for i, p in enumerate(files) if i % 10 != 9)
+    assert bytes(a.val.numpy()) == val and bytes(a.train.numpy()) == train
+    assert all("site-packages" not in p.parts for p in stdlib_files())
+
+
+def test_batches_are_a_function_of_seed_split_and_step():
+    c = load_corpus(max_bytes=1_000_000)
+    x, y = c.batch("train", step=5, batch_size=3, seq_len=17, seed=0)
+    x2, y2 = c.batch("train", step=5, batch_size=3, seq_len=17, seed=0)
+    assert x.shape == y.shape == (3, 17) and x.dtype == torch.int64
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one byte
+    assert not torch.equal(x, c.batch("train", step=6, batch_size=3, seq_len=17, seed=0)[0])
+    assert not torch.equal(x, c.batch("train", step=5, batch_size=3, seq_len=17, seed=1)[0])
+    with pytest.raises(ValueError, match="split must be 'train' or 'val'"):
+        c.batch("test", step=0, batch_size=1, seq_len=4, seed=0)
+
+
+# --- model -----------------------------------------------------------------------------------------------
+def test_model_ties_head_to_embedding_and_is_causal():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, n_embd=8))
+    assert model.head.weight is model.tok_emb.weight
+    x = torch.randint(256, (2, 16))
+    logits = model(x)
+    assert logits.shape == (2, 16, 256)
+    x2 = x.clone()
+    x2[:, 10] = (x2[:, 10] + 1) % 256  # changing byte 10 must not change the predictions before it
+    assert torch.equal(model(x2)[:, :10], logits[:, :10])
+    assert not torch.equal(model(x2)[:, 10:], logits[:, 10:])
+
+
+def test_model_fp16_on_cpu_keeps_fp16_tensors_and_matches_fp32():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=16, n_layer=1, n_embd=32))
+    x = torch.randint(256, (2, 16))
+    ref = model(x)
+    model.half()
+    out = model(x)
+    out.float().sum().backward()
+    assert out.dtype == torch.float16 and all(p.grad.dtype == torch.float16 for p in model.parameters())
+    # fp16 weights and activations: ~1e-3 relative rounding per op, a few ops deep.
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(n_head=3, n_embd=32), "n_head=3 must divide n_embd=32"),
+        (dict(n_layer=0), r"n_layer must be a positive int, got 0"),
+    ],
+)
+def test_model_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**kwargs)
+
+
+# --- training, in process (fast) ---------------------------------------------------------------------------
+def test_same_seed_same_numbers_and_resume_is_exact(tmp_path):
+    a = demo.train_precision(_spec(tmp_path, "fp16", resume_at=3))
+    b = demo.train_precision(_spec(tmp_path, "fp16"))
+    assert a.losses == b.losses and a.val_loss == b.val_loss and a.loss_scales == b.loss_scales
+    assert a.resume_ok and "OK, bit-identical (3 losses" in a.resume
+    c = demo.train_precision(_spec(tmp_path, "fp16", seed=1))
+    assert c.losses != a.losses
+
+
+def test_resume_check_catches_a_mismatch(tmp_path):
+    r = demo.train_precision(_spec(tmp_path, "bf16", resume_at=3, break_resume=True))
+    assert not r.resume_ok and "MISMATCH" in r.resume
+
+
+# --- the command, end to end (one child process per precision) ------------------------------------------
+def _table_rows(out: str) -> dict[str, list[str]]:
+    return {
+        m[0]: m[1:] for line in out.splitlines() if len(m := line.split()) == 8 and m[0] in demo.PRECISIONS
+    }
+
+
+def test_demo_end_to_end(tmp_path, capfd):
+    assert demo.run(_args(*TINY, "--out", str(tmp_path))) == 0
+    out = capfd.readouterr().out
+    rows = _table_rows(out)
+    assert list(rows) == ["fp32", "bf16", "fp16"]
+    for precision, (train, val, tok_s, mem, unit, skipped, scale) in rows.items():
+        assert 0 < float(train) < 6 and 0 < float(val) < 6, out
+        assert float(tok_s.replace(",", "")) > 0 and int(mem) > 0 and unit == "MiB" and int(skipped) >= 0
+        assert (scale == "-") == (precision != "fp16")
+    assert math.log2(float(rows["fp16"][-1])).is_integer()
+    png = re.search(r"loss curves: (\S+)", out).group(1)
+    assert png.endswith("demo.png") and (tmp_path / "demo.png").stat().st_size > 10_000
+    assert re.search(r"resume check \(fp16\): stopped at step 3, .* OK, bit-identical", out)
+
+
+def test_demo_mismatch_is_a_nonzero_exit(tmp_path, capfd):
+    argv = [*TINY, "--precisions", "fp32", "--break-resume", "--out", str(tmp_path)]
+    assert demo.run(_args(*argv)) == 1
+    assert re.search(r"resume check \(fp32\): .*MISMATCH", capfd.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--precisions", "fp8"], r"--precisions 'fp8': give distinct names from fp32,bf16,fp16"),
+        (["--precisions", "bf16,bf16"], r"give distinct names"),
+        (["--steps", "1"], r"--steps 1: the resume check needs at least 2 steps"),
+        (["--batch-size", "0"], r"--batch-size must be >= 1, got 0"),
+        (["--threads", "0"], r"--threads must be >= 1, got 0"),
+        (
+            ["--precisions", "fp32", "--resume-check", "bf16"],
+            r"--resume-check 'bf16' is not among --precisions",
+        ),
+    ],
+)
+def test_demo_bad_flags_exit_2_with_the_fix(argv, match, capsys):
+    assert demo.run(_args(*argv)) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-CUDA message")
+def test_demo_cuda_without_a_gpu_says_so(capsys):
+    assert demo.run(_args("--device", "cuda")) == 2
+    assert "torch sees no CUDA device; run with --device cpu" in capsys.readouterr().err

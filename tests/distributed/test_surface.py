@@ -1,0 +1,43 @@
+"""The MixedPrecisionOptimizer-like surface of the sharded optimizer, checked inside the 2-rank launch."""
+
+from __future__ import annotations
+
+
+def _misc(runs) -> list[dict]:
+    return [r["misc"] for r in runs.two()]
+
+
+def test_is_an_optimizer_and_schedulers_work_without_warnings(runs):
+    for m in _misc(runs):
+        assert m["is_optimizer"]
+        assert m["lr_after"] == [0.005, 0.005]
+        assert m["scheduler_warnings"] == []
+
+
+def test_buckets_reduce_while_backward_runs(runs):
+    for m in _misc(runs):
+        assert m["buckets"] >= 3
+        assert m["overlapped"] >= 1, m  # at least one bucket launched before backward ended
+
+
+def test_stage1_grads_are_views_and_stage2_frees_them(runs):
+    for m in _misc(runs):
+        assert m["stage1_grads_are_views"]
+        assert m["stage2_grads_freed"]
+        assert "only meaningful at stage 1" in m["stage2_no_sync"]
+
+
+def test_wrong_order_and_fixed_layout_errors(runs):
+    for m in _misc(runs):
+        assert "backward() called after unscale_()" in m["backward_after_unscale"]
+        assert "fixes its flat layout" in m["add_param_group"]
+
+
+def test_rank_local_state_dict_round_trip(runs):
+    for m in _misc(runs):
+        assert m["local_round_trip"]
+
+
+def test_optimizer_built_from_named_parameters(runs):
+    names = [n for m in _misc(runs) for g in m["param_names"] for n in g]
+    assert {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "gain", "unused"} <= set(names)

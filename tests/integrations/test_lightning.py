@@ -1,0 +1,230 @@
+"""halfprec as a real Lightning ``Trainer`` precision plugin (CPU): parity, skips, clipping, resume, errors.
+
+Lightning adds one rounding of its own: ``convert_input`` casts the whole batch, targets included, to the
+16-bit dtype (as its ``"bf16-true"`` does), so the oracle rounds its targets too (``cast_targets=True``).
+Accumulation divides the loss by ``accumulate_grad_batches`` before the plugin scales it, as the oracle does;
+``gradient_clip_val`` clips inside ``mp.step()`` with the oracle's arithmetic. So every comparison is bit-exact.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+import lightning.pytorch as L  # noqa: E402
+
+from halfprec.integrations.lightning import HalfprecPrecision  # noqa: E402
+
+from ._oracle import (  # noqa: E402
+    CLIP,
+    DTYPES,
+    LR,
+    InfInjector,
+    assert_same_weights,
+    loss_fn,
+    make_batches,
+    make_loader,
+    make_model,
+    make_optimizer,
+    make_scaler,
+    plain_loop,
+)
+
+
+class LitRegression(L.LightningModule):
+    def __init__(self, seed=0, inf_at=(), halfprec_optimizer=None):
+        super().__init__()
+        self.net = make_model(seed)
+        self.inf_at = inf_at
+        self.halfprec_optimizer = (
+            halfprec_optimizer  # build a MixedPrecisionOptimizer in configure_optimizers
+        )
+        self.losses, self.lrs, self.skipped, self.grad_norms, self.scales = [], [], [], [], []
+
+    def on_train_start(self):
+        self.injector = InfInjector(self.net[0].weight, self.inf_at)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = loss_fn(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        if self.halfprec_optimizer is not None:
+            opt = make_optimizer(self.net, torch.bfloat16, max_grad_norm=self.halfprec_optimizer)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler, metric):
+        scheduler.step()
+        mp = self.trainer.optimizers[0]
+        self.lrs.append(scheduler.get_last_lr()[0])
+        self.skipped.append(mp.step_was_skipped)
+        self.grad_norms.append(mp.grad_norm)
+        self.scales.append(mp.loss_scale)
+
+
+def _fit(name, batches, *, epochs=1, seed=0, inf_at=(), ckpt_path=None, **kw):
+    model = LitRegression(seed, inf_at)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        plugins=[HalfprecPrecision(name, loss_scaler=make_scaler(DTYPES[name]))],
+        gradient_clip_val=CLIP,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kw,
+    )
+    trainer.fit(model, make_loader(batches), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def _check_same(model, trainer, ref_model, ref_mp, ref, *, first=0):
+    assert model.losses == ref.losses[2 * first :]
+    assert model.lrs == ref.lrs[first:]
+    assert model.skipped == ref.skipped[first:]
+    assert model.grad_norms == ref.grad_norms[first:]
+    assert model.scales == ref.scales[first:]
+    assert_same_weights(model.net, trainer.optimizers[0], ref_model, ref_mp)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_matches_plain_loop(name):
+    dtype, batches = DTYPES[name], make_batches(6)
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2, cast_targets=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # e.g. torch's lr_scheduler order warnings
+        warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers).*")
+        trainer, model = _fit(name, batches)
+    mp = trainer.optimizers[0]
+    assert type(mp).__name__ == "MixedPrecisionOptimizer" and mp.loss_scaler is not None
+    assert all(n > CLIP for n in ref.grad_norms)  # gradient_clip_val clipped every step
+    assert [p.dtype for p in model.parameters()] == [dtype] * 4
+    _check_same(model, trainer, ref_model, ref_mp, ref)
+    # The last step's master grads (unscaled) were clipped to gradient_clip_val, from the logged pre-clip norm.
+    post = torch.nn.utils.get_total_norm([m.grad for m in mp.master_params()])
+    assert float(post) == pytest.approx(CLIP, rel=1e-5) and model.grad_norms[-1] > 10 * CLIP
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_overflow_skip_holds_schedule(name, recwarn):
+    dtype, batches = DTYPES[name], make_batches(6)
+    inf_at = (2, 3)  # both micro-batches of optimizer step 1
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2, inf_at=inf_at, cast_targets=True)
+    trainer, model = _fit(name, batches, inf_at=inf_at)
+    assert model.skipped == [False, True, False]
+    assert model.lrs == pytest.approx([0.009, 0.009, 0.0081], rel=1e-12)
+    assert trainer.optimizers[0].skipped_steps == 1
+    _check_same(model, trainer, ref_model, ref_mp, ref)
+    assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "halfprec" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_resume_from_ckpt_bit_exact(name, tmp_path):
+    dtype, batches = DTYPES[name], make_batches(4)
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches * 2, accum=2, cast_targets=True)
+    trainer, _ = _fit(name, batches, epochs=1)
+    path = tmp_path / "epoch1.ckpt"
+    trainer.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["optimizer_states"][0]["scaler"]["scale"] == ref.scales[1]  # the scaler travels in the .ckpt
+
+    trainer2, model2 = _fit(name, batches, epochs=2, seed=123, ckpt_path=str(path))
+    _check_same(model2, trainer2, ref_model, ref_mp, ref, first=2)
+
+
+def test_gradient_clip_by_value_clamps_masters():
+    batches = make_batches(2)
+    trainer, _ = _fit("fp16", batches, gradient_clip_algorithm="value")
+    grads = [m.grad for m in trainer.optimizers[0].master_params()]  # the last step's, clamped and unscaled
+    bound = torch.tensor(CLIP, dtype=torch.float32)
+    assert max(g.abs().max() for g in grads) == bound  # some entries were clamped, none exceed the bound
+
+
+class LitManual(LitRegression):
+    """Manual optimization: ``manual_backward`` scales, ``opt.step()`` is ``mp.step()``, the proxy holds."""
+
+    def __init__(self, inf_at=()):
+        super().__init__(inf_at=inf_at)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        loss = loss_fn(self.net(x), y)
+        self.losses.append(loss.item())
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=CLIP)
+        opt.step()
+        opt.zero_grad()
+        sched.step()  # the plugin's proxy: no step after a skipped one
+        mp = self.trainer.optimizers[0]
+        self.lrs.append(sched.get_last_lr()[0])
+        self.skipped.append(mp.step_was_skipped)
+        self.grad_norms.append(mp.grad_norm)
+        self.scales.append(mp.loss_scale)
+
+
+def test_manual_optimization_fp16():
+    dtype, batches = torch.float16, make_batches(4)
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=1, inf_at=(1,), cast_targets=True)
+    model = LitManual(inf_at=(1,))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        plugins=[HalfprecPrecision("fp16", loss_scaler=make_scaler(dtype))],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, make_loader(batches))
+    assert model.skipped == [False, True, False, False]
+    assert model.losses == ref.losses and model.lrs == ref.lrs and model.grad_norms == ref.grad_norms
+    assert_same_weights(model.net, trainer.optimizers[0], ref_model, ref_mp)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"precision": "bf16-mixed"}, r"'bf16' or 'fp16', got 'bf16-mixed'"),
+        ({"precision": "fp32"}, r"'bf16' or 'fp16', got 'fp32'"),
+        ({"precision": "fp16", "loss_scaler": 2.0}, r"loss_scaler must be a halfprec loss scaler, got float"),
+    ],
+)
+def test_plugin_argument_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HalfprecPrecision(**kwargs)
+
+
+def test_clip_set_twice_is_an_error():
+    model = LitRegression(halfprec_optimizer=0.5)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        plugins=[HalfprecPrecision("bf16")],
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(ValueError, match=r"max_grad_norm=0\.5 and the Trainer has gradient_clip_val=0\.05"):
+        trainer.fit(model, make_loader(make_batches(2)))
+
+
+def test_precision_flag_with_plugin_is_refused_by_lightning():
+    with pytest.raises(Exception, match=r"precision"):
+        L.Trainer(accelerator="cpu", precision="bf16-true", plugins=[HalfprecPrecision("bf16")], logger=False)
