@@ -153,7 +153,13 @@ class Engine:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
-        self.optimizer.backward(loss, **kwargs)
+        last = (self.micro_step + 1) % self.gradient_accumulation_steps == 0
+        if self.config.zero_stage == 1 and not last:
+            # stage 1 keeps whole grads: reduce-scatter only the last micro-batch's (stage 2 must reduce each)
+            with self.optimizer.no_sync():
+                self.optimizer.backward(loss, **kwargs)
+        else:
+            self.optimizer.backward(loss, **kwargs)
         self.micro_step += 1
 
     def step(self) -> StepRecord | None:

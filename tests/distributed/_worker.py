@@ -339,8 +339,7 @@ def scenario_ckpt_die(out: str, cfg: dict) -> dict:
 
 def scenario_gpu(out: str, steps: int) -> dict:
     """World size 1 on CUDA/NCCL: stage 1 and 2 equal MixedPrecisionOptimizer bit for bit; DCP round trip."""
-    from halfprec.distributed import checkpoint
-    from halfprec.distributed.consolidate import consolidate
+    from halfprec.distributed import checkpoint, consolidate
 
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else "cpu"
@@ -367,7 +366,23 @@ def scenario_gpu(out: str, steps: int) -> dict:
         weights = consolidate(Path(out) / f"gpu{stage}")
         masters = dict(zip(group_order_names(ref_model), ref.master_params(), strict=True))
         exported = all(torch.equal(weights[n], m.detach().cpu()) for n, m in masters.items())
-        res[stage] = {"same_params": same, "same_masters_in_checkpoint": exported, "scale": opt.loss_scale}
+        model2 = make_model(torch.float16).to(device)
+        opt2 = ShardedMixedPrecisionOptimizer(
+            make_optimizer(model2, "adamw"),
+            named_parameters=model2,
+            stage=stage,
+            loss_scaler=make_scaler(cfg),
+        )
+        checkpoint.load(opt2, Path(out) / f"gpu{stage}")
+        reloaded = torch.equal(opt2.flat_master, opt.flat_master) and all(
+            torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters(), strict=True)
+        )
+        res[stage] = {
+            "same_params": same,
+            "same_masters_in_checkpoint": exported,
+            "reloaded": reloaded,
+            "scale": opt.loss_scale,
+        }
     return res
 
 
@@ -386,10 +401,17 @@ def scenario_misc(out: str) -> dict:
         sched.step()
     res["lr_after"] = [g["lr"] for g in opt.param_groups]
     res["scheduler_warnings"] = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
-    # buckets are launched while backward runs, not all at its end
+    # buckets are launched while backward runs, not all at its end. Here bucket 0 holds `unused`, which never
+    # gets a grad, so (buckets go strictly in order) everything waits for the end of backward ...
     opt.backward(loss_of(model, 5, RANK, 0, torch.bfloat16, []))
     res["buckets"] = len(opt.layout.buckets)
-    res["overlapped"] = opt._reducer.overlapped
+    res["overlapped_with_unused_first"] = opt._reducer.overlapped
+    # ... while without it the early buckets go out during backward
+    model5 = make_model(torch.bfloat16)
+    used = [p for n, p in model5.named_parameters() if p.requires_grad and n != "unused"]
+    opt5 = ShardedMixedPrecisionOptimizer(torch.optim.AdamW(used), named_parameters=model5, bucket_size=30)
+    opt5.backward(loss_of(model5, 5, RANK, 0, torch.bfloat16, []))
+    res["overlapped"] = opt5._reducer.overlapped
     res["stage1_grads_are_views"] = all(
         p.grad is not None and p.grad.data_ptr() >= opt._reducer.flat_grad.data_ptr()
         for n, p in model.named_parameters()
@@ -401,8 +423,26 @@ def scenario_misc(out: str) -> dict:
         res["backward_after_unscale"] = "no error"
     except RuntimeError as e:
         res["backward_after_unscale"] = str(e)
+    try:
+        (
+            loss_of(model, 5, RANK, 0, torch.bfloat16, []) * 1.0
+        ).backward()  # a plain backward, not opt.backward
+        res["plain_backward_after_unscale"] = "no error"
+    except RuntimeError as e:
+        res["plain_backward_after_unscale"] = str(e)
     opt.step()
     opt.zero_grad()
+    # refresh_masters after an external weights-only change
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.mul_(2)
+    opt.refresh_masters()
+    res["refreshed"] = all(
+        torch.equal(param, model.get_parameter(n).detach().reshape(-1)[piece.lo : piece.hi].float())
+        for n, _s, _g, piece, param in opt._model_space()
+        if piece is not None
+    )
     # rank-local state dict: same world size round trip
     sd = opt.state_dict()
     model2, opt2 = build_sharded(cfg)
@@ -432,6 +472,22 @@ def scenario_misc(out: str) -> dict:
         res["add_param_group"] = "no error"
     except RuntimeError as e:
         res["add_param_group"] = str(e)
+    # halfprec.initialize(zero_stage=2) builds the sharded optimizer from a Config over an fp32 model
+    model6 = Net()
+    engine = halfprec.initialize(
+        model6, make_optimizer(model6, "adamw"), zero_stage=2, precision="bf16", gradient_accumulation_steps=2
+    )
+    records = []
+    for step in range(2):
+        for m in range(2):
+            engine.backward(loss_of(engine, step, RANK, m, torch.bfloat16, []))
+            record = engine.step()
+        records.append([record.step, record.loss_scale, record.grad_norm, record.skipped])
+    res["engine"] = {
+        "type": type(engine.optimizer).__name__,
+        "dtypes": sorted({str(p.dtype) for p in model6.parameters()}),
+        "records": records,
+    }
     return res
 
 

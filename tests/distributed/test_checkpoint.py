@@ -14,7 +14,7 @@ from _compare import stitch
 from _launch import launch
 
 from conftest import CKPT
-from halfprec.distributed.consolidate import consolidate, read_checkpoint
+from halfprec.distributed import consolidate, read_checkpoint
 
 
 def _assert_same_checkpoint(a, b) -> None:
@@ -101,3 +101,19 @@ def test_mixed_precision_optimizer_round_trip_and_load_from_sharded(runs, tmp_pa
             if p.requires_grad:
                 assert torch.equal(p.detach(), weights[name].to(p.dtype)), name
         assert mp.skipped_steps == int(read_checkpoint(tmp_path / f"M{i}")["counters/skipped_steps"])
+
+
+def test_export_writes_the_consolidated_fp32_weights(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    import halfprec.distributed
+    from halfprec.export import export
+
+    runs.two()
+    assert callable(halfprec.distributed.consolidate)  # not shadowed by a submodule of the same name
+    export(runs.root / "A0", tmp_path / "w.safetensors")
+    written = load_file(str(tmp_path / "w.safetensors"))
+    weights = consolidate(runs.root / "A0")
+    assert sorted(written) == sorted(weights)
+    for name, value in weights.items():
+        assert written[name].dtype == torch.float32 and torch.equal(written[name], value), name

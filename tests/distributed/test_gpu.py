@@ -20,3 +20,4 @@ def test_nccl_world_size_one_matches_unsharded_and_checkpoints(tmp_path, monkeyp
     for stage in (1, 2):
         assert res[stage]["same_params"], stage
         assert res[stage]["same_masters_in_checkpoint"], stage
+        assert res[stage]["reloaded"], stage

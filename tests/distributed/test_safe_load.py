@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from halfprec.distributed.consolidate import consolidate, read_checkpoint
+from halfprec.distributed import consolidate, read_checkpoint
 
 
 class _Plant:

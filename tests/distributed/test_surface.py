@@ -18,6 +18,8 @@ def test_buckets_reduce_while_backward_runs(runs):
     for m in _misc(runs):
         assert m["buckets"] >= 3
         assert m["overlapped"] >= 1, m  # at least one bucket launched before backward ended
+        # a param without a grad holds back its bucket and every later one, to the end of backward
+        assert m["overlapped_with_unused_first"] == 0
 
 
 def test_stage1_grads_are_views_and_stage2_frees_them(runs):
@@ -31,6 +33,12 @@ def test_wrong_order_and_fixed_layout_errors(runs):
     for m in _misc(runs):
         assert "backward() called after unscale_()" in m["backward_after_unscale"]
         assert "fixes its flat layout" in m["add_param_group"]
+        assert "a backward ran after unscale_()" in m["plain_backward_after_unscale"]
+
+
+def test_refresh_masters_copies_the_model_weights(runs):
+    for m in _misc(runs):
+        assert m["refreshed"]
 
 
 def test_rank_local_state_dict_round_trip(runs):
@@ -41,3 +49,12 @@ def test_rank_local_state_dict_round_trip(runs):
 def test_optimizer_built_from_named_parameters(runs):
     names = [n for m in _misc(runs) for g in m["param_names"] for n in g]
     assert {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "gain", "unused"} <= set(names)
+
+
+def test_initialize_with_zero_stage_builds_the_sharded_optimizer(runs):
+    ms = _misc(runs)
+    for m in ms:
+        assert m["engine"]["type"] == "ShardedMixedPrecisionOptimizer"
+        assert m["engine"]["dtypes"] == ["torch.bfloat16"]
+        assert [r[0] for r in m["engine"]["records"]] == [1, 2]
+    assert ms[0]["engine"]["records"] == ms[1]["engine"]["records"]  # same norm and decisions on every rank

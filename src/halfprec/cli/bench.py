@@ -17,7 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["268M", "1B", "small"],
         help="param shapes: 268M = 16 x 4096x4096 + 16 x 4096 (default), 1B = 16 x 8192x8192 + ...",
     )
-    parser.add_argument("--optimizers", default="adamw", help="comma list of adamw, sgd, adagrad")
+    parser.add_argument(
+        "--optimizers", default="adamw", help="comma list of adamw, sgd, adagrad, lamb (lamb: fused only)"
+    )
     parser.add_argument("--dtypes", default="float16", help="comma list of float16, bfloat16")
     parser.add_argument("--impls", default="fused,torch,plain", help="comma list of fused, torch, plain")
     parser.add_argument("--warmup", type=int, default=5)
@@ -26,6 +28,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "halfprec bench: needs a CUDA device (it times GPU kernels); run it on a machine with one",
+            file=sys.stderr,
+        )
+        return 2
     from ..optim.bench import format_table, run_bench
 
     result = run_bench(

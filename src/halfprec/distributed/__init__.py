@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ShardedMixedPrecisionOptimizer", "consolidate", "load", "save"]
+__all__ = [
+    "ShardedMixedPrecisionOptimizer",
+    "consolidate",
+    "load",
+    "read_checkpoint",
+    "save",
+    "sharded_engine_optimizer",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,8 +26,13 @@ def __getattr__(name: str) -> Any:
         from . import checkpoint
 
         return getattr(checkpoint, name)
-    if name == "consolidate":
-        from .consolidate import consolidate
+    if name == "sharded_engine_optimizer":
+        from ._engine import sharded_engine_optimizer
 
-        return consolidate
+        return sharded_engine_optimizer
+    if name in ("consolidate", "read_checkpoint"):
+        # the module is _consolidate: a submodule named like the function would replace it on the package
+        from . import _consolidate
+
+        return getattr(_consolidate, name)
     raise AttributeError(f"module 'halfprec.distributed' has no attribute {name!r}")

@@ -55,6 +55,7 @@ class GradReducer:
         self.up_to_date = False  # grad_shard holds the reduction of every grad produced so far
         self.overlapped = 0  # buckets of the last backward launched before it ended (observability, tests)
         self._sync = True
+        self.frozen = False  # set between unscale_() and step(): a new grad then would be silently lost
         self._expected = [sum(1 for i in b.params if layout.numels[i] > 0) for b in layout.buckets]
         self._reset_pass()
         self._handles = [
@@ -93,6 +94,11 @@ class GradReducer:
 
     @torch.no_grad()
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        if self.frozen:
+            raise RuntimeError(
+                "a backward ran after unscale_() and before step(): its grads would not reach this step. Call "
+                "unscale_() after the last backward() of the step."
+            )
         self.used[i] = True
         self.up_to_date = False
         layout = self.layout
@@ -208,6 +214,7 @@ class GradReducer:
                 self.grad_shard.zero_()
         self.used = [False] * len(self.params)
         self.up_to_date = False
+        self.frozen = False
 
     def remove(self) -> None:
         for handle in self._handles:

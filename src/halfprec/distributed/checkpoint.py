@@ -316,12 +316,17 @@ def _apply(optimizer, loaded: dict[str, torch.Tensor], plans: list, chunked: set
     for key, value in scaler_sd.items():
         if f"scaler/{key}" in loaded:
             scaler_sd[key] = type(value)(loaded[f"scaler/{key}"].item())
-    optimizer.loss_scaler.load_state_dict(scaler_sd)
-    optimizer._skipped_steps = int(loaded["counters/skipped_steps"])
+    skipped = int(loaded["counters/skipped_steps"])
     if sharded:
+        optimizer.loss_scaler.load_state_dict(scaler_sd)
+        optimizer._skipped_steps = skipped
         optimizer._publish()
     else:
-        optimizer._store.copy_params_out()
+        # masters, state and groups are in place: the optimizer's own load_state_dict sets its counters and
+        # scaler and rounds the masters into the model
+        full = optimizer.state_dict()
+        full["scaler"], full["skipped_steps"] = scaler_sd, skipped
+        optimizer.load_state_dict(full)
 
 
 def _restore_hparam(live: Any, saved: torch.Tensor) -> Any:

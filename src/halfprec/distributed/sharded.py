@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..migrate import restore_state_dtypes
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from ._grads import GradReducer
 from ._layout import Layout
+from ._local_state import load_local_state_dict, local_state_dict
 from ._validate import check_optimizer, named_trainable, shard_state
 
 __all__ = ["ShardedMixedPrecisionOptimizer", "DEFAULT_BUCKET_SIZE"]
@@ -45,7 +45,6 @@ __all__ = ["ShardedMixedPrecisionOptimizer", "DEFAULT_BUCKET_SIZE"]
 logger = logging.getLogger("halfprec")
 
 DEFAULT_BUCKET_SIZE = 2**23  # elements (16 MiB of 16-bit grads); Megatron uses 40M, DDP 25 MiB
-_FORMAT = "halfprec.ShardedMixedPrecisionOptimizer/1"
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -133,6 +132,7 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
         self._grad_norm: torch.Tensor | None = None
         self._step_was_skipped = False
         self._skipped_steps = 0
+        self._step_scale: float | None = None
 
     # --- construction --------------------------------------------------------------------------------
     def _init_flat(self, param_dtype: torch.dtype | None) -> None:
@@ -235,6 +235,11 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale
 
+    @property
+    def step_loss_scale(self) -> float | None:
+        """The loss scale the last step's gradients were scaled with (before the scaler's update)."""
+        return self._step_scale
+
     def master_params(self) -> list[torch.nn.Parameter]:
         """This rank's fp32 pieces (1-D), in inner param-group order."""
         return [p for g in self.param_groups for p in g["params"]]
@@ -278,6 +283,7 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
         if not self._scaling_is_off():
             shard.mul_(self.loss_scaler.inv_scale())
         self._unscaled = True
+        self._reducer.frozen = True
 
     def step(self, closure=None):
         loss = None
@@ -291,6 +297,7 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
     def _step(self) -> None:
         self.unscale_()
         self._unscaled = False
+        self._reducer.frozen = False
         shard = self._reducer.grad_shard
         local = torch.linalg.vector_norm(shard).double().square().reshape(1)
         used = torch.tensor(self._reducer.used, dtype=torch.float64, device=self.device)
@@ -308,6 +315,7 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
         head = torch.stack([found_inf, at_min, old_scale]).double().to(self.device)
         values = torch.cat([head, stats[1:]]).tolist()  # the one host sync
         skipped, before = bool(values[0]), values[2]
+        self._step_scale = before
         self._step_was_skipped = skipped
         if skipped:
             self._skipped_steps += 1
@@ -356,60 +364,13 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
         self._unscaled = False
 
     # --- rank-local checkpoint state (same world size only; see checkpoint.py for resharding) ----------
-    def _fingerprint(self) -> dict[str, Any]:
-        return {
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "names": list(self._names),
-            "numels": list(self.layout.numels),
-            "bucket_numels": [b.numel for b in self.layout.buckets],
-        }
-
     def state_dict(self) -> dict[str, Any]:
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        out = {
-            "format": _FORMAT,
-            "layout": self._fingerprint(),
-            "optimizer": self.optimizer.state_dict(),
-            "masters": self.flat_master.detach(),
-            "scaler": self.loss_scaler.state_dict(),
-            "skipped_steps": self._skipped_steps,
-        }
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, out)
-            if result is not None:
-                out = result
-        return out
+        """This rank's state: inner optimizer state over its pieces, its masters, scaler and counters."""
+        return local_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
-            raise ValueError(
-                "not a ShardedMixedPrecisionOptimizer state dict; checkpoints in model space (any world size) "
-                "load with halfprec.distributed.checkpoint.load(...)"
-            )
-        if state_dict["layout"] != self._fingerprint():
-            saved = state_dict["layout"]
-            raise ValueError(
-                f"rank-local state dict saved at world size {saved['world_size']} rank {saved['rank']} does not "
-                f"match this layout (world size {self.world_size} rank {self.rank}); to change world size save and "
-                "load with halfprec.distributed.checkpoint"
-            )
-        inner = state_dict["optimizer"]
-        self.optimizer.load_state_dict(inner)
-        restore_state_dtypes(self.optimizer, inner["state"], self.master_params())
-        with torch.no_grad():
-            self.flat_master.copy_(state_dict["masters"])
-        self._publish()
-        self.loss_scaler.load_state_dict(state_dict["scaler"])
-        self._skipped_steps = int(state_dict["skipped_steps"])
-        self._unscaled = False
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        """Load ``state_dict()`` of the same rank at the same world size and layout."""
+        load_local_state_dict(self, state_dict)
 
     # --- model-space view (used by checkpoint.py) ------------------------------------------------------
     def _model_space(self) -> Iterator[tuple[str, torch.Size, int, Any, torch.nn.Parameter | None]]:

@@ -3,6 +3,7 @@ not import Triton)."""
 
 from .adagrad import FusedAdagrad
 from .adam import FusedAdam, FusedAdamW
+from .lamb import FusedLamb
 from .sgd import FusedSGD
 
-__all__ = ["FusedAdagrad", "FusedAdam", "FusedAdamW", "FusedSGD"]
+__all__ = ["FusedAdagrad", "FusedAdam", "FusedAdamW", "FusedLamb", "FusedSGD"]

@@ -18,6 +18,7 @@ is never mistaken for a gradient: an unmarked param is not updated and its count
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from typing import Any
 
@@ -26,11 +27,10 @@ import torch
 from ..masters import LOW_PRECISION
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from ._buffers import Chunk
+from ._checkpoint import FORMAT, CheckpointMixin
 from ._report import SkipReporter
 
 __all__ = ["FusedOptimizer", "FORMAT"]
-
-FORMAT = "halfprec.MixedPrecisionOptimizer/1"  # the generic path's checkpoint format: checkpoints move across
 
 
 def _value(v: Any) -> Any:
@@ -41,7 +41,7 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class FusedOptimizer(torch.optim.Optimizer):
+class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
     """Base class; subclasses set ``_KIND``, ``_STATE_NAMES`` and the per-algorithm hooks below."""
 
     _KIND: int = -1
@@ -135,8 +135,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "fused optimizer per device"
             )
         self._device = devices.pop() if devices else torch.device("cpu")
-        import os
-
         if self._device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 f"the fused optimizers run on CUDA params, got params on {self._device}; move the "
@@ -373,100 +371,6 @@ class FusedOptimizer(torch.optim.Optimizer):
     def flush_reports(self) -> None:
         """Wait for and log the skip reports of all steps so far (syncs)."""
         self._reporter.drain(wait=True)
-
-    # --- checkpoint state (the generic path's format) ---------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        self._reporter.drain(wait=True)
-        steps = self._steps.cpu().tolist()
-        state: dict[int, dict[str, Any]] = {}
-        masters: dict[int, torch.Tensor] = {}
-        entries = []
-        groups = []
-        k = 0
-        for group in self.param_groups:
-            saved = {key: v for key, v in group.items() if key != "params"}
-            saved["params"] = list(range(k, k + len(group["params"])))
-            groups.append(saved)
-            for p in group["params"]:
-                i = self._index.get(p)
-                is_master = i is not None and p.dtype != torch.float32
-                entries.append({"shape": list(p.shape), "dtype": str(p.dtype), "master": is_master})
-                if i is not None:
-                    exported = self._export_state(i, steps[i])
-                    if exported:
-                        state[k] = exported
-                    if is_master:
-                        chunk, local = self._where[i]
-                        masters[k] = chunk.master_views[local].clone()
-                k += 1
-        return {
-            "format": FORMAT,
-            "optimizer": {"state": state, "param_groups": groups},
-            "masters": masters,
-            "params": entries,
-            "scaler": self.loss_scaler.state_dict(),
-            "skipped_steps": self.skipped_steps,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the generic path's checkpoint format, or a plain torch optimizer state dict (masters are then
-        taken from the model's current weights)."""
-        if not isinstance(state_dict, dict):
-            raise ValueError(f"expected a state dict, got {type(state_dict).__name__}")
-        if state_dict.get("format") == FORMAT:
-            self._check_entries(state_dict["params"])
-            inner = state_dict["optimizer"]
-        elif "state" in state_dict and "param_groups" in state_dict:
-            inner, state_dict = state_dict, None
-        else:
-            raise ValueError(f"not a halfprec or torch optimizer state dict (keys {sorted(state_dict)[:6]})")
-        saved_groups = inner["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups, strict=True)
-        ):
-            raise ValueError(
-                "state dict has a different number of param groups or params per group than this optimizer"
-            )
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
-            for key, v in saved.items():
-                if key != "params":
-                    group[key] = v
-        for gi, group in enumerate(self.param_groups):
-            self._validate_group(group, gi)
-        self._hp_key = None
-        self._prepare_step()
-        steps = [0.0] * len(self._trainable)
-        with torch.no_grad():
-            for chunk in self._chunks:
-                for buf in chunk.state.values():
-                    buf.zero_()
-            self._init_state()
-            saved_state = {int(k): v for k, v in inner["state"].items()}
-            for k, p in enumerate(self._all):
-                i = self._index.get(p)
-                if i is not None and k in saved_state:
-                    steps[i] = self._import_state(i, saved_state[k])
-            self._steps.copy_(torch.tensor(steps or [0.0], dtype=torch.float32))
-            if state_dict is not None:
-                for k, value in state_dict["masters"].items():
-                    i = self._index[self._all[int(k)]]
-                    chunk, local = self._where[i]
-                    chunk.master_views[local].copy_(value)
-                for chunk in self._chunks:
-                    chunk.write_params()
-                self.loss_scaler.load_state_dict(state_dict["scaler"])
-                self._scalars[3].fill_(float(state_dict["skipped_steps"]))
-
-    def _check_entries(self, saved: list[dict[str, Any]]) -> None:
-        if len(saved) != len(self._all):
-            raise ValueError(f"state dict holds {len(saved)} params, this optimizer {len(self._all)}")
-        for k, (entry, p) in enumerate(zip(saved, self._all, strict=True)):
-            if entry["shape"] != list(p.shape) or entry["dtype"] != str(p.dtype):
-                raise ValueError(
-                    f"state dict does not match this model at param {k}: saved shape "
-                    f"{entry['shape']} dtype {entry['dtype']}, this model shape {list(p.shape)} "
-                    f"dtype {p.dtype}"
-                )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self._trainable)} params, loss_scaler={self.loss_scaler!r})"

@@ -20,7 +20,8 @@ import halfprec
 
 __all__ = ["BenchRow", "copy_bandwidth", "run_bench", "FLOOR_BYTES", "WORKLOADS"]
 
-FLOOR_BYTES = {"adamw": 30, "sgd": 22, "adagrad": 22}
+# LAMB: the three-pass design's bytes (norm 2 + stage 22 + apply 18); torch has no LAMB to compare with
+FLOOR_BYTES = {"adamw": 30, "sgd": 22, "adagrad": 22, "lamb": 42}
 # name -> list of param shapes (268M: 16 weights of 4096x4096 and 16 biases of 4096)
 WORKLOADS = {
     "268M": [(4096, 4096)] * 16 + [(4096,)] * 16,
@@ -91,7 +92,7 @@ def _torch_opt(name, params, *, fused=None):
 
 
 def _fused_opt(name, params):
-    from . import FusedAdagrad, FusedAdamW, FusedSGD
+    from . import FusedAdagrad, FusedAdamW, FusedLamb, FusedSGD
 
     kw = dict(
         loss_scaler=halfprec.DynamicLossScaler() if params[0].dtype == torch.float16 else None,
@@ -101,6 +102,8 @@ def _fused_opt(name, params):
         return FusedAdamW(params, lr=1e-4, weight_decay=0.1, **kw)
     if name == "sgd":
         return FusedSGD(params, lr=1e-2, momentum=0.9, **kw)
+    if name == "lamb":
+        return FusedLamb(params, lr=1e-3, weight_decay=0.01, **kw)
     return FusedAdagrad(params, lr=1e-2, **kw)
 
 
@@ -218,7 +221,7 @@ def run_bench(
             plain_ms = None
             results = {}
             for impl in ("plain", "torch", "fused"):
-                if impl not in impls:
+                if impl not in impls or (name == "lamb" and impl != "fused"):
                     continue
                 try:
                     results[impl] = _measure(impl, name, shapes, dtype, warmup=warmup, iters=iters)

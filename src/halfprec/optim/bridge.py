@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["select_impl", "fused_from_torch", "fused_unsupported_reason"]
+__all__ = ["select_impl", "fused_from_torch", "fused_unsupported_reason", "mixed_precision_optimizer"]
 
 _IMPLS = ("auto", "torch", "triton")
 
@@ -120,3 +120,27 @@ def fused_from_torch(
     if saved_state is not None:
         fused.load_state_dict(saved_state)
     return fused
+
+
+def mixed_precision_optimizer(
+    optimizer: torch.optim.Optimizer,
+    *,
+    impl: str = "auto",
+    loss_scaler=None,
+    max_grad_norm: float | None = None,
+    skip_nonfinite: bool = True,
+    param_dtype: torch.dtype | None = None,
+):
+    """``MixedPrecisionOptimizer(optimizer, ...)`` on the torch path, or the equivalent fused optimizer, as
+    ``select_impl(optimizer, impl)`` decides. Both have the same step/zero_grad/backward/state_dict surface."""
+    kwargs = dict(
+        loss_scaler=loss_scaler,
+        max_grad_norm=max_grad_norm,
+        skip_nonfinite=skip_nonfinite,
+        param_dtype=param_dtype,
+    )
+    if select_impl(optimizer, impl) == "triton":
+        return fused_from_torch(optimizer, **kwargs)
+    from ..optimizer import MixedPrecisionOptimizer
+
+    return MixedPrecisionOptimizer(optimizer, **kwargs)

@@ -1,0 +1,68 @@
+"""FusedLamb: LAMB (layer-wise adaptive moments) with built-in FP32 masters.
+
+Per param, in fp32, after global unscaling and clipping (``t`` the param's own step count)::
+
+    m = lerp(m, g, 1 - beta1);  v = v * beta2 + (1 - beta2) * g * g
+    u = (m / (1 - beta1**t)) / (sqrt(v) / sqrt(1 - beta2**t) + eps) + weight_decay * p
+    p = p - lr * (||p|| / ||u||) * u        # trust ratio 1 when either norm is 0
+
+The trust ratio needs each param's whole ``u`` before any element moves, so LAMB runs three passes after the
+norm pass (``halfprec.kernels.lamb``) instead of Adam's one. State is torch-format like Adam's (``step``,
+``exp_avg``, ``exp_avg_sq``), so LAMB checkpoints load into a reference LAMB written the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .adam import FusedAdam
+
+__all__ = ["FusedLamb"]
+
+
+class FusedLamb(FusedAdam):
+    """LAMB over fp16/bf16 params with FP32 masters (see the module docstring for the math)."""
+
+    _KIND = 3
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("decoupled_weight_decay", False)
+        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
+        from ..kernels.lamb import trust_table
+
+        self._trust_rows = [trust_table(c.update_table) for c in self._chunks]
+        self._lamb_partials = [
+            torch.zeros(max(c.update_table.shape[0], 1), 2, device=self._device) for c in self._chunks
+        ]
+
+    def _hp_row(self, group: dict[str, Any]) -> list[Any]:
+        b1, b2 = group["betas"]
+        return [group["lr"], b1, b2, group["eps"], group["weight_decay"], 0.0, 0.0, 0.0]
+
+    def _launch_update(self, chunk) -> None:
+        from ..kernels.lamb import lamb_update
+
+        k = self._chunks.index(chunk)
+        param = chunk.master if chunk.param is None else chunk.param
+        lamb_update(
+            param,
+            chunk.grad,
+            chunk.master,
+            chunk.state["exp_avg"],
+            chunk.state["exp_avg_sq"],
+            chunk.update_table,
+            self._trust_rows[k],
+            self._lamb_partials[k],
+            self._pscal,
+            self._scalars,
+        )
