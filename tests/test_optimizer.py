@@ -100,7 +100,7 @@ def test_construction_allocates_only_masters_cuda():
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    MixedPrecisionOptimizer(inner)
+    MixedPrecisionOptimizer(inner, impl="torch")
     torch.cuda.synchronize()
     numel = sum(-(-p.numel() // 16) * 16 for p in model.parameters())
     assert torch.cuda.memory_allocated() - before <= numel * 4 + 4096  # masters + the scaler's 0-d tensors
@@ -692,7 +692,7 @@ CUDA_CASES = [
 def test_parity_cuda(cls, kwargs, dtype):
     model = make_model(dtype).cuda()
     ref = fp32_copy(model)
-    mp = MixedPrecisionOptimizer(cls(model.parameters(), **kwargs), max_grad_norm=0.5)
+    mp = MixedPrecisionOptimizer(cls(model.parameters(), **kwargs), max_grad_norm=0.5, impl="torch")
     oracle = cls(ref.parameters(), **kwargs)
     for step in range(10):
         grads = [g.cuda() for g in grads_like(list(model.parameters()), step=step)]

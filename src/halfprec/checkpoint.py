@@ -33,6 +33,11 @@ __all__ = [
     "read_manifest",
     "resolve",
     "write_checkpoint",
+    "prepare",
+    "stage",
+    "seal",
+    "commit",
+    "publish",
     "load_weights",
     "load_pt",
     "rng_state",
@@ -119,47 +124,80 @@ def write_checkpoint(
     (plain JSON values) into the manifest. ``overwrite=True`` replaces an existing tag: that removal and
     rename is not atomic, since a directory cannot be renamed onto a non-empty one.
     """
-    from safetensors.torch import save_file
+    root, final = prepare(directory, tag, overwrite=overwrite, keep_last=keep_last)
+    tmp = root / f".{tag}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        stage(tmp, weights=weights, files=files)
+        seal(tmp, tag, info)
+        commit(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish(root, tag, keep_last)
+    return final
 
+
+def prepare(directory: str | os.PathLike, tag: str, *, overwrite: bool, keep_last: int | None) -> tuple[Path, Path]:
+    """Check the arguments of a save; returns ``(root, final)``. Raises before anything is written."""
     root = Path(directory)
     final = root / _check_tag(tag)
     if final.exists() and not overwrite:
         raise FileExistsError(
             f"checkpoint {final} already exists and tags are immutable; pick another tag or pass overwrite=True"
         )
-    if keep_last is not None and (
-        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
-    ):
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{tag}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    return root, final
+
+
+def stage(tmp: Path, *, weights: dict[str, torch.Tensor] | None, files: dict[str, Any]) -> None:
+    """Write the weights (safetensors) and ``<name>.pt`` files into the temporary directory ``tmp``."""
+    from safetensors.torch import save_file
+
+    if weights is not None:
         stored, ties = _split_ties(weights)
-        save_file(stored, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for name, obj in files.items():
-            torch.save(obj, tmp / f"{name}.pt")
-        entries = {}
-        for path in sorted(tmp.iterdir()):
-            _fsync_path(path)
-            entries[path.name] = {"size": path.stat().st_size, "sha256": _digest(path)}
-        manifest = {"format": FORMAT, "tag": tag, "ties": ties, "files": entries, **info}
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_path(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_path(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        save_file(stored, str(tmp / "model.safetensors"), metadata={"format": "pt", "ties": json.dumps(ties)})
+    for name, obj in files.items():
+        torch.save(obj, tmp / f"{name}.pt")
+
+
+def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
+    """fsync every file under ``tmp`` and write the manifest (sizes, digests, ties) last."""
+    entries = {}
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        _fsync_path(path)
+        entries[path.relative_to(tmp).as_posix()] = {"size": path.stat().st_size, "sha256": _digest(path)}
+    ties = {}
+    if (tmp / "model.safetensors").exists():
+        from safetensors import safe_open
+
+        with safe_open(str(tmp / "model.safetensors"), framework="pt") as f:
+            ties = json.loads((f.metadata() or {}).get("ties", "{}"))
+    manifest = {"format": FORMAT, "tag": tag, "ties": ties, "files": entries, **info}
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
+        _fsync_path(sub)
+    _fsync_path(tmp)
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """Rename the sealed ``tmp`` to ``final`` (replacing an existing one: not atomic) and fsync the parent."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_path(final.parent)
+
+
+def publish(root: Path, tag: str, keep_last: int | None) -> None:
+    """Point ``latest`` at ``tag`` (atomically), then prune to the ``keep_last`` newest checkpoints."""
     _write_latest(root, tag)
     if keep_last is not None:
         _prune(root, keep_last, keep=tag)
-    return final
 
 
 def _write_latest(root: Path, tag: str) -> None:

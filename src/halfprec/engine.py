@@ -103,6 +103,7 @@ def initialize(
         max_grad_norm=config.max_grad_norm,
         skip_nonfinite=config.skip_nonfinite,
         param_dtype=param_dtype,
+        impl=config.impl,
     )
     if param_dtype is not None:
         _cast_rest(model, param_dtype, trained)

@@ -55,7 +55,20 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         skip_nonfinite: skip steps with non-finite bf16/fp32 grads (fp16 grads are always checked).
         param_dtype: ``torch.bfloat16`` or ``torch.float16`` to cast the optimizer's trainable params to that
             dtype in place (same ``Parameter`` objects), keeping their fp32 values as the masters.
+        impl: ``"torch"`` (this exact path), ``"triton"`` (the fused optimizer of ``halfprec.optim`` with the same
+            hyper-parameters; ValueError naming the fix when it cannot run) or ``"auto"`` (fused when the inner
+            optimizer is torch Adam/AdamW/SGD/Adagrad on CUDA with its ``foreach``/``fused`` left at their
+            defaults and Triton importable; see ``halfprec.optim.bridge.select_impl``). A fused result is a
+            ``halfprec.optim.Fused*`` optimizer with the same surface, not an instance of this class.
     """
+
+    def __new__(cls, optimizer=None, *args: Any, impl: str = "auto", **kwargs: Any):
+        if cls is MixedPrecisionOptimizer and impl != "torch" and isinstance(optimizer, torch.optim.Optimizer):
+            from .optim.bridge import fused_from_torch, select_impl
+
+            if select_impl(optimizer, impl) == "triton":
+                return fused_from_torch(optimizer, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -65,6 +78,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = True,
         param_dtype: torch.dtype | None = None,
+        impl: str = "auto",
     ) -> None:
         _validate(optimizer, loss_scaler, max_grad_norm, param_dtype)
         self._init_wrapper(optimizer)

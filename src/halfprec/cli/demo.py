@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import resource
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -264,6 +263,10 @@ def _evaluate(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec) -> float:
 def _peak_memory(device: str) -> str:
     if device == "cuda":
         return f"{torch.cuda.max_memory_allocated() / 2**20:.0f} MiB"
+    try:
+        import resource  # noqa: PLC0415 - POSIX only
+    except ImportError:
+        return "n/a"
     # ru_maxrss is KiB on Linux, bytes on macOS. It includes torch itself and the corpus, not just training.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return f"{rss / (2**20 if sys.platform == 'darwin' else 2**10):.0f} MiB"
