@@ -63,7 +63,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     """
 
     def __new__(cls, optimizer=None, *args: Any, impl: str = "auto", **kwargs: Any):
-        if cls is MixedPrecisionOptimizer and impl != "torch" and isinstance(optimizer, torch.optim.Optimizer):
+        if cls is MixedPrecisionOptimizer and impl != "torch":
+            _validate(optimizer, kwargs.get("loss_scaler"), kwargs.get("max_grad_norm"), kwargs.get("param_dtype"))
             from .optim.bridge import fused_from_torch, select_impl
 
             if select_impl(optimizer, impl) == "triton":
