@@ -138,7 +138,9 @@ def write_checkpoint(
     return final
 
 
-def prepare(directory: str | os.PathLike, tag: str, *, overwrite: bool, keep_last: int | None) -> tuple[Path, Path]:
+def prepare(
+    directory: str | os.PathLike, tag: str, *, overwrite: bool, keep_last: int | None
+) -> tuple[Path, Path]:
     """Check the arguments of a save; returns ``(root, final)``. Raises before anything is written."""
     root = Path(directory)
     final = root / _check_tag(tag)
@@ -146,7 +148,9 @@ def prepare(directory: str | os.PathLike, tag: str, *, overwrite: bool, keep_las
         raise FileExistsError(
             f"checkpoint {final} already exists and tags are immutable; pick another tag or pass overwrite=True"
         )
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
         raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
     root.mkdir(parents=True, exist_ok=True)
     return root, final

@@ -9,6 +9,8 @@ the skips; the wrapped optimizer's own counters and the LR schedule do not move 
 from __future__ import annotations
 
 import os
+import shutil
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -215,13 +217,13 @@ class Engine:
                 f"{self.gradient_accumulation_steps} per step): save right after engine.step()"
             )
         ckpt.check_plain(client_state or {})
+        tag = tag or f"step-{self.global_step}"
         engine_state = {
             "global_step": self.global_step,
             "micro_step": self.micro_step,
-            "param_names": self._param_names(),
+            "param_names": self._param_names() if not self._sharded else [],
             "config": asdict(self.config),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "rng": ckpt.rng_state(),
             "client_state": client_state or {},
         }
         info = {
@@ -230,15 +232,48 @@ class Engine:
             "precision": self.config.precision,
             "loss_scale": self.optimizer.loss_scale,
         }
+        if self._sharded:
+            return self._save_sharded(directory, tag, engine_state, info, overwrite, keep_last)
+        engine_state["rng"] = ckpt.rng_state()
         return ckpt.write_checkpoint(
             directory,
-            tag or f"step-{self.global_step}",
+            tag,
             weights=self.module.state_dict(),
             files={"optimizer": self.optimizer.state_dict(), "engine": engine_state},
             info=info,
             overwrite=overwrite,
             keep_last=keep_last,
         )
+
+    @property
+    def _sharded(self) -> bool:
+        return self.config.zero_stage in (1, 2)
+
+    def _save_sharded(self, directory, tag, engine_state, info, overwrite, keep_last) -> Path:
+        """Every rank writes its optimizer shard (DCP) and RNG state into one temporary directory; rank 0 adds
+        weights and counters, seals it and renames it. Assumes a filesystem that every rank sees."""
+        import torch.distributed as dist
+
+        from .distributed import checkpoint as dckpt
+
+        group = self.optimizer.process_group
+        rank = dist.get_rank(group)
+        root, final = ckpt.prepare(directory, tag, overwrite=overwrite, keep_last=keep_last)
+        tmp = root / f".{tag}.tmp-sharded"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        dist.barrier(group)
+        dckpt.save(self.optimizer, tmp / "optimizer")
+        torch.save(ckpt.rng_state(), tmp / f"rng-{rank}.pt")
+        dist.barrier(group)
+        if rank == 0:
+            ckpt.stage(tmp, weights=self.module.state_dict(), files={"engine": engine_state})
+            ckpt.seal(tmp, tag, info)
+            ckpt.commit(tmp, final)
+            ckpt.publish(root, tag, keep_last)
+        dist.barrier(group)
+        return final
 
     def load_checkpoint(
         self,
@@ -259,10 +294,20 @@ class Engine:
         _check_weights(self.module, weights, path)
         self.module.load_state_dict(weights, strict=True)
         engine_state = ckpt.load_pt(path, "engine")
-        if load_optimizer_states:
-            self.optimizer.load_state_dict(ckpt.load_pt(path, "optimizer"))
-        else:
+        sharded_files = (path / "optimizer" / ".metadata").exists()
+        if not load_optimizer_states:
             self.optimizer.refresh_masters()
+        elif sharded_files:
+            from .distributed import checkpoint as dckpt
+
+            dckpt.load(self.optimizer, path / "optimizer", named_parameters=self.module)
+        elif self._sharded:
+            raise ckpt.CheckpointError(
+                f"{path} holds an unsharded optimizer state (optimizer.pt); a ZeRO-{self.config.zero_stage} engine "
+                "loads checkpoints saved by a sharded engine, or pass load_optimizer_states=False"
+            )
+        else:
+            self.optimizer.load_state_dict(ckpt.load_pt(path, "optimizer"))
         self.global_step = int(engine_state["global_step"])
         self.micro_step = self._stepped_micro = int(engine_state["micro_step"])
         if (
@@ -272,8 +317,26 @@ class Engine:
         ):
             self.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
         if load_rng_states:
-            ckpt.set_rng_state(engine_state["rng"])
+            self._load_rng(path, engine_state)
         return engine_state["client_state"]
+
+    def _load_rng(self, path: Path, engine_state: dict[str, Any]) -> None:
+        if "rng" in engine_state:
+            ckpt.set_rng_state(engine_state["rng"])
+            return
+        rank = 0
+        if self._sharded:
+            import torch.distributed as dist
+
+            rank = dist.get_rank(self.optimizer.process_group)
+        if (path / f"rng-{rank}.pt").exists():
+            ckpt.set_rng_state(ckpt.load_pt(path, f"rng-{rank}"))
+        else:
+            warnings.warn(
+                f"{path} has no RNG state for rank {rank} (saved at a smaller world size); RNG states not restored",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 def _check_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:

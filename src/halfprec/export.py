@@ -31,10 +31,7 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
         return {k: (v.to(target) if v.is_floating_point() else v) for k, v in weights.items()}
     manifest = ckpt.read_manifest(path)
     weights = ckpt.load_weights(path, manifest)
-    engine = ckpt.load_pt(path, "engine")
-    optim = ckpt.load_pt(path, "optimizer")
-    names = engine["param_names"]
-    masters = {names[int(i)]: m for i, m in optim["masters"].items() if names[int(i)] is not None}
+    masters = _named_masters(path)
     out = {}
     for key, tensor in weights.items():
         value = masters.get(key, tensor)
@@ -42,6 +39,17 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
     for alias, name in manifest.get("ties", {}).items():
         out[alias] = out[name].clone()
     return out
+
+
+def _named_masters(path: Path) -> dict[str, torch.Tensor]:
+    """The fp32 masters of an engine checkpoint by parameter name (sharded: from its DCP optimizer files)."""
+    if (path / "optimizer" / ".metadata").exists():
+        from .distributed import consolidate  # noqa: PLC0415 - written by a ZeRO-1/2 engine
+
+        return consolidate(path / "optimizer")
+    names = ckpt.load_pt(path, "engine")["param_names"]
+    optim = ckpt.load_pt(path, "optimizer")
+    return {names[int(i)]: m for i, m in optim["masters"].items() if names[int(i)] is not None}
 
 
 def export(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32") -> Path:
@@ -62,25 +70,24 @@ def inspect(path: str | os.PathLike) -> list[tuple[str, Any]]:
     path = Path(path)
     manifest = ckpt.read_manifest(path)
     weights = ckpt.load_weights(path, manifest)
-    optim = ckpt.load_pt(path, "optimizer")
     dtypes: dict[str, int] = {}
     for tensor in weights.values():
-        dtypes[str(tensor.dtype).replace("torch.", "")] = (
-            dtypes.get(str(tensor.dtype).replace("torch.", ""), 0) + tensor.numel()
-        )
-    scaler = optim["scaler"]
+        name = str(tensor.dtype).replace("torch.", "")
+        dtypes[name] = dtypes.get(name, 0) + tensor.numel()
+    sharded = (path / "optimizer" / ".metadata").exists()
+    scaler = None if sharded else ckpt.load_pt(path, "optimizer")["scaler"]["type"]
     rows: list[tuple[str, Any]] = [
         ("path", str(path)),
         ("tag", manifest["tag"]),
         ("global_step", manifest["global_step"]),
         ("skipped_steps", manifest["skipped_steps"]),
         ("precision", manifest["precision"]),
-        ("loss scaler", scaler["type"]),
-        ("loss scale", f"{scaler['scale']:g}"),
+        ("optimizer", "sharded (DCP, reshardable)" if sharded else f"MixedPrecisionOptimizer, {scaler}"),
+        ("loss scale", f"{manifest['loss_scale']:g}"),
         ("tensors", len(weights)),
         ("tied names", len(manifest.get("ties", {}))),
         ("elements by dtype", ", ".join(f"{k}: {v:,}" for k, v in sorted(dtypes.items()))),
-        ("master params", len(optim["masters"])),
+        ("master params", len(_named_masters(path))),
     ]
     for name, entry in sorted(manifest["files"].items()):
         rows.append((f"file {name}", f"{entry['size']:,} bytes"))

@@ -491,6 +491,55 @@ def scenario_misc(out: str) -> dict:
     return res
 
 
+def _engine(stage: int, gas: int):
+    torch.manual_seed(0)
+    model = Net()  # fp32: the engine casts it and keeps the fp32 masters
+    opt = make_optimizer(model, "adamw")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.2 * s))
+    return halfprec.initialize(
+        model, opt, precision="fp16", zero_stage=stage, gradient_accumulation_steps=gas, max_grad_norm=1.0,
+        initial_scale=2.0**10, growth_interval=2, lr_scheduler=sched,
+    )
+
+
+def _engine_train(engine, steps: int, poison: list) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        step = engine.global_step
+        for micro in range(engine.gradient_accumulation_steps):
+            loss = loss_of(engine.module, step, RANK, micro, torch.float16, poison)
+            engine.backward(loss)
+            losses.append(loss.item())
+        engine.step()
+    return losses
+
+
+def scenario_engine_ckpt(out: str, stage: int, gas: int, first: int, more: int) -> dict:
+    """Engine at ZeRO-``stage``: ``first`` steps, save, ``more`` steps; a fresh engine loads and redoes them."""
+    poison = [[1, 1]]  # an overflow on rank 1 only, before the save
+    engine = _engine(stage, gas)
+    _engine_train(engine, first, poison)
+    path = engine.save_checkpoint(Path(out) / "ck", client_state={"rank0_pos": 7})
+    full = _engine_train(engine, more, poison)
+    resumed = _engine(stage, gas)
+    with torch.no_grad():
+        for p in resumed.module.parameters():
+            p.add_(1.0)  # wrong weights: the checkpoint must restore them
+    client = resumed.load_checkpoint(Path(out) / "ck")
+    again = _engine_train(resumed, more, poison)
+    weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    return {
+        "path": str(path),
+        "client": client,
+        "full": full,
+        "again": again,
+        "same_weights": all(torch.equal(weights[k], v) for k, v in resumed.module.state_dict().items()),
+        "counters": [engine.global_step, engine.skipped_steps, resumed.global_step, resumed.skipped_steps],
+        "lr": [engine.optimizer.param_groups[0]["lr"], resumed.optimizer.param_groups[0]["lr"]],
+        "scale": [engine.optimizer.loss_scale, resumed.optimizer.loss_scale],
+    }
+
+
 def scenario_multi(out: str, parts: list) -> dict:
     """Several scenarios in one process group: ``parts`` is ``[[name, kwargs], ...]``."""
     return {name: globals()[f"scenario_{name}"](out=out, **kwargs) for name, kwargs in parts}
