@@ -196,6 +196,11 @@ class Engine:
     def skipped_steps(self) -> int:
         return self.optimizer.skipped_steps
 
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (after the last step's update; reading it syncs on CUDA)."""
+        return self.optimizer.loss_scale
+
     # --- checkpoints -----------------------------------------------------------------------------------
     def _param_names(self) -> list[str | None]:
         names = {p: n for n, p in self.module.named_parameters()}  # first name of a tied param

@@ -349,7 +349,7 @@ def scenario_gpu(out: str, steps: int) -> dict:
         cfg = {"dtype": "fp16", "opt": "adamw", "stage": stage, "reduce": "fp32"}
         ref_model = make_model(torch.float16).to(device)
         ref = halfprec.MixedPrecisionOptimizer(
-            make_optimizer(ref_model, "adamw"), loss_scaler=make_scaler(cfg)
+            make_optimizer(ref_model, "adamw"), loss_scaler=make_scaler(cfg), impl="torch"
         )
         model = make_model(torch.float16).to(device)
         opt = ShardedMixedPrecisionOptimizer(

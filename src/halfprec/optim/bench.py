@@ -168,7 +168,7 @@ def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) ->
         mark = lambda opt=opt: opt._flags.fill_(1)  # noqa: E731  (what the backward hooks do)
         fn = opt.step
     elif impl == "torch":
-        opt = halfprec.MixedPrecisionOptimizer(_torch_opt(name, params), max_grad_norm=1.0)
+        opt = halfprec.MixedPrecisionOptimizer(_torch_opt(name, params), max_grad_norm=1.0, impl="torch")
         mark, fn = None, opt.step
     else:
         pipe = _PlainPipeline(name, params)
