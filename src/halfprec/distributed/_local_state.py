@@ -24,8 +24,7 @@ def _fingerprint(opt) -> dict[str, Any]:
 
 
 def local_state_dict(opt) -> dict[str, Any]:
-    for hook in opt._optimizer_state_dict_pre_hooks.values():
-        hook(opt)
+    opt._run_hooks("_optimizer_state_dict_pre_hooks")
     out = {
         "format": _FORMAT,
         "layout": _fingerprint(opt),
@@ -34,18 +33,11 @@ def local_state_dict(opt) -> dict[str, Any]:
         "scaler": opt.loss_scaler.state_dict(),
         "skipped_steps": opt._skipped_steps,
     }
-    for hook in opt._optimizer_state_dict_post_hooks.values():
-        result = hook(opt, out)
-        if result is not None:
-            out = result
-    return out
+    return opt._run_hooks("_optimizer_state_dict_post_hooks", out)
 
 
 def load_local_state_dict(opt, state_dict: dict[str, Any]) -> None:
-    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
-        result = hook(opt, state_dict)
-        if result is not None:
-            state_dict = result
+    state_dict = opt._run_hooks("_optimizer_load_state_dict_pre_hooks", state_dict)
     if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
         raise ValueError(
             "not a ShardedMixedPrecisionOptimizer state dict; checkpoints in model space (any world size) "
@@ -67,5 +59,4 @@ def load_local_state_dict(opt, state_dict: dict[str, Any]) -> None:
     opt.loss_scaler.load_state_dict(state_dict["scaler"])
     opt._skipped_steps = int(state_dict["skipped_steps"])
     opt._unscaled = False
-    for hook in opt._optimizer_load_state_dict_post_hooks.values():
-        hook(opt)
+    opt._run_hooks("_optimizer_load_state_dict_post_hooks")

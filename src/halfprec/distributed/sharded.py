@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
+from ..wrapper import WrappingOptimizer
 from ._grads import GradReducer
 from ._layout import Layout
 from ._local_state import load_local_state_dict, local_state_dict
@@ -48,7 +48,7 @@ DEFAULT_BUCKET_SIZE = 2**23  # elements (16 MiB of 16-bit grads); Megatron uses 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
+class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
     """Shard ``optimizer``'s FP32 masters and state (stage 1) and gradients (stage 2) over the ranks of a group.
 
     Args:
@@ -87,23 +87,13 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
                 "ShardedMixedPrecisionOptimizer needs an initialized process group: call "
                 "torch.distributed.init_process_group() first (torchrun sets the environment)"
             )
-        self.optimizer = optimizer
         self.stage = stage
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.skip_nonfinite = bool(skip_nonfinite)
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.process_group = process_group
-        for name in (
-            "_optimizer_step_pre_hooks",
-            "_optimizer_step_post_hooks",
-            "_optimizer_state_dict_pre_hooks",
-            "_optimizer_state_dict_post_hooks",
-            "_optimizer_load_state_dict_pre_hooks",
-            "_optimizer_load_state_dict_post_hooks",
-        ):
-            setattr(self, name, OrderedDict())
-        self._patch_step_function()
+        self._init_wrapper(optimizer)
 
         names, params, group_of = named_trainable(optimizer, named_parameters)
         # layout order: reverse of the optimizer's order, the usual approximation of backward order
@@ -185,31 +175,6 @@ class ShardedMixedPrecisionOptimizer(torch.optim.Optimizer):
             if "param_names" in group:
                 group["param_names"] = [self._names[i] for i in order]
         shard_state(self.optimizer, mapping)
-
-    # --- forwarding ----------------------------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise RuntimeError(
