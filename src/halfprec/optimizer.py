@@ -20,7 +20,6 @@ The wrapped optimizer is never stepped on construction and its math is never cha
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 
 from .masters import LOW_PRECISION, MasterStore
 from .migrate import migrate_state, restore_state_dtypes
+from .options import check_options
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from .wrapper import WrappingOptimizer
 
@@ -64,7 +64,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def __new__(cls, optimizer=None, *args: Any, impl: str = "auto", **kwargs: Any):
         if cls is MixedPrecisionOptimizer and impl != "torch":
-            _validate(optimizer, kwargs.get("loss_scaler"), kwargs.get("max_grad_norm"), kwargs.get("param_dtype"))
+            _validate(
+                optimizer, kwargs.get("loss_scaler"), kwargs.get("max_grad_norm"), kwargs.get("param_dtype")
+            )
             from .optim.bridge import fused_from_torch, select_impl
 
             if select_impl(optimizer, impl) == "triton":
@@ -209,15 +211,6 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     def _model_grad_versions(self) -> list[tuple[int, int]]:
         return [(id(p.grad), p.grad._version) for p in self._trainable_model_params() if p.grad is not None]
 
-    def step(self, closure=None):
-        """Unscale, check, clip, update the masters and round them into the model; or skip the step."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._step()
-        return loss
-
     @torch.no_grad()
     def _step(self) -> None:
         if self._s.unscaled and self._s.grad_versions != self._model_grad_versions():
@@ -236,15 +229,10 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
         if check and norm is not None:
             found_inf = (~torch.isfinite(norm)).to(device=device, dtype=torch.float32)
-        old_scale = self.loss_scaler.scale.clone()
-        at_min = self.loss_scaler.at_min_scale().float()
-        self.loss_scaler.update(found_inf)
-        values = [found_inf, at_min, old_scale] + (
-            [norm.to(device=device, dtype=torch.float32)] if norm is not None else []
-        )
-        skipped, was_at_min, before, *norm_value = torch.stack(
-            values
-        ).tolist()  # the one host sync of the step
+        values = self.loss_scaler.step_update(found_inf)
+        if norm is not None:
+            values = torch.cat([values, norm.to(device=device, dtype=torch.float32).reshape(1)])
+        skipped, was_at_min, before, *norm_value = values.tolist()  # the one host sync of the step
         self._s.grad_norm_value = norm_value[0] if norm_value else None
         self._s.step_scale = before
         self._s.step_was_skipped = bool(skipped)
@@ -404,16 +392,4 @@ def _validate(optimizer, loss_scaler, max_grad_norm, param_dtype) -> None:
                 "optimizer with differentiable=False"
             )
     _check_params([p for g in optimizer.param_groups for p in g["params"]], known=set())
-    if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
-        raise ValueError(
-            f"loss_scaler must be a halfprec StaticLossScaler or DynamicLossScaler, got "
-            f"{type(loss_scaler).__name__}"
-        )
-    if max_grad_norm is not None and (
-        isinstance(max_grad_norm, bool)
-        or not math.isfinite(float(max_grad_norm))
-        or float(max_grad_norm) <= 0
-    ):
-        raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
-    if param_dtype is not None and param_dtype not in LOW_PRECISION:
-        raise ValueError(f"param_dtype must be torch.float16, torch.bfloat16 or None, got {param_dtype!r}")
+    check_options(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype)

@@ -93,6 +93,15 @@ class LossScaler:
         """A 0-d bool tensor: true when an overflow can no longer lower the scale."""
         return torch.ones((), dtype=torch.bool, device=self.device)
 
+    def step_update(self, found_inf: torch.Tensor) -> torch.Tensor:
+        """Update after a step and return ``[found_inf, was_at_min_scale, scale_before]`` as one fp32 tensor on
+        the state's device, for the caller's single host read (no sync here)."""
+        before = torch.stack(
+            [found_inf.to(self.device, torch.float32), self.at_min_scale().float(), self.scale]
+        )
+        self.update(found_inf)
+        return before
+
     # --- checkpoint state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state = self._ensure()

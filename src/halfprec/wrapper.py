@@ -59,6 +59,18 @@ class WrappingOptimizer(torch.optim.Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
+    def step(self, closure=None):
+        """Run ``closure`` (with grad enabled) if given, then the wrapper's ``_step()``; return the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
     def _run_hooks(self, registry: str, state_dict: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Run one of torch's state-dict hook registries; hooks given a state dict may return a new one."""
         for hook in getattr(self, registry).values():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import torch
 
 from ..masters import LOW_PRECISION
-from ..scaler import LossScaler
+from ..options import check_options
 
 __all__ = [
     "ELEMENTWISE",
@@ -74,16 +73,7 @@ def check_optimizer(optimizer: Any, loss_scaler: Any, max_grad_norm: Any, param_
             raise ValueError(
                 f"param group {i} has differentiable=True; build the optimizer with differentiable=False"
             )
-    if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
-        raise ValueError(f"loss_scaler must be a halfprec loss scaler, got {type(loss_scaler).__name__}")
-    if max_grad_norm is not None and (
-        isinstance(max_grad_norm, bool)
-        or not math.isfinite(float(max_grad_norm))
-        or float(max_grad_norm) <= 0
-    ):
-        raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
-    if param_dtype is not None and param_dtype not in LOW_PRECISION:
-        raise ValueError(f"param_dtype must be torch.float16, torch.bfloat16 or None, got {param_dtype!r}")
+    check_options(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype)
 
 
 def named_trainable(

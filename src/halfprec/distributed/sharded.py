@@ -250,14 +250,6 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         self._unscaled = True
         self._reducer.frozen = True
 
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._step()
-        return loss
-
     @torch.no_grad()
     def _step(self) -> None:
         self.unscale_()
@@ -274,10 +266,7 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         found_inf = torch.zeros((), dtype=torch.float32, device=self.loss_scaler.device)
         if check:
             found_inf = (~torch.isfinite(norm)).to(device=found_inf.device, dtype=torch.float32)
-        old_scale = self.loss_scaler.scale.clone()
-        at_min = self.loss_scaler.at_min_scale().float()
-        self.loss_scaler.update(found_inf)
-        head = torch.stack([found_inf, at_min, old_scale]).double().to(self.device)
+        head = self.loss_scaler.step_update(found_inf).double().to(self.device)
         values = torch.cat([head, stats[1:]]).tolist()  # the one host sync
         skipped, before = bool(values[0]), values[2]
         self._step_scale = before

@@ -17,14 +17,13 @@ is never mistaken for a gradient: an unmarked param is not updated and its count
 
 from __future__ import annotations
 
-import math
 import os
 import weakref
 from typing import Any
 
 import torch
 
-from ..masters import LOW_PRECISION
+from ..options import check_options
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from ._buffers import Chunk
 from ._checkpoint import FORMAT, CheckpointMixin
@@ -65,21 +64,7 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"{type(self).__name__} needs Triton: {why}; or use the torch path "
                 "(halfprec.MixedPrecisionOptimizer over a torch optimizer)"
             )
-        if max_grad_norm is not None and (
-            isinstance(max_grad_norm, bool)
-            or not math.isfinite(float(max_grad_norm))
-            or float(max_grad_norm) <= 0
-        ):
-            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
-        if param_dtype is not None and param_dtype not in LOW_PRECISION:
-            raise ValueError(
-                f"param_dtype must be torch.float16, torch.bfloat16 or None, got {param_dtype!r}"
-            )
-        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
-            raise ValueError(
-                f"loss_scaler must be a halfprec StaticLossScaler or DynamicLossScaler, got "
-                f"{type(loss_scaler).__name__}"
-            )
+        check_options(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype)
         self._built = False
         super().__init__(params, defaults)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
