@@ -7,20 +7,28 @@ no atomics). Params that got no grad this step are masked out, so a stale view n
 overflowed fp32, like the generic path), computes the clip coefficient exactly as
 ``torch.nn.utils.clip_grads_with_norm_`` does, advances each param's step counter when it got a grad and the
 step is not skipped, and writes the per-param scalars of the update pass (bias corrections in fp64, cast to
-fp32 as torch does with its Python-double scalars).
+fp32 as torch does with its Python-double scalars). It also clears the grad marks (``flags``) it consumed and,
+given a dynamic loss scaler, runs the scaler's update (``scaler.py``): on a skipped step this program and the norm
+pass are the only work besides early-exiting update programs, and the scaler costs no launch of its own.
 
 Layout legend: ``table`` int64 [programs, 3] = (start, end, param index) into a flat buffer; ``hp`` fp64
 [groups, 8] hyper-parameters; ``pscal`` fp32 [params, 16] per-param scalars; ``scalars`` fp32 [8] =
-(found_inf, grad_norm, grad coefficient = inv_scale * clip, skipped_steps, loss scale used).
+(found_inf, grad_norm, grad coefficient = inv_scale * clip, skipped_steps, loss scale used, loss scale after).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
+from .scaler import _dynamic_step, scaler_args
 from .settings import settings
+
+if TYPE_CHECKING:
+    from ..scaler import DynamicLossScaler
 
 __all__ = [
     "KIND_ADAM",
@@ -60,7 +68,8 @@ def _sumsq_kernel(grad_ptr, table_ptr, flags_ptr, scale_ptr, sq_ptr, bad_ptr, BL
 def _finalize_kernel(
     sq_ptr, bad_ptr, n_partials, scale_ptr, scalars_ptr, max_norm,
     flags_ptr, steps_ptr, pgroup_ptr, hp_ptr, pscal_ptr, n_params,
-    CHECK: tl.constexpr, CLIP: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr,
+    tracker_ptr, left_ptr, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+    CHECK: tl.constexpr, CLIP: tl.constexpr, KIND: tl.constexpr, SCALER: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -74,6 +83,9 @@ def _finalize_kernel(
     bad = tl.sum(nbad, axis=0)
     norm = tl.sqrt(sumsq)
     scale = tl.load(scale_ptr)
+    if SCALER:
+        tracker = tl.load(tracker_ptr)
+        left = tl.load(left_ptr)
     coef = 1.0 / scale
     found = 0.0
     if CHECK:
@@ -88,11 +100,19 @@ def _finalize_kernel(
     tl.store(scalars_ptr + 2, coef)
     tl.store(scalars_ptr + 3, skipped + found)
     tl.store(scalars_ptr + 4, scale)
+    scale_after = scale
+    if SCALER:
+        scale_after = _dynamic_step(
+            found, scale, tracker, left, scale_ptr, tracker_ptr, left_ptr,
+            growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+        )  # fmt: skip
+    tl.store(scalars_ptr + 5, scale_after)
     go = 1.0 - found
     for base in range(0, n_params, BLOCK):
         o = base + offs
         m = o < n_params
         act = tl.load(flags_ptr + o, mask=m, other=0).to(tl.float32) * go
+        tl.store(flags_ptr + o, tl.zeros_like(o).to(tl.int32), mask=m)  # the grad marks are consumed
         s = tl.load(steps_ptr + o, mask=m, other=0.0) + act
         tl.store(steps_ptr + o, s, mask=m)
         hp = hp_ptr + tl.load(pgroup_ptr + o, mask=m, other=0).to(tl.int64) * 8
@@ -177,11 +197,24 @@ def finalize(
     *,
     check: bool,
     kind: int,
+    scaler: DynamicLossScaler | None = None,
 ) -> None:
-    """Skip decision, clip coefficient, step counters and per-param scalars (one program)."""
+    """Skip decision, clip coefficient, step counters and per-param scalars (one program); clears ``flags``.
+
+    With ``scaler`` (a ``DynamicLossScaler`` that ``scaler.fusable`` accepts, whose ``scale`` is ``scale``) the
+    program also runs the scaler's update from the skip decision, so the step needs no torch ops for it.
+    ``scalars[5]`` is the loss scale after the step (the caller writes it when it updates the scaler itself).
+    """
     cfg = settings()
+    if scaler is None:
+        sargs = (scale, scale, 1.0, 0.5, 1, 1, 1.0)  # unused placeholders
+    else:
+        if scaler.scale is not scale:
+            raise ValueError("finalize: scale must be the scaler's own scale tensor (scaler.scale)")
+        sargs = scaler_args(scaler)
     _finalize_kernel[(1,)](
         sq, bad, sq.numel(), scale, scalars, 0.0 if max_norm is None else float(max_norm),
-        flags, steps, pgroup, hp, pscal, steps.numel(),
-        CHECK=bool(check), CLIP=max_norm is not None, KIND=kind, BLOCK=cfg.final_block, num_warps=cfg.final_warps,
+        flags, steps, pgroup, hp, pscal, steps.numel(), *sargs,
+        CHECK=bool(check), CLIP=max_norm is not None, KIND=kind, SCALER=scaler is not None,
+        BLOCK=cfg.final_block, num_warps=cfg.final_warps,
     )  # fmt: skip

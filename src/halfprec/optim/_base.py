@@ -4,9 +4,13 @@ A step, all on the device (no host sync, so it can be captured in a CUDA graph):
 
 1. norm pass: one kernel per chunk over the 16-bit grads of the params that got a grad, unscaled by the loss
    scale read from device memory: partial sums of squares and non-finite counts;
-2. finalize: one program decides the skip, the clip coefficient and advances per-param step counters;
-3. update pass: one kernel per chunk updates master and state in fp32 and writes the 16-bit params;
-4. the loss scaler updates from the device flag; the grad marks are cleared.
+2. finalize: one program decides the skip, the clip coefficient, advances per-param step counters, clears the
+   grad marks and, for a ``DynamicLossScaler``, runs the scaler's update (``kernels/scaler.py``; any other
+   scaler updates with its own torch ops after the update pass);
+3. update pass: one kernel per chunk updates master and state in fp32 and writes the 16-bit params.
+
+An eager step is three Triton launches per chunk at most and one non-blocking copy of the skip report: on a
+skipped step, which is mostly host time, every launch saved counts.
 
 Which params got a grad: a post-accumulate-grad hook marks the param and, when ``.grad`` is not the param's
 view of the flat grad buffer (after ``zero_grad(set_to_none=True)`` or ``model.zero_grad()`` detached it, or
@@ -271,6 +275,7 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def step(self, closure=None):
         """One fused step (see the module docstring); no host sync."""
         from ..kernels import norm
+        from ..kernels import scaler as scaler_kernel
 
         loss = None
         if closure is not None:
@@ -293,6 +298,7 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 self._bad[off : off + n],
             )
         sq_n = sum(n for _, n in self._partial_slices)
+        fused_scaler = self.loss_scaler if scaler_kernel.fusable(self.loss_scaler, self._device) else None
         norm.finalize(
             self._sq[:sq_n],
             self._bad[:sq_n],
@@ -306,14 +312,16 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
             self._pscal,
             check=self._check,
             kind=self._KIND,
+            scaler=fused_scaler,
         )
         for chunk in self._chunks:
             self._launch_update(chunk)
-        self.loss_scaler.update(self._scalars[0])
-        self._flags.zero_()
+        if fused_scaler is None and type(self.loss_scaler).update is not LossScaler.update:
+            self.loss_scaler.update(self._scalars[0])
+            self._scalars[5].copy_(self.loss_scaler.scale)
         self._marked = [False] * len(self._trainable)
         if not capturing:
-            self._reporter.record(self._scalars, self.loss_scaler.scale)
+            self._reporter.record(self._scalars)
         self._stepped = True
         return loss
 

@@ -1,8 +1,10 @@
 """Skip reports of the fused optimizers without a host sync in ``step()``.
 
-Each step copies its device scalars (found_inf, norm, coefficient, skipped count, scale used, scale after) into
-a pinned host buffer with a non-blocking copy and records an event. Records whose event has completed are
-logged at a later step (or when the caller reads a result, which syncs anyway): each skip is reported once.
+Each step copies its device scalars (found_inf, norm, coefficient, skipped count, scale used, scale after: the
+first six of the optimizer's ``scalars``) into a pinned host buffer with one non-blocking copy and records an
+event. Records whose event has completed are logged at a later step (or when the caller reads a result, which
+syncs anyway): each skip is reported once. Buffers and events are reused once processed, so a step allocates
+nothing and creates no event (a skipped step is mostly host time).
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ __all__ = ["SkipReporter"]
 logger = logging.getLogger("halfprec")
 
 _MAX_PENDING = 64
+_WIDTH = 6
 
 
 class SkipReporter:
     def __init__(self, *, dynamic: bool, min_scale: float) -> None:
-        self._pending: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
+        self._pending: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
+        self._free: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._dynamic = dynamic
         self._min_scale = min_scale
         self._warned_min_scale = False
 
-    def record(self, scalars: torch.Tensor, scale_after: torch.Tensor) -> None:
-        staged = torch.cat([scalars[:5], scale_after.reshape(1).to(scalars.dtype)])
+    def record(self, scalars: torch.Tensor) -> None:
+        """Stage ``scalars[:6]`` (see the module docstring) for a later report."""
+        staged = scalars[:_WIDTH]
         if staged.device.type != "cuda":
             self._process(staged.cpu())
             return
@@ -36,9 +41,13 @@ class SkipReporter:
             buf, event = self._pending.popleft()
             event.synchronize()
             self._process(buf)
-        buf = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            self._free.append((buf, event))
+        if self._free:
+            buf, event = self._free.pop()
+        else:
+            buf = torch.empty(_WIDTH, dtype=staged.dtype, pin_memory=True)
+            event = torch.cuda.Event()
         buf.copy_(staged, non_blocking=True)
-        event = torch.cuda.Event()
         event.record()
         self._pending.append((buf, event))
 
@@ -51,6 +60,7 @@ class SkipReporter:
                 event.synchronize()
             self._pending.popleft()
             self._process(buf)
+            self._free.append((buf, event))
 
     def _process(self, buf: torch.Tensor) -> None:
         found, _norm, _coef, skipped, before, after = buf.tolist()

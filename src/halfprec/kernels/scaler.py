@@ -1,0 +1,134 @@
+"""The dynamic loss scaler's update in Triton: the schedule of ``halfprec.scaler.DynamicLossScaler.update`` in one
+program, instead of ~20 small torch ops (each a kernel launch and ~15 us of host time).
+
+The fused step runs it inside its finalize program (``norm.finalize(..., scaler=...)``), so an eager step pays no
+launch for it at all; ``dynamic_update`` is the same update as a launch of its own for callers that have no
+finalize pass. Both read and write the scaler's own state tensors (``scale`` fp32, ``growth_tracker`` and
+``hysteresis_left`` int64, all 0-d), so the scaler object, its ``state_dict`` and the generic torch path see the
+same state. The schedule, op by op as in ``DynamicLossScaler.update`` (which stays the reference)::
+
+    overflow     = found_inf > 0
+    tracker_next = 0 if overflow else tracker + 1
+    grow         = tracker_next >= growth_interval
+    backoff      = overflow and hysteresis_left - 1 <= 0
+    grown        = scale * growth_factor, or scale if that is not finite
+    backed_off   = clamp(scale * backoff_factor, min=min_scale)
+    scale        = backed_off if backoff else grown if grow else scale
+    hysteresis_left = hysteresis if backoff or grow else hysteresis_left - 1 if overflow else hysteresis_left
+    growth_tracker  = 0 if grow else tracker_next
+
+Products are fp32, as torch computes a 0-d fp32 tensor times a Python float. ``fusable`` keeps to configurations
+where fp32 subnormals cannot occur (``min_scale`` and the factors within 2**+-64 of 1 or the normal range), so the
+result does not depend on whether the GPU flushes them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..scaler import DynamicLossScaler, LossScaler
+
+__all__ = ["fusable", "scaler_args", "dynamic_update"]
+
+_FP32_TINY = 2.0**-126  # smallest normal fp32
+_FACTOR_RANGE = 2.0**64
+
+
+@triton.jit
+def _dynamic_step(
+    found, scale, tracker, left, scale_ptr, tracker_ptr, left_ptr,
+    growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+):  # fmt: skip
+    """Store the state after one step; ``scale``, ``tracker``, ``left`` are the loaded state before it.
+    Returns the new scale. Scalar stores are made by one thread, from its own loads (no race between warps)."""
+    overflow = found > 0.0
+    tracker_next = tl.where(overflow, 0, tracker + 1)
+    grow = tracker_next >= growth_interval
+    left_after_overflow = left - 1
+    backoff = overflow & (left_after_overflow <= 0)
+    grown = scale * growth_factor
+    grown = tl.where((grown - grown) == 0.0, grown, scale)  # not finite: keep the scale
+    backed_off = scale * backoff_factor
+    backed_off = tl.where(backed_off < min_scale, min_scale, backed_off)  # clamp(min=), NaN passes as in torch
+    new_scale = tl.where(backoff, backed_off, tl.where(grow, grown, scale))
+    refill = backoff | grow
+    new_left = tl.where(refill, hysteresis, tl.where(overflow, left_after_overflow, left))
+    new_tracker = tl.where(grow, 0, tracker_next)
+    tl.store(scale_ptr, new_scale.to(tl.float32))
+    tl.store(tracker_ptr, new_tracker.to(tl.int64))
+    tl.store(left_ptr, new_left.to(tl.int64))
+    return new_scale
+
+
+@triton.jit
+def _dynamic_update_kernel(
+    found_ptr, scale_ptr, tracker_ptr, left_ptr,
+    growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+):  # fmt: skip
+    found = tl.load(found_ptr).to(tl.float32)
+    scale = tl.load(scale_ptr)
+    tracker = tl.load(tracker_ptr)
+    left = tl.load(left_ptr)
+    _dynamic_step(
+        found, scale, tracker, left, scale_ptr, tracker_ptr, left_ptr,
+        growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+    )  # fmt: skip
+
+
+def fusable(scaler: LossScaler, device: torch.device) -> bool:
+    """True when ``scaler``'s update can run in Triton on ``device``: a ``DynamicLossScaler`` whose ``update`` is
+    not overridden, with its state in the expected dtypes on ``device`` and a configuration free of fp32
+    subnormals and overflowing factors (anything else keeps ``scaler.update``, the torch ops)."""
+    if not isinstance(scaler, DynamicLossScaler) or type(scaler).update is not DynamicLossScaler.update:
+        return False
+    state = scaler._state
+    try:
+        scale, tracker, left = state["scale"], state["growth_tracker"], state["hysteresis_left"]
+    except KeyError:
+        return False
+    for t, dtype in ((scale, torch.float32), (tracker, torch.int64), (left, torch.int64)):
+        if t.dtype != dtype or t.device != device or t.dim() != 0:
+            return False
+    gf, bf, ms = float(scaler.growth_factor), float(scaler.backoff_factor), float(scaler.min_scale)
+    return (
+        1.0 < gf <= _FACTOR_RANGE
+        and 1.0 / _FACTOR_RANGE <= bf < 1.0
+        and _FP32_TINY <= ms <= 2.0**64
+        and abs(int(scaler.growth_interval)) < 2**62
+        and abs(int(scaler.hysteresis)) < 2**62
+    )
+
+
+def scaler_args(scaler: DynamicLossScaler) -> tuple:
+    """``(tracker, left, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale)`` kernel args,
+    read from the scaler at every step (``load_state_dict`` may change the configuration)."""
+    state = scaler._state
+    return (
+        state["growth_tracker"],
+        state["hysteresis_left"],
+        float(scaler.growth_factor),
+        float(scaler.backoff_factor),
+        int(scaler.growth_interval),
+        int(scaler.hysteresis),
+        float(scaler.min_scale),
+    )
+
+
+def dynamic_update(scaler: DynamicLossScaler, found_inf: torch.Tensor) -> None:
+    """``scaler.update(found_inf)`` in one launch (no host sync); ``found_inf`` a 0-d float tensor on the
+    state's device. Raises ValueError when ``fusable`` is false (call ``scaler.update`` then)."""
+    scale = scaler.scale
+    if not fusable(scaler, scale.device):
+        raise ValueError(
+            f"{scaler!r} cannot be updated by the Triton kernel (see halfprec.kernels.scaler.fusable); "
+            "call scaler.update(found_inf)"
+        )
+    if found_inf.device != scale.device or found_inf.numel() != 1:
+        raise ValueError(
+            f"found_inf must be a one-element tensor on {scale.device}, got shape {tuple(found_inf.shape)} "
+            f"on {found_inf.device}"
+        )
+    tracker, left, gf, bf, gi, hy, ms = scaler_args(scaler)
+    _dynamic_update_kernel[(1,)](found_inf, scale, tracker, left, gf, bf, gi, hy, ms, num_warps=1)
