@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import halfprec
 from halfprec import checkpoint as ckpt
 
-from .engine_util import build, snapshot, train
+from .engine_util import TiedLM, build, snapshot, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -198,3 +199,37 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, point):
     fresh = build("bf16", seed=3)
     fresh.load_checkpoint(tmp_path)
     assert fresh.global_step == 1
+
+
+def test_failed_optimizer_load_leaves_the_model_untouched(tmp_path):
+    build("bf16").save_checkpoint(tmp_path)
+    torch.manual_seed(0)
+    model = TiedLM()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-3)  # other groups
+    engine = halfprec.initialize(model, opt, precision="bf16")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ckpt.CheckpointError, match="optimizer.pt: state dict has param groups of sizes"):
+        engine.load_checkpoint(tmp_path)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_unpublished_checkpoint_of_a_killed_save_does_not_block_the_rerun(tmp_path):
+    proc = _child("-c", KILL, str(tmp_path), "latest")  # step-2 renamed, latest still step-1
+    assert proc.returncode == 9 and (tmp_path / "step-2").exists()
+    engine = build("bf16", seed=3)
+    engine.load_checkpoint(tmp_path)
+    train(engine, 1)
+    with pytest.warns(RuntimeWarning, match="did not finish"):
+        engine.save_checkpoint(tmp_path)
+    assert (tmp_path / "latest").read_text().strip() == "step-2"
+    build("bf16").load_checkpoint(tmp_path)
+
+
+def test_state_that_weights_only_cannot_load_is_refused_at_save(tmp_path):
+    import numpy as np
+
+    engine = build("bf16")
+    engine.lr_scheduler.base_lrs = [np.float64(3e-3)]  # numpy scalars do not load with weights_only=True
+    with pytest.raises(ValueError, match="lr_scheduler.state_dict\\(\\)\\['base_lrs'\\]\\[0\\] is a float64"):
+        engine.save_checkpoint(tmp_path)

@@ -84,3 +84,36 @@ def test_precision_mismatch_is_an_error():
     model = TiedLM().half()
     with pytest.raises(ValueError, match="is torch.float16 but precision='bf16'"):
         halfprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+
+
+def test_frozen_params_in_the_optimizer_are_cast_too():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    model[0].weight.requires_grad_(False)
+    engine = halfprec.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), precision="bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    engine.backward(engine(torch.randn(2, 5, dtype=torch.bfloat16)).float().sum())
+    engine.step()
+
+
+@pytest.mark.parametrize(
+    "make,pattern",
+    [
+        (
+            lambda m: halfprec.MixedPrecisionOptimizer(torch.optim.SGD(m.parameters(), lr=0.1)),
+            "plain torch.optim",
+        ),
+        (lambda m: torch.optim.SGD(TiedLM().parameters(), lr=0.1), "not this model's parameters"),
+    ],
+)
+def test_initialize_rejects_foreign_or_wrapped_optimizers(make, pattern):
+    model = TiedLM()
+    with pytest.raises(ValueError, match=pattern):
+        halfprec.initialize(model, make(model), precision="bf16")
+
+
+def test_reduce_lr_on_plateau_is_refused_with_the_fix():
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="ReduceLROnPlateau needs a metric"):
+        halfprec.initialize(model, opt, lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))

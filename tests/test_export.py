@@ -37,5 +37,9 @@ def test_inspect_prints_counters_and_scale(tmp_path, capsys):
     engine.save_checkpoint(tmp_path)
     assert main(["inspect", str(tmp_path)]) == 0
     text = capsys.readouterr().out
-    assert "global_step" in text and "MixedPrecisionOptimizer, DynamicLossScaler" in text and "file model.safetensors" in text
+    assert (
+        "global_step" in text
+        and "MixedPrecisionOptimizer, DynamicLossScaler" in text
+        and "file model.safetensors" in text
+    )
     assert f"{engine.optimizer.loss_scale:g}" in text

@@ -434,12 +434,13 @@ def test_load_state_dict_names_first_mismatch():
         torch.optim.Adam(make_model(torch.float16, sizes=(9, 40, 7)).parameters())
     )
     with pytest.raises(
-        ValueError, match=r"param 0: saved shape \[41, 9\] dtype torch.float16, this model shape \[40, 9\]"
+        ValueError,
+        match=r"param 0: saved shape \[41, 9\] dtype torch.float16 \(trained, fp32 master\), this model shape \[40, 9\]",
     ):
         other.load_state_dict(mp.state_dict())
     bf = MixedPrecisionOptimizer(torch.optim.Adam(make_model(torch.bfloat16).parameters()))
     with pytest.raises(
-        ValueError, match=r"param 0: .*dtype torch.float16, this model .*dtype torch.bfloat16"
+        ValueError, match=r"param 0: .*dtype torch.float16 .*, this model .*dtype torch.bfloat16"
     ):
         bf.load_state_dict(mp.state_dict())
     with pytest.raises(ValueError, match="not a MixedPrecisionOptimizer state dict"):
@@ -534,6 +535,57 @@ def test_order_errors():
     model(x).float().sum().backward()  # grads change behind the unscaled masters
     with pytest.raises(RuntimeError, match="gradients changed after unscale_"):
         mp.step()
+    mp.zero_grad()
+    mp.backward(model(x).float().sum())
+    mp.step()
+    with pytest.raises(RuntimeError, match="step\\(\\) called again without a new backward"):
+        mp.step()
+    mp.zero_grad()
+    mp.step()  # no grads at all: nothing to apply, not an error
+
+
+def _mixed_model():
+    """bf16 linear layers with an fp32 norm between them: dtypes interleave in the param-group order."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 41), torch.nn.LayerNorm(41), torch.nn.Linear(41, 7))
+    model[0].to(torch.bfloat16)
+    model[2].to(torch.bfloat16)
+    return model
+
+
+def test_mixed_dtypes_norm_and_clip_bit_identical_in_group_order():
+    for seed in range(8):
+        model = _mixed_model()
+        ref = fp32_copy(model)
+        mp = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=0.5)
+        oracle = torch.optim.SGD(ref.parameters(), lr=0.1)
+        grads = grads_like(list(model.parameters()), step=seed, scale=30.0)
+        set_scaled_grads(model.parameters(), grads, 1.0)
+        for q, g in zip(ref.parameters(), grads, strict=True):
+            q.grad = g.float()
+        expected = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 0.5)
+        mp.step()
+        oracle.step()
+        assert mp.grad_norm == expected.item()
+        for m, q in zip(mp.master_params(), ref.parameters(), strict=True):
+            assert torch.equal(m, q)
+
+
+def test_user_clip_after_unscale_with_fp32_params():
+    model = _mixed_model()
+    mp = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    mp.backward(model(torch.randn(3, 9, dtype=torch.bfloat16)).float().sum())
+    mp.unscale_()
+    torch.nn.utils.clip_grad_norm_(mp.master_params(), 1e-3)  # also changes the fp32 params' own grads
+    mp.step()
+    assert not mp.step_was_skipped
+
+
+def test_add_fp16_group_to_unscaled_optimizer_is_an_error():
+    bf = make_model(torch.bfloat16)
+    mp = MixedPrecisionOptimizer(torch.optim.SGD(bf.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="adds fp16 params .* loss_scaler=halfprec.DynamicLossScaler"):
+        mp.add_param_group({"params": list(make_model(torch.float16).parameters())})
 
 
 # --- 8. error table -------------------------------------------------------------------------------------------
@@ -738,7 +790,9 @@ def test_one_host_read_per_step(monkeypatch):
 def test_calls_through_a_dict_copying_wrapper_reach_the_optimizer():
     """Lightning's and Fabric's optimizer wrappers copy ``__dict__`` into a dynamic subclass instance."""
     model = make_model(torch.float16)
-    mp = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scaler=StaticLossScaler(4.0))
+    mp = MixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), loss_scaler=StaticLossScaler(4.0)
+    )
     wrapper = object.__new__(type("Wrapped", (type(mp),), {}))
     wrapper.__dict__ = dict(mp.__dict__)
     before = [m.detach().clone() for m in mp.master_params()]

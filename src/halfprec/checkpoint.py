@@ -22,6 +22,7 @@ import os
 import random
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -141,9 +142,27 @@ def write_checkpoint(
 def prepare(
     directory: str | os.PathLike, tag: str, *, overwrite: bool, keep_last: int | None
 ) -> tuple[Path, Path]:
-    """Check the arguments of a save; returns ``(root, final)``. Raises before anything is written."""
+    """Check the arguments of a save; returns ``(root, final)``. Raises before anything is written.
+
+    A save killed after its rename but before ``latest`` was replaced leaves a complete ``<tag>`` that ``latest``
+    does not name; the restarted run reaches the same tag again, so such an unpublished directory (newer than
+    what ``latest`` names, or with no ``latest`` at all) is moved aside with a warning instead of blocking it.
+    Temporary directories of killed saves of this tag are removed.
+    """
     root = Path(directory)
     final = root / _check_tag(tag)
+    if root.is_dir():
+        for stale in root.glob(f".{tag}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    if final.exists() and not overwrite and _unpublished(root, final):
+        aside = root / f".{tag}.unpublished-{uuid.uuid4().hex[:8]}"
+        os.rename(final, aside)
+        warnings.warn(
+            f"{final} was written by a save that did not finish (latest does not point at it); moved it to "
+            f"{aside} and saving again",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     if final.exists() and not overwrite:
         raise FileExistsError(
             f"checkpoint {final} already exists and tags are immutable; pick another tag or pass overwrite=True"
@@ -202,6 +221,23 @@ def publish(root: Path, tag: str, keep_last: int | None) -> None:
     _write_latest(root, tag)
     if keep_last is not None:
         _prune(root, keep_last, keep=tag)
+
+
+def _unpublished(root: Path, final: Path) -> bool:
+    def step_of(path: Path) -> int | None:
+        try:
+            return int(json.loads((path / MANIFEST).read_text())["global_step"])
+        except (OSError, ValueError, KeyError, json.JSONDecodeError):
+            return None
+
+    pointer = root / LATEST
+    if not pointer.exists():
+        return True
+    latest = pointer.read_text().strip()
+    if latest == final.name:
+        return False
+    mine, theirs = step_of(final), step_of(root / latest)
+    return mine is not None and theirs is not None and mine > theirs
 
 
 def _write_latest(root: Path, tag: str) -> None:
@@ -294,7 +330,8 @@ def load_pt(path: Path, name: str) -> Any:
 # --- plain data ------------------------------------------------------------------------------------------
 def check_plain(value: Any, where: str = "client_state") -> None:
     """Raise unless ``value`` is made of tensors, numbers, strings, None, lists, tuples and str-keyed dicts."""
-    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+    # exact types: a numpy float is a float subclass that torch.load(weights_only=True) refuses
+    if value is None or type(value) in (bool, int, float, str) or isinstance(value, torch.Tensor):
         return
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):

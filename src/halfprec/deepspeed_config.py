@@ -72,7 +72,11 @@ DEEPSPEED_KEYS: tuple[DeepSpeedKey, ...] = (
     _K("fp16.loss_scale", "mapped", "static_loss_scale (0 = dynamic = None; else a power of two)"),
     _K("fp16.initial_scale_power", "mapped", "initial_scale = 2**p"),
     _K("fp16.loss_scale_window", "mapped", "growth_interval"),
-    _K("fp16.hysteresis", "mapped", "hysteresis"),
+    _K(
+        "fp16.hysteresis",
+        "mapped",
+        "hysteresis (budget refilled on growth and on backoff; DeepSpeed: growth only)",
+    ),
     _K("fp16.min_loss_scale", "mapped", "min_scale (rounded up to a power of two, with a warning)"),
     _K(
         "fp16.consecutive_hysteresis",

@@ -9,7 +9,6 @@ the skips; the wrapped optimizer's own counters and the LR schedule do not move 
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -85,6 +84,7 @@ def initialize(
         config = config.replace(**overrides)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_inputs(model, optimizer, lr_scheduler)
     if config.zero_stage in (1, 2):
         from .distributed import sharded_engine_optimizer  # noqa: PLC0415 - optional, torch.distributed
 
@@ -108,8 +108,29 @@ def initialize(
         impl=config.impl,
     )
     if param_dtype is not None:
-        _cast_rest(model, param_dtype, trained)
+        _cast_rest(model, param_dtype, {p for p in trained if p.requires_grad})
     return Engine(model, mp, config, lr_scheduler)
+
+
+def _check_inputs(model: torch.nn.Module, optimizer: Any, lr_scheduler: Any) -> None:
+    if isinstance(optimizer, MixedPrecisionOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"optimizer must be a plain torch.optim.Optimizer over the model's params, got "
+            f"{type(optimizer).__name__}; initialize() wraps it itself"
+        )
+    own = set(model.parameters())
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if p not in own]
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} tensors that are not this model's parameters (first of shape "
+            f"{tuple(foreign[0].shape)}); was it already wrapped by MixedPrecisionOptimizer? Pass a fresh torch "
+            "optimizer built over model.parameters()"
+        )
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError(
+            "ReduceLROnPlateau needs a metric, so the engine cannot step it: leave lr_scheduler=None and call "
+            "sched.step(val_loss) yourself after engine.step() when engine.last_record.skipped is False"
+        )
 
 
 class Engine:
@@ -237,6 +258,7 @@ class Engine:
             "precision": self.config.precision,
             "loss_scale": self.optimizer.loss_scale,
         }
+        ckpt.check_plain(engine_state["lr_scheduler"], "lr_scheduler.state_dict()")
         if self._sharded:
             return self._save_sharded(directory, tag, engine_state, info, overwrite, keep_last)
         engine_state["rng"] = ckpt.rng_state()
@@ -263,12 +285,18 @@ class Engine:
 
         group = self.optimizer.process_group
         rank = dist.get_rank(group)
-        root, final = ckpt.prepare(directory, tag, overwrite=overwrite, keep_last=keep_last)
-        tmp = root / f".{tag}.tmp-sharded"
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        dist.barrier(group)
+        outcome: list[Any] = [None]
+        if rank == 0:  # one rank checks and cleans; the others raise the same error, so none is left waiting
+            try:
+                root, final = ckpt.prepare(directory, tag, overwrite=overwrite, keep_last=keep_last)
+                (root / f".{tag}.tmp-sharded").mkdir()
+            except (OSError, ValueError) as e:
+                outcome = [f"{type(e).__name__}: {e}"]
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        if outcome[0] is not None:
+            raise RuntimeError(f"save_checkpoint failed on rank 0: {outcome[0]}")
+        root = Path(directory)
+        final, tmp = root / tag, root / f".{tag}.tmp-sharded"
         dckpt.save(self.optimizer, tmp / "optimizer")
         torch.save(ckpt.rng_state(), tmp / f"rng-{rank}.pt")
         dist.barrier(group)
@@ -297,9 +325,17 @@ class Engine:
         manifest = ckpt.read_manifest(path)
         weights = ckpt.load_weights(path, manifest)
         _check_weights(self.module, weights, path)
-        self.module.load_state_dict(weights, strict=True)
         engine_state = ckpt.load_pt(path, "engine")
         sharded_files = (path / "optimizer" / ".metadata").exists()
+        optim_state = None
+        if load_optimizer_states and not sharded_files and not self._sharded:
+            optim_state = ckpt.load_pt(path, "optimizer")
+            if isinstance(self.optimizer, MixedPrecisionOptimizer):
+                try:  # before anything changes: a failed load must leave model and optimizer as they were
+                    self.optimizer.check_state_dict(optim_state)
+                except ValueError as e:
+                    raise ckpt.CheckpointError(f"{path / 'optimizer.pt'}: {e}") from e
+        self.module.load_state_dict(weights, strict=True)
         if not load_optimizer_states:
             self.optimizer.refresh_masters()
         elif sharded_files:
@@ -312,7 +348,7 @@ class Engine:
                 "loads checkpoints saved by a sharded engine, or pass load_optimizer_states=False"
             )
         else:
-            self.optimizer.load_state_dict(ckpt.load_pt(path, "optimizer"))
+            self.optimizer.load_state_dict(optim_state)
         self.global_step = int(engine_state["global_step"])
         self.micro_step = self._stepped_micro = int(engine_state["micro_step"])
         if (

@@ -104,5 +104,11 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, saved_state: dict, pa
             current = live.get(key)
             if not torch.is_tensor(value):
                 live[key] = value
-            elif torch.is_tensor(value) and torch.is_tensor(current) and current.dtype != value.dtype:
+            elif not torch.is_tensor(current):
+                continue
+            elif not (value.is_floating_point() or value.is_complex()):
+                # counters and masks: torch's load cast them to the param's dtype and device; keep the saved ones
+                if current.dtype != value.dtype or current.device != value.device:
+                    live[key] = value.clone()
+            elif current.dtype != value.dtype:
                 live[key] = value.to(device=current.device, copy=True)

@@ -137,9 +137,25 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         params = group["params"]
         params = [params] if torch.is_tensor(params) else list(params)
         _check_params(params, known=set(self._model_params))
+        if self._scaling_is_off() and not self._has_fp16:
+            new_fp16 = [p for p in params if p.requires_grad and p.dtype == torch.float16]
+            if new_fp16:
+                raise ValueError(
+                    f"add_param_group adds fp16 params (first of shape {tuple(new_fp16[0].shape)}) to an optimizer "
+                    "built without loss scaling; pass loss_scaler=halfprec.DynamicLossScaler() when building it"
+                )
+        devices = {p.device for p in params if p.requires_grad} | {self.loss_scaler.device}
+        if len(devices) > 1:
+            raise ValueError(
+                f"add_param_group adds params on {sorted(map(str, devices))}; one MixedPrecisionOptimizer keeps "
+                "one device: build another optimizer for the other device"
+            )
         mapping = self._build_masters([{"params": params}])
         group["params"] = [mapping.get(p, p) for p in params]
         self.optimizer.add_param_group(group)
+        self._has_fp16 = self._has_fp16 or any(
+            p.dtype == torch.float16 for p in self._trainable_model_params()
+        )
 
     # --- read-only results ----------------------------------------------------------------------------
     @property
@@ -200,20 +216,25 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         """Fill the fp32 master grads from the model grads and divide by the loss scale. Idempotent."""
         if self._s.unscaled:
             return
-        grads = self._store.copy_grads_in()
-        grads += [p.grad for p in self._own if p.grad is not None]
-        if grads and not self._scaling_is_off():
-            torch._foreach_mul_(grads, self.loss_scaler.inv_scale())
-        self._s.grads = grads
-        self._s.grad_versions = self._model_grad_versions()
+        if self._s.stepped_versions and self._s.stepped_versions == _grad_versions(
+            self._trainable_model_params()
+        ):
+            raise RuntimeError(
+                "step() called again without a new backward(): these grads were already applied (and fp32 grads "
+                "unscaled in place); call zero_grad() and backward() before the next step()"
+            )
+        filled = self._store.copy_grads_in()
+        own = [p.grad for p in self._own if p.grad is not None]
+        if filled + own and not self._scaling_is_off():
+            torch._foreach_mul_(filled + own, self.loss_scaler.inv_scale())
+        # param-group order, as clip_grad_norm_(mp.master_params()) sums them: the norm's bits depend on it
+        self._s.grads = [m.grad for m in self.master_params() if m.grad is not None]
+        self._s.grad_versions = _grad_versions(self._store.model_params())
         self._s.unscaled = True
-
-    def _model_grad_versions(self) -> list[tuple[int, int]]:
-        return [(id(p.grad), p.grad._version) for p in self._trainable_model_params() if p.grad is not None]
 
     @torch.no_grad()
     def _step(self) -> None:
-        if self._s.unscaled and self._s.grad_versions != self._model_grad_versions():
+        if self._s.unscaled and self._s.grad_versions != _grad_versions(self._store.model_params()):
             self._s.unscaled = False
             raise RuntimeError(
                 "the model's gradients changed after unscale_() (another backward() or zero_grad() ran); "
@@ -232,22 +253,25 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         values = self.loss_scaler.step_update(found_inf)
         if norm is not None:
             values = torch.cat([values, norm.to(device=device, dtype=torch.float32).reshape(1)])
-        skipped, was_at_min, before, *norm_value = values.tolist()  # the one host sync of the step
+        skipped, was_at_min, before, after, *norm_value = values.tolist()  # the one host sync of the step
         self._s.grad_norm_value = norm_value[0] if norm_value else None
         self._s.step_scale = before
         self._s.step_was_skipped = bool(skipped)
+        self._s.stepped_versions = _grad_versions(self._trainable_model_params())
         if skipped:
             self._s.skipped_steps += 1
-            self._report_skip(before, bool(was_at_min))
+            self._report_skip(before, after, bool(was_at_min))
             return
         if self.max_grad_norm is not None:
             params = [m for m in self.master_params() if m.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, None)
         self.optimizer.step()
         self._store.copy_params_out()
+        self._s.stepped_versions = _grad_versions(
+            self._trainable_model_params()
+        )  # fp32 grads changed in place
 
-    def _report_skip(self, scale_before: float, was_at_min: bool) -> None:
-        after = self.loss_scaler.loss_scale
+    def _report_skip(self, scale_before: float, after: float, was_at_min: bool) -> None:
         logger.warning(
             "halfprec: step skipped, non-finite gradients (loss scale %g -> %g, %d skipped so far)",
             scale_before,
@@ -275,6 +299,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 p.grad.zero_()
         self._store.clear_grads()
         self._s.unscaled = False
+        self._s.stepped_versions = []
 
     # --- checkpoint state ------------------------------------------------------------------------------
     def _index_params(self) -> list[torch.Tensor]:
@@ -300,13 +325,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = self._run_hooks("_optimizer_load_state_dict_pre_hooks", state_dict)
-        if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
-            found = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
-            raise ValueError(
-                f"not a MixedPrecisionOptimizer state dict (format {found!r}); a plain torch optimizer state "
-                "dict goes to mp.optimizer.load_state_dict(...), followed by mp.refresh_masters()"
-            )
-        self._check_compatible(state_dict["params"])
+        self.check_state_dict(state_dict)
         inner = state_dict["optimizer"]
         self.optimizer.load_state_dict(inner)
         params = self._index_params()
@@ -320,6 +339,23 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._s.unscaled = False
         self._run_hooks("_optimizer_load_state_dict_post_hooks")
 
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise ValueError unless ``state_dict`` is this optimizer's kind and of this model (changes nothing)."""
+        if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
+            found = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                f"not a MixedPrecisionOptimizer state dict (format {found!r}); a plain torch optimizer state "
+                "dict goes to mp.optimizer.load_state_dict(...), followed by mp.refresh_masters()"
+            )
+        saved_groups = [len(g["params"]) for g in state_dict["optimizer"]["param_groups"]]
+        groups = [len(g["params"]) for g in self.param_groups]
+        if saved_groups != groups:
+            raise ValueError(
+                f"state dict has param groups of sizes {saved_groups}, this optimizer {groups}: build the "
+                "optimizer with the same param groups as the one that was saved"
+            )
+        self._check_compatible(state_dict["params"])
+
     def _check_compatible(self, saved: list[dict[str, Any]]) -> None:
         params, model = self._index_params(), self._model_params
         masters = set(self._store.master_params())
@@ -330,7 +366,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             if entry != mine:
                 raise ValueError(
                     f"state dict does not match this model at param {i}: saved shape {entry['shape']} dtype "
-                    f"{entry['dtype']}, this model shape {mine['shape']} dtype {mine['dtype']}"
+                    f"{entry['dtype']} {_role(entry)}, this model shape {mine['shape']} dtype {mine['dtype']} "
+                    f"{_role(mine)}"
                 )
 
     def __repr__(self) -> str:
@@ -345,11 +382,21 @@ class _StepState:
     unscaled: bool = False
     grads: list[torch.Tensor] = field(default_factory=list)
     grad_versions: list[tuple[int, int]] = field(default_factory=list)
+    stepped_versions: list[tuple[int, int]] = field(default_factory=list)
     grad_norm_value: float | None = None
     step_scale: float | None = None
     step_was_skipped: bool = False
     skipped_steps: int = 0
     warned_min_scale: bool = False
+
+
+def _role(entry: dict[str, Any]) -> str:
+    return "(trained, fp32 master)" if entry["master"] else "(own master or frozen)"
+
+
+def _grad_versions(params) -> list[tuple[int, int]]:
+    """Identity and in-place version of each grad: what tells a new backward from grads already consumed."""
+    return [(id(p.grad), p.grad._version) for p in params if p.grad is not None]
 
 
 def _check_params(params: list, known: set) -> None:

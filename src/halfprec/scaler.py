@@ -94,13 +94,13 @@ class LossScaler:
         return torch.ones((), dtype=torch.bool, device=self.device)
 
     def step_update(self, found_inf: torch.Tensor) -> torch.Tensor:
-        """Update after a step and return ``[found_inf, was_at_min_scale, scale_before]`` as one fp32 tensor on
-        the state's device, for the caller's single host read (no sync here)."""
+        """Update after a step and return ``[found_inf, was_at_min_scale, scale_before, scale_after]`` as one fp32
+        tensor on the state's device, for the caller's single host read (no sync here)."""
         before = torch.stack(
             [found_inf.to(self.device, torch.float32), self.at_min_scale().float(), self.scale]
         )
         self.update(found_inf)
-        return before
+        return torch.cat([before, self.scale.reshape(1)])
 
     # --- checkpoint state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -154,9 +154,11 @@ class DynamicLossScaler(LossScaler):
       multiplied by ``growth_factor`` (unless that would not be finite), and the tracker and the hysteresis
       budget are reset;
     * an overflowing step resets ``growth_tracker`` and spends one unit of the hysteresis budget; when the
-      budget is exhausted (``hysteresis`` overflows since the last growth or backoff, DeepSpeed's default
-      rule) the scale is multiplied by ``backoff_factor``, never going below ``min_scale``, and the budget is
-      refilled. With ``hysteresis=1`` every overflow backs off.
+      budget is exhausted (``hysteresis`` overflows since the last growth or backoff) the scale is multiplied by
+      ``backoff_factor``, never going below ``min_scale``, and the budget is refilled. DeepSpeed and Megatron
+      refill it on growth only, so under sustained overflow they back off on every step once the first
+      ``hysteresis`` overflows are spent; halfprec waits ``hysteresis`` overflows before each backoff. With
+      ``hysteresis=1`` both rules agree: every overflow backs off.
 
     An overflow at ``min_scale`` cannot lower the scale any more; the optimizer warns when that happens.
     """

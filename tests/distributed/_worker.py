@@ -497,8 +497,15 @@ def _engine(stage: int, gas: int):
     opt = make_optimizer(model, "adamw")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.2 * s))
     return halfprec.initialize(
-        model, opt, precision="fp16", zero_stage=stage, gradient_accumulation_steps=gas, max_grad_norm=1.0,
-        initial_scale=2.0**10, growth_interval=2, lr_scheduler=sched,
+        model,
+        opt,
+        precision="fp16",
+        zero_stage=stage,
+        gradient_accumulation_steps=gas,
+        max_grad_norm=1.0,
+        initial_scale=2.0**10,
+        growth_interval=2,
+        lr_scheduler=sched,
     )
 
 

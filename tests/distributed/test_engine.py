@@ -26,7 +26,11 @@ def test_sharded_engine_checkpoint_resumes_and_exports(tmp_path, stage, gas):
         assert r["lr"][0] == r["lr"][1] and r["scale"][0] == r["scale"][1]
         assert r["client"] == {"rank0_pos": 7}
     ck = Path(res[0]["path"])
-    assert (ck / "optimizer" / ".metadata").exists() and (ck / "rng-0.pt").exists() and (ck / "rng-1.pt").exists()
+    assert (
+        (ck / "optimizer" / ".metadata").exists()
+        and (ck / "rng-0.pt").exists()
+        and (ck / "rng-1.pt").exists()
+    )
     assert (tmp_path / "ck" / "latest").read_text().strip() == "step-3"
     out = tmp_path / "model.safetensors"
     assert main(["export", str(tmp_path / "ck"), "--out", str(out)]) == 0

@@ -13,7 +13,7 @@ from ..optim.tolerances import tol
 SIZES = [1, 127, 4097, 2**16 + 3]
 
 
-def _run(grads, flags, scale, max_norm, check=True):
+def _run(grads, flags, scale, max_norm, check=True, keep=None):
     from halfprec.kernels import norm
     from halfprec.kernels.settings import settings
 
@@ -54,6 +54,8 @@ def _run(grads, flags, scale, max_norm, check=True):
         check=check,
         kind=0,
     )
+    if keep is not None:
+        keep["flags"] = flags_t.cpu()
     return scalars.cpu(), steps.cpu()
 
 
@@ -93,3 +95,11 @@ def test_no_check_means_no_skip():
     grads[0][0] = float("inf")
     scalars, steps = _run(grads, [1], 1.0, None, check=False)
     assert scalars[0] == 0.0 and steps.tolist() == [1.0]
+
+
+def test_finalize_consumes_the_marks_and_reports_the_scale_after():
+    grads = [torch.randn(n).half() for n in SIZES[:3]]
+    keep = {}
+    scalars, _ = _run(grads, [1, 0, 1], 8.0, None, keep=keep)
+    assert keep["flags"].tolist() == [0, 0, 0]
+    assert scalars[4] == 8.0 and scalars[5] == 8.0  # no scaler given: the scale stays

@@ -31,7 +31,10 @@ def pair(
         ga = [{"params": [a[i] for i in idx], **kw} for idx, kw in groups]
         gb = [{"params": [b[i] for i in idx], **kw} for idx, kw in groups]
     ref = halfprec.MixedPrecisionOptimizer(
-        torch_cls(ga, **hp), loss_scaler=scaler() if scaler else None, max_grad_norm=max_grad_norm, impl="torch"
+        torch_cls(ga, **hp),
+        loss_scaler=scaler() if scaler else None,
+        max_grad_norm=max_grad_norm,
+        impl="torch",
     )
     fused = fused_cls(gb, **hp, loss_scaler=scaler() if scaler else None, max_grad_norm=max_grad_norm)
     return ref, fused, a, b

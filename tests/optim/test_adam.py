@@ -77,7 +77,9 @@ def test_mixed_fp16_fp32_params_in_one_group():
     a16, b16 = pair(torch.optim.AdamW, FusedAdamW, [5], torch.float16, HP)[2:]
     a32 = [torch.nn.Parameter(torch.randn(77, device=DEVICE))]
     b32 = [torch.nn.Parameter(a32[0].detach().clone())]
-    ref = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(a16 + a32, **HP), max_grad_norm=1.0, impl="torch")
+    ref = halfprec.MixedPrecisionOptimizer(
+        torch.optim.AdamW(a16 + a32, **HP), max_grad_norm=1.0, impl="torch"
+    )
     fused = FusedAdamW(b16 + b32, **HP, max_grad_norm=1.0)
     _run(ref, fused, a16 + a32, b16 + b32, 3)
     assert_same_state(ref, fused, torch.float16)
@@ -149,7 +151,9 @@ def _nets():
 @pytest.mark.parametrize("zero", ["opt_none", "opt_zero", "model_none"])
 def test_backward_hooks_views_and_accumulation(zero):
     n1, n2 = _nets()
-    ref = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(n1.parameters(), **HP), max_grad_norm=1.0, impl="torch")
+    ref = halfprec.MixedPrecisionOptimizer(
+        torch.optim.AdamW(n1.parameters(), **HP), max_grad_norm=1.0, impl="torch"
+    )
     fused = FusedAdamW(n2.parameters(), **HP, max_grad_norm=1.0)
     for s in range(3):
         for micro in range(2):  # gradient accumulation: the second backward adds into the same view

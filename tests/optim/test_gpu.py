@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import halfprec
 from halfprec.optim import FusedAdagrad, FusedAdamW, FusedSGD
@@ -129,3 +130,54 @@ def test_captured_step_replays_with_a_changing_lr():
         assert torch.equal(m, n)
     sd = graphed.state_dict()["optimizer"]["state"]
     assert float(sd[0]["step"]) == 1 + len(lrs)
+
+
+class _AtenOps(TorchDispatchMode):
+    """Names of the aten ops run under it (Triton launches do not go through the dispatcher)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+# views (no launch) and the profiler markers of torch.optim.Optimizer.step
+_NO_LAUNCH = {
+    "slice",
+    "select",
+    "view",
+    "alias",
+    "detach",
+    "_record_function_enter_new",
+    "_record_function_exit",
+}
+
+
+@pytest.mark.parametrize("skipped", [True, False])
+def test_eager_step_runs_no_torch_op_but_the_report_copy(skipped):
+    # the dynamic scaler's update runs inside the finalize kernel: an eager step is Triton launches and the one
+    # non-blocking copy of the skip report (a skipped step is host-bound, so each launch counts)
+    _, fused, _, b = pair(
+        torch.optim.AdamW, FusedAdamW, SIZES, torch.float16, dict(lr=1e-3), device="cuda", max_grad_norm=1.0
+    )
+    assert isinstance(fused.loss_scaler, halfprec.DynamicLossScaler)
+    for s in range(4):
+        grads = random_grads(b, s)
+        if skipped:
+            grads[0][0] = float("inf")
+        if s < 3:
+            set_grads(b, grads)
+            fused.step()
+            continue
+        for i, (p, g) in enumerate(zip(b, grads, strict=True)):
+            p.grad.copy_(g)  # .grad is the flat buffer's view now, as after a backward
+            fused._mark(i)  # what the post-accumulate-grad hook does
+        fused.flush_reports()
+        with _AtenOps() as ops:
+            fused.step()
+    launched = [n for n in ops.names if n not in _NO_LAUNCH]
+    assert launched == ["copy_"], ops.names
+    assert fused.step_was_skipped is skipped

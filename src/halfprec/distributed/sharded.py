@@ -268,15 +268,15 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
             found_inf = (~torch.isfinite(norm)).to(device=found_inf.device, dtype=torch.float32)
         head = self.loss_scaler.step_update(found_inf).double().to(self.device)
         values = torch.cat([head, stats[1:]]).tolist()  # the one host sync
-        skipped, before = bool(values[0]), values[2]
+        skipped, before, after = bool(values[0]), values[2], values[3]
         self._step_scale = before
         self._step_was_skipped = skipped
         if skipped:
             self._skipped_steps += 1
             if self.rank == 0:
-                self._log_skip(before)
+                self._log_skip(before, after)
             return
-        used_anywhere = values[3:]
+        used_anywhere = values[4:]
         for i, piece_param in self._piece_params.items():
             if used_anywhere[i] > 0:
                 piece = self.layout.piece_of[i]
@@ -290,11 +290,11 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         self.optimizer.step()
         self._publish()
 
-    def _log_skip(self, before: float) -> None:
+    def _log_skip(self, before: float, after: float) -> None:
         logger.warning(
             "halfprec: step skipped, non-finite gradients on some rank (loss scale %g -> %g, %d skipped so far)",
             before,
-            self.loss_scaler.loss_scale,
+            after,
             self._skipped_steps,
         )
 

@@ -17,9 +17,10 @@ same state. The schedule, op by op as in ``DynamicLossScaler.update`` (which sta
     hysteresis_left = hysteresis if backoff or grow else hysteresis_left - 1 if overflow else hysteresis_left
     growth_tracker  = 0 if grow else tracker_next
 
-Products are fp32, as torch computes a 0-d fp32 tensor times a Python float. ``fusable`` keeps to configurations
-where fp32 subnormals cannot occur (``min_scale`` and the factors within 2**+-64 of 1 or the normal range), so the
-result does not depend on whether the GPU flushes them.
+Products are fp32, as torch computes a 0-d fp32 tensor times a Python float. ``fusable`` takes only
+configurations in which no fp32 subnormal can decide a result (``min_scale`` a normal fp32, the factors within
+2**64 of 1), so the result does not depend on whether a GPU flushes subnormals (the sm_90 code does not: plain
+``mul.f32``). A state loaded by hand with a scale below 2**-126 is outside that promise.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def _dynamic_step(
     found, scale, tracker, left, scale_ptr, tracker_ptr, left_ptr,
     growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
 ):  # fmt: skip
-    """Store the state after one step; ``scale``, ``tracker``, ``left`` are the loaded state before it.
-    Returns the new scale. Scalar stores are made by one thread, from its own loads (no race between warps)."""
+    # Stores the state after one step (``scale``, ``tracker``, ``left``: the state loaded before it) and returns
+    # the new scale. Triton makes a scalar store from one thread, which computed it from its own loads, so
+    # warps that load after that store cannot race it.
     overflow = found > 0.0
     tracker_next = tl.where(overflow, 0, tracker + 1)
     grow = tracker_next >= growth_interval
@@ -51,7 +53,9 @@ def _dynamic_step(
     grown = scale * growth_factor
     grown = tl.where((grown - grown) == 0.0, grown, scale)  # not finite: keep the scale
     backed_off = scale * backoff_factor
-    backed_off = tl.where(backed_off < min_scale, min_scale, backed_off)  # clamp(min=), NaN passes as in torch
+    backed_off = tl.where(
+        backed_off < min_scale, min_scale, backed_off
+    )  # clamp(min=), NaN passes as in torch
     new_scale = tl.where(backoff, backed_off, tl.where(grow, grown, scale))
     refill = backoff | grow
     new_left = tl.where(refill, hysteresis, tl.where(overflow, left_after_overflow, left))
@@ -77,7 +81,7 @@ def _dynamic_update_kernel(
     )  # fmt: skip
 
 
-def fusable(scaler: LossScaler, device: torch.device) -> bool:
+def fusable(scaler: LossScaler, device: torch.device | str) -> bool:
     """True when ``scaler``'s update can run in Triton on ``device``: a ``DynamicLossScaler`` whose ``update`` is
     not overridden, with its state in the expected dtypes on ``device`` and a configuration free of fp32
     subnormals and overflowing factors (anything else keeps ``scaler.update``, the torch ops)."""
@@ -88,6 +92,9 @@ def fusable(scaler: LossScaler, device: torch.device) -> bool:
         scale, tracker, left = state["scale"], state["growth_tracker"], state["hysteresis_left"]
     except KeyError:
         return False
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" is the current device, as for tensors
+        device = torch.device("cuda", torch.cuda.current_device())
     for t, dtype in ((scale, torch.float32), (tracker, torch.int64), (left, torch.int64)):
         if t.dtype != dtype or t.device != device or t.dim() != 0:
             return False
@@ -95,7 +102,7 @@ def fusable(scaler: LossScaler, device: torch.device) -> bool:
     return (
         1.0 < gf <= _FACTOR_RANGE
         and 1.0 / _FACTOR_RANGE <= bf < 1.0
-        and _FP32_TINY <= ms <= 2.0**64
+        and _FP32_TINY <= ms <= 2.0**127
         and abs(int(scaler.growth_interval)) < 2**62
         and abs(int(scaler.hysteresis)) < 2**62
     )

@@ -165,6 +165,9 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._hp_key: Any = None
         self._scalars = torch.zeros(8, dtype=torch.float32, device=dev)
         self._marked = [False] * n_params
+        # where each param's grad view starts (the views live as long as the optimizer): one int compare per
+        # param in step(), which is host time on a skipped step
+        self._view_ptrs = [chunk.grad_views[local].data_ptr() for chunk, local in self._where]
         self._init_state()
         ref = weakref.ref(self)
         self._hooks = [
@@ -218,8 +221,7 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                     self._flags[i].fill_(0)
                     self._marked[i] = False
                 continue
-            chunk, local = self._where[i]
-            if g.data_ptr() != chunk.grad_views[local].data_ptr():
+            if g.data_ptr() != self._view_ptrs[i]:
                 self._mark(i)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
