@@ -104,6 +104,7 @@ def main() -> None:
         checkpoint.save(opt, args.ckpt, named_parameters=model)
         if rank == 0:
             print(f"saved {args.ckpt} (world size {world}; loads at any world size)")
+    dist.barrier()  # no rank tears its connections down while another still talks to it
     dist.destroy_process_group()
 
 

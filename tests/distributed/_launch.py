@@ -62,11 +62,17 @@ def launch(
         log.close()
     if expect_ok and any(codes):
         text = "\n".join(
-            f"--- rank {r} (exit {c}) ---\n" + (out / f"log-{scenario}-{r}.txt").read_text()[-4000:]
+            f"--- rank {r} (exit {c}{_saved(out, r)}) ---\n"
+            + (out / f"log-{scenario}-{r}.txt").read_text()[-4000:]
             for r, c in enumerate(codes)
         )
         raise AssertionError(f"scenario {scenario!r} failed on {world_size} ranks:\n{text}")
     return codes
+
+
+def _saved(out: Path, rank: int) -> str:
+    """Whether the rank got as far as saving its result (a crash after it is a teardown crash)."""
+    return ", result saved" if (out / f"result-{rank}.pt").exists() else ", no result"
 
 
 def results(out: Path, world_size: int) -> list:
