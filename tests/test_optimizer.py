@@ -619,6 +619,21 @@ ERRORS = [
     (lambda: MixedPrecisionOptimizer(_sgd(), max_grad_norm=-1), ValueError, "max_grad_norm must be.*-1"),
     (lambda: MixedPrecisionOptimizer(_sgd(), param_dtype=torch.int8), ValueError, "param_dtype must be"),
     (
+        lambda: MixedPrecisionOptimizer(_sgd(), max_grad_norm="1.0"),
+        ValueError,
+        "max_grad_norm must be.*'1.0'",
+    ),
+    (
+        lambda: MixedPrecisionOptimizer(_sgd(), max_grad_norm=[1.0]),
+        ValueError,
+        r"max_grad_norm must be.*\[1.0\]",
+    ),
+    (
+        lambda: MixedPrecisionOptimizer(_sgd(), skip_nonfinite="no"),
+        ValueError,
+        "skip_nonfinite must be.*'no'",
+    ),
+    (
         lambda: MixedPrecisionOptimizer(_sgd(), loss_scaler=torch.amp.GradScaler("cpu")),
         ValueError,
         "GradScaler",

@@ -63,7 +63,9 @@ def test_state_dict_round_trip_every_field():
     b.load_state_dict(a.state_dict())
     assert b.state_dict() == a.state_dict()
     assert (b.growth_interval, b.hysteresis, b.min_scale) == (7, 3, 4.0)
-    with pytest.raises(ValueError, match="cannot load a 'DynamicLossScaler' state into a StaticLossScaler"):
+    with pytest.raises(
+        ValueError, match="cannot load a 'DynamicLossScaler' loss-scaler state into a StaticLossScaler: build"
+    ):
         StaticLossScaler(1.0).load_state_dict(a.state_dict())
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch
 
 from .masters import LOW_PRECISION, MasterStore
 from .migrate import migrate_state, restore_state_dtypes
-from .options import check_options
+from .options import check_options, check_unfrozen, min_scale_message
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from .wrapper import WrappingOptimizer
 
@@ -65,7 +66,11 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     def __new__(cls, optimizer=None, *args: Any, impl: str = "auto", **kwargs: Any):
         if cls is MixedPrecisionOptimizer and impl != "torch":
             _validate(
-                optimizer, kwargs.get("loss_scaler"), kwargs.get("max_grad_norm"), kwargs.get("param_dtype")
+                optimizer,
+                kwargs.get("loss_scaler"),
+                kwargs.get("max_grad_norm"),
+                kwargs.get("param_dtype"),
+                kwargs.get("skip_nonfinite", True),
             )
             from .optim.bridge import fused_from_torch, select_impl
 
@@ -83,7 +88,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         param_dtype: torch.dtype | None = None,
         impl: str = "auto",
     ) -> None:
-        _validate(optimizer, loss_scaler, max_grad_norm, param_dtype)
+        _validate(optimizer, loss_scaler, max_grad_norm, param_dtype, skip_nonfinite)
         self._init_wrapper(optimizer)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.skip_nonfinite = bool(skip_nonfinite)
@@ -92,18 +97,20 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._store = MasterStore()
         self._own: list[torch.nn.Parameter] = []  # trainable params that are their own masters (fp32/fp64)
         self._model_params: list[torch.nn.Parameter] = []  # what the caller's model holds, group order
+        self._trained: list[torch.nn.Parameter] = []  # those trainable when wrapped: a master or their own
+        self._frozen: list[torch.nn.Parameter] = []  # those frozen when wrapped: no master, never trained
         mapping = self._build_masters(optimizer.param_groups)
         migrate_state(optimizer, mapping)
         for group in optimizer.param_groups:
             group["params"] = [mapping.get(p, p) for p in group["params"]]
 
-        devices = {p.device for p in self._trainable_model_params()}
+        devices = {p.device for p in self._trained}
         if len(devices) > 1:
             raise ValueError(
                 f"trainable params span several devices {sorted(map(str, devices))}; halfprec keeps one loss "
                 "scale per optimizer: build one MixedPrecisionOptimizer per device"
             )
-        has_fp16 = any(p.dtype == torch.float16 for p in self._trainable_model_params())
+        has_fp16 = any(p.dtype == torch.float16 for p in self._trained)
         if loss_scaler is None:
             loss_scaler = DynamicLossScaler() if has_fp16 else StaticLossScaler(1.0)
         self._has_fp16 = has_fp16
@@ -119,7 +126,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             for p in group["params"]:
                 self._model_params.append(p)
                 if not p.requires_grad:
+                    self._frozen.append(p)
                     continue
+                self._trained.append(p)
                 if self.param_dtype is not None and p.dtype == torch.float32:
                     originals[p] = p.data
                     p.data = p.data.to(self.param_dtype)
@@ -128,9 +137,6 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 else:
                     self._own.append(p)
         return self._store.add(low, originals)
-
-    def _trainable_model_params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self._model_params if p.requires_grad]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
@@ -153,9 +159,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         mapping = self._build_masters([{"params": params}])
         group["params"] = [mapping.get(p, p) for p in params]
         self.optimizer.add_param_group(group)
-        self._has_fp16 = self._has_fp16 or any(
-            p.dtype == torch.float16 for p in self._trainable_model_params()
-        )
+        self._has_fp16 = self._has_fp16 or any(p.dtype == torch.float16 for p in self._trained)
 
     # --- read-only results ----------------------------------------------------------------------------
     @property
@@ -216,9 +220,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         """Fill the fp32 master grads from the model grads and divide by the loss scale. Idempotent."""
         if self._s.unscaled:
             return
-        if self._s.stepped_versions and self._s.stepped_versions == _grad_versions(
-            self._trainable_model_params()
-        ):
+        check_unfrozen(self._frozen)
+        stepped = self._s.stepped_grads
+        if stepped is not None and stepped.marks and stepped.same(self._trained):
             raise RuntimeError(
                 "step() called again without a new backward(): these grads were already applied (and fp32 grads "
                 "unscaled in place); call zero_grad() and backward() before the next step()"
@@ -229,12 +233,12 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             torch._foreach_mul_(filled + own, self.loss_scaler.inv_scale())
         # param-group order, as clip_grad_norm_(mp.master_params()) sums them: the norm's bits depend on it
         self._s.grads = [m.grad for m in self.master_params() if m.grad is not None]
-        self._s.grad_versions = _grad_versions(self._store.model_params())
+        self._s.unscaled_grads = _GradMarks(self._store.model_params())
         self._s.unscaled = True
 
     @torch.no_grad()
     def _step(self) -> None:
-        if self._s.unscaled and self._s.grad_versions != _grad_versions(self._store.model_params()):
+        if self._s.unscaled and not self._s.unscaled_grads.same(self._store.model_params()):
             self._s.unscaled = False
             raise RuntimeError(
                 "the model's gradients changed after unscale_() (another backward() or zero_grad() ran); "
@@ -257,7 +261,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._s.grad_norm_value = norm_value[0] if norm_value else None
         self._s.step_scale = before
         self._s.step_was_skipped = bool(skipped)
-        self._s.stepped_versions = _grad_versions(self._trainable_model_params())
+        self._s.stepped_grads = _GradMarks(self._trained)
         if skipped:
             self._s.skipped_steps += 1
             self._report_skip(before, after, bool(was_at_min))
@@ -267,9 +271,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, None)
         self.optimizer.step()
         self._store.copy_params_out()
-        self._s.stepped_versions = _grad_versions(
-            self._trainable_model_params()
-        )  # fp32 grads changed in place
+        self._s.stepped_grads = _GradMarks(self._trained)  # fp32 own grads changed in place
 
     def _report_skip(self, scale_before: float, after: float, was_at_min: bool) -> None:
         logger.warning(
@@ -280,16 +282,11 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         )
         if was_at_min and self.loss_scaler.is_dynamic and not self._s.warned_min_scale:
             self._s.warned_min_scale = True
-            warnings.warn(
-                f"halfprec: gradients overflowed at the minimum loss scale {scale_before:g}; the scale cannot "
-                "go lower, so every such step is skipped. Lower min_scale, lower the learning rate, or train "
-                "in bf16.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warnings.warn(min_scale_message(scale_before), RuntimeWarning, stacklevel=3)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self._trainable_model_params():
+        """Clear the grads of every param of the groups, frozen ones included (as torch does)."""
+        for p in self._model_params:
             if p.grad is None:
                 continue
             if set_to_none:
@@ -299,7 +296,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 p.grad.zero_()
         self._store.clear_grads()
         self._s.unscaled = False
-        self._s.stepped_versions = []
+        self._s.stepped_grads = None
 
     # --- checkpoint state ------------------------------------------------------------------------------
     def _index_params(self) -> list[torch.Tensor]:
@@ -355,6 +352,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 "optimizer with the same param groups as the one that was saved"
             )
         self._check_compatible(state_dict["params"])
+        self.loss_scaler.check_state_dict(state_dict.get("scaler"))
 
     def _check_compatible(self, saved: list[dict[str, Any]]) -> None:
         params, model = self._index_params(), self._model_params
@@ -381,8 +379,8 @@ class _StepState:
 
     unscaled: bool = False
     grads: list[torch.Tensor] = field(default_factory=list)
-    grad_versions: list[tuple[int, int]] = field(default_factory=list)
-    stepped_versions: list[tuple[int, int]] = field(default_factory=list)
+    unscaled_grads: _GradMarks | None = None
+    stepped_grads: _GradMarks | None = None
     grad_norm_value: float | None = None
     step_scale: float | None = None
     step_was_skipped: bool = False
@@ -394,9 +392,19 @@ def _role(entry: dict[str, Any]) -> str:
     return "(trained, fp32 master)" if entry["master"] else "(own master or frozen)"
 
 
-def _grad_versions(params) -> list[tuple[int, int]]:
-    """Identity and in-place version of each grad: what tells a new backward from grads already consumed."""
-    return [(id(p.grad), p.grad._version) for p in params if p.grad is not None]
+class _GradMarks:
+    """Which grad tensors a step saw, and their in-place versions: what tells a new backward from grads already
+    consumed. Weak references: a grad freed by ``zero_grad``/``model.zero_grad()`` is not kept alive, and a new
+    grad allocated at the freed one's address is not mistaken for it (``id()`` would be)."""
+
+    def __init__(self, params) -> None:
+        self.marks = [(weakref.ref(p.grad), p.grad._version) for p in params if p.grad is not None]
+
+    def same(self, params) -> bool:
+        grads = [p.grad for p in params if p.grad is not None]
+        return len(grads) == len(self.marks) and all(
+            ref() is g and g._version == version for (ref, version), g in zip(self.marks, grads, strict=True)
+        )
 
 
 def _check_params(params: list, known: set) -> None:
@@ -417,7 +425,7 @@ def _check_params(params: list, known: set) -> None:
         seen.add(p)
 
 
-def _validate(optimizer, loss_scaler, max_grad_norm, param_dtype) -> None:
+def _validate(optimizer, loss_scaler, max_grad_norm, param_dtype, skip_nonfinite) -> None:
     if isinstance(optimizer, MixedPrecisionOptimizer):
         raise ValueError(
             "optimizer is already a MixedPrecisionOptimizer; wrap the plain torch optimizer once"
@@ -439,4 +447,9 @@ def _validate(optimizer, loss_scaler, max_grad_norm, param_dtype) -> None:
                 "optimizer with differentiable=False"
             )
     _check_params([p for g in optimizer.param_groups for p in g["params"]], known=set())
-    check_options(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype)
+    check_options(
+        loss_scaler=loss_scaler,
+        max_grad_norm=max_grad_norm,
+        param_dtype=param_dtype,
+        skip_nonfinite=skip_nonfinite,
+    )

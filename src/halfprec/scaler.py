@@ -110,10 +110,18 @@ class LossScaler:
         out.update(self._config())
         return out
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        kind = state_dict.get("type")
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise ValueError unless ``state_dict`` is the state of a scaler of this kind (changes nothing)."""
+        kind = state_dict.get("type") if isinstance(state_dict, dict) else type(state_dict).__name__
         if kind != type(self).__name__:
-            raise ValueError(f"cannot load a {kind!r} state into a {type(self).__name__}")
+            raise ValueError(
+                f"cannot load a {kind!r} loss-scaler state into a {type(self).__name__}: build the optimizer with "
+                f"the kind of loss scaler it was saved with (loss_scaler=halfprec.{kind}(...), or the same "
+                "precision and loss scaling settings), or load only the weights"
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.check_state_dict(state_dict)
         if self._device is None:
             # Not placed yet: keep the values until the optimizer places the state on its device.
             self._pending = dict(state_dict)

@@ -72,3 +72,20 @@ ERRORS = [
 def test_errors(cls, kwargs, error, match):
     with pytest.raises(error, match=match):
         cls([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16, device=DEVICE))], **kwargs)
+
+
+def test_param_unfrozen_after_construction_is_an_error():
+    """Frozen when built: it has no slot in the flat buffers; a grad on it after unfreezing must not be dropped."""
+    live = torch.nn.Parameter(torch.ones(5, dtype=torch.float16, device=DEVICE))
+    frozen = torch.nn.Parameter(torch.ones(3, dtype=torch.float16, device=DEVICE), requires_grad=False)
+    opt = FusedSGD([live, frozen], lr=0.1)
+    frozen.requires_grad_(True)
+    set_grads([live, frozen], [torch.ones_like(live), torch.ones_like(frozen)])
+    with pytest.raises(
+        RuntimeError, match=r"shape \(3,\).*frozen \(requires_grad=False\) when the optimizer"
+    ):
+        opt.step()
+    assert torch.equal(live.detach(), torch.ones_like(live))
+    frozen.requires_grad_(False)
+    opt.zero_grad()
+    assert frozen.grad is None and live.grad is None

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..options import check_options
+from ..options import check_options, check_unfrozen
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from ._buffers import Chunk
 from ._checkpoint import FORMAT, CheckpointMixin
@@ -68,7 +68,12 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"{type(self).__name__} needs Triton: {why}; or use the torch path "
                 "(halfprec.MixedPrecisionOptimizer over a torch optimizer)"
             )
-        check_options(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype)
+        check_options(
+            loss_scaler=loss_scaler,
+            max_grad_norm=max_grad_norm,
+            param_dtype=param_dtype,
+            skip_nonfinite=skip_nonfinite,
+        )
         self._built = False
         super().__init__(params, defaults)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -131,6 +136,7 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
             )
         self._trainable = trainable
         self._index = {p: i for i, p in enumerate(trainable)}
+        self._frozen = [p for p in self._all if p not in self._index]  # frozen when built: never trained
         dev = self._device
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, p in enumerate(trainable):
@@ -227,6 +233,8 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this step's grads. ``set_to_none=False`` zeroes the flat buffers and keeps ``.grad`` as views
         (the next backward then needs no copy); params that get no grad are still not updated."""
+        for p in self._frozen:
+            p.grad = None  # as torch's zero_grad clears every param of the groups
         if set_to_none:
             for p in self._trainable:
                 p.grad = None
@@ -285,6 +293,7 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 loss = closure()
         capturing = _capturing()
         if not capturing:
+            check_unfrozen(self._frozen)
             self._reporter.drain()
             self._adopt_grads()
             self._prepare_step()
