@@ -28,6 +28,7 @@ def main() -> None:
     torch.manual_seed(0)
     accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=args.accum)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1))  # built in fp32
+    model.to(accelerator.device)  # before wrapping: the masters are made on the params' device
     # param_dtype casts the model's params in place and keeps their fp32 values as the masters.
     mp = halfprec.MixedPrecisionOptimizer(
         torch.optim.AdamW(model.parameters(), lr=3e-3), param_dtype=dtype, max_grad_norm=1.0

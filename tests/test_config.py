@@ -88,6 +88,29 @@ def test_replace_validates():
         Config().replace(hysteresis=0)
 
 
+@pytest.mark.parametrize(
+    "changes,regex",
+    [
+        (
+            {"gradient_accumulation": 4},
+            "unknown Config field 'gradient_accumulation' \\(did you mean "
+            "'gradient_accumulation_steps'\\?\\)",
+        ),
+        (
+            {"min_scal": 2.0, "foo": 1},
+            "unknown Config fields 'min_scal' \\(did you mean 'min_scale'.*\\), 'foo';",
+        ),
+        (
+            {"foo": 1},
+            "unknown Config field 'foo'; Config's fields are: precision, static_loss_scale, .*impl$",
+        ),
+    ],
+)
+def test_replace_names_unknown_fields_and_close_matches(changes, regex):
+    with pytest.raises(TypeError, match=regex):
+        Config().replace(**changes)
+
+
 # --- DeepSpeed fixtures --------------------------------------------------------------------------------
 
 FP16_DYNAMIC = {

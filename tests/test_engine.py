@@ -117,3 +117,21 @@ def test_reduce_lr_on_plateau_is_refused_with_the_fix():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="ReduceLROnPlateau needs a metric"):
         halfprec.initialize(model, opt, lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,regex",
+    [
+        (
+            {"gradient_accumulation": 4},
+            TypeError,
+            "unknown config override 'gradient_accumulation' \\(did you mean 'gradient_accumulation_steps'\\?\\)",
+        ),
+        ({"foo": 1}, TypeError, "unknown config override 'foo'; Config's fields are: precision, "),
+        ({"config": {"precision": "fp16"}}, TypeError, "config must be a halfprec.config.Config, got dict"),
+    ],
+)
+def test_initialize_names_bad_config_arguments(kwargs, error, regex):
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(error, match=regex):
+        halfprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)

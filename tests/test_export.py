@@ -43,3 +43,36 @@ def test_inspect_prints_counters_and_scale(tmp_path, capsys):
         and "file model.safetensors" in text
     )
     assert f"{engine.optimizer.loss_scale:g}" in text
+
+
+def _cli(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_errors_are_messages_with_the_cli_hint(tmp_path, capsys):
+    engine = build("bf16")
+    train(engine, 1)
+    engine.save_checkpoint(tmp_path / "ck", tag="a")
+    (tmp_path / "ck" / "latest").unlink()
+    code, out, err = _cli(["inspect", str(tmp_path / "ck")], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("halfprec inspect: error: no checkpoint in ") and "pass --tag with one of: a" in err
+    assert "tag=" not in err and "Traceback" not in err
+    assert _cli(["inspect", str(tmp_path / "ck"), "--tag", "a"], capsys)[0] == 0
+
+    code, _, err = _cli(
+        ["export", str(tmp_path / "ck"), "--tag", "a b", "--out", str(tmp_path / "x")], capsys
+    )
+    assert code == 2 and "halfprec export: error: invalid checkpoint tag 'a b'" in err
+    code, _, err = _cli(["export", str(tmp_path / "none"), "--out", str(tmp_path / "x")], capsys)
+    assert code == 2 and "the directory does not exist" in err
+
+    target = tmp_path / "ck" / "a" / "optimizer.pt"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(data)
+    out_file = tmp_path / "x.safetensors"
+    code, _, err = _cli(["export", str(tmp_path / "ck"), "--tag", "a", "--out", str(out_file)], capsys)
+    assert code == 2 and f"{target} is corrupted" in err and not out_file.exists()

@@ -1,5 +1,5 @@
-"""Freezing and unfreezing params, grads cleared outside the wrapper, and loads that must fail before touching
-anything: MixedPrecisionOptimizer against the plain FP32 torch optimizer."""
+"""Freezing and unfreezing params, a model moved after wrapping, grads cleared outside the wrapper, and loads
+that must fail before touching anything: MixedPrecisionOptimizer against the plain FP32 torch optimizer."""
 
 from __future__ import annotations
 
@@ -133,3 +133,19 @@ def test_loading_another_kind_of_scaler_fails_before_anything_changes():
         target.load_state_dict(saved)
     assert all(torch.equal(p.detach(), w) for p, w in zip(other.parameters(), weights, strict=True))
     assert not target.optimizer.state and target.loss_scale == 8.0
+
+
+def test_model_moved_after_wrapping_is_an_error():
+    """Masters made on one device and a model moved to another: an error, not steps copied across devices."""
+    model = make_model(torch.bfloat16)
+    mp = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    # A CPU-only machine cannot move the params the way model.to("cuda") does (same Parameter objects, data on
+    # the new device; meta makes new objects): record the masters as made elsewhere, the same mismatch seen
+    # from the other side.
+    mp._store.chunks[0].device = torch.device("meta")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(
+        RuntimeError, match=r"is on cpu but its FP32 master is on meta: the model moved after"
+    ):
+        mp.step()

@@ -16,10 +16,12 @@ killed at any point leaves the previous checkpoint and pointer intact. ``*.pt`` 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import uuid
 import warnings
@@ -31,6 +33,7 @@ import torch
 __all__ = [
     "CheckpointError",
     "FORMAT",
+    "check_tag",
     "read_manifest",
     "resolve",
     "write_checkpoint",
@@ -72,11 +75,27 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _check_tag(tag: str) -> str:
-    if not tag or tag in (LATEST, ".", "..") or "/" in tag or os.sep in tag or tag.startswith("."):
+_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_TAG_RULE = (
+    "a tag is a str of at most 200 letters, digits, '.', '_' and '-', starting with a letter or digit (no "
+    "spaces, path separators or glob characters), and not 'latest'"
+)
+
+
+def check_tag(tag: Any) -> str:
+    """Return ``tag`` if it is a valid checkpoint tag, else raise ValueError naming it and the rule.
+
+    Tags become directory names next to ``latest`` and hidden ``.<tag>.tmp-*`` siblings, so they must be plain
+    names: a space would not survive the ``latest`` pointer, a ``/`` would leave the directory, a ``*`` would make
+    the cleanup of one tag's temporaries match another's. An int is refused rather than converted, so that
+    ``tag=0`` cannot be mistaken for "no tag".
+    """
+    if not isinstance(tag, str):
         raise ValueError(
-            f"invalid checkpoint tag {tag!r}: use a plain name such as 'step-100' (not 'latest')"
+            f"invalid checkpoint tag {tag!r} of type {type(tag).__name__}: {_TAG_RULE}; e.g. tag=f'step-{{n}}'"
         )
+    if tag == LATEST or len(tag) > 200 or not _TAG.fullmatch(tag):
+        raise ValueError(f"invalid checkpoint tag {tag!r}: {_TAG_RULE}; use a plain name such as 'step-100'")
     return tag
 
 
@@ -150,29 +169,52 @@ def prepare(
     Temporary directories of killed saves of this tag are removed.
     """
     root = Path(directory)
-    final = root / _check_tag(tag)
-    if root.is_dir():
-        for stale in root.glob(f".{tag}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-    if final.exists() and not overwrite and _unpublished(root, final):
-        aside = root / f".{tag}.unpublished-{uuid.uuid4().hex[:8]}"
-        os.rename(final, aside)
-        warnings.warn(
-            f"{final} was written by a save that did not finish (latest does not point at it); moved it to "
-            f"{aside} and saving again",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    if final.exists() and not overwrite:
-        raise FileExistsError(
-            f"checkpoint {final} already exists and tags are immutable; pick another tag or pass overwrite=True"
-        )
+    final = root / check_tag(tag)
     if keep_last is not None and (
         isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
     ):
         raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+    if final.exists() or final.is_symlink():
+        if not _is_checkpoint_of(final, tag):
+            raise FileExistsError(
+                f"{final} exists and is not a halfprec checkpoint (no {MANIFEST} of format {FORMAT!r} for tag "
+                f"{tag!r}); nothing was written, moved or removed: choose another tag or directory, or remove "
+                f"{final} yourself"
+            )
+        if not overwrite and _unpublished(root, final):
+            aside = root / f".{tag}.unpublished-{uuid.uuid4().hex[:8]}"
+            os.rename(final, aside)
+            warnings.warn(
+                f"{final} was written by a save that did not finish (latest does not point at it); moved it to "
+                f"{aside} and saving again",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        elif not overwrite:
+            raise FileExistsError(
+                f"checkpoint {final} already exists and tags are immutable; pick another tag or pass "
+                "overwrite=True"
+            )
+    if root.is_dir():
+        for stale in root.glob(f".{glob.escape(tag)}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
     return root, final
+
+
+def _is_checkpoint_of(path: Path, tag: str) -> bool:
+    """True for a directory that a halfprec save of ``tag`` renamed into place: its manifest says so.
+
+    The manifest is written last inside the temporary directory, before the rename, so every directory a halfprec
+    save ever put at ``<dir>/<tag>`` has one; anything else there is the user's and must not be moved or replaced.
+    """
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT and manifest.get("tag") == tag
 
 
 def stage(tmp: Path, *, weights: dict[str, torch.Tensor] | None, files: dict[str, Any]) -> None:
@@ -253,10 +295,10 @@ def _write_latest(root: Path, tag: str) -> None:
 def _prune(root: Path, keep_last: int, keep: str) -> None:
     found = []
     for path in root.iterdir():
-        if path.is_dir() and not path.name.startswith(".") and (path / MANIFEST).exists():
+        if not path.name.startswith(".") and _is_checkpoint_of(path, path.name):
             try:
                 found.append((int(json.loads((path / MANIFEST).read_text())["global_step"]), path.name))
-            except (ValueError, KeyError, json.JSONDecodeError):
+            except (OSError, ValueError, KeyError, TypeError):
                 continue
     found.sort()
     for _, name in found[:-keep_last]:
@@ -265,20 +307,53 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
 
 
 # --- reading ---------------------------------------------------------------------------------------------
-def resolve(directory: str | os.PathLike, tag: str | None = None) -> Path:
-    """The checkpoint directory for ``tag``, or the one ``latest`` points at. Also accepts a tag directory."""
+def resolve(directory: str | os.PathLike, tag: str | None = None, *, tag_option: str = "tag=") -> Path:
+    """The checkpoint directory for ``tag``, or the one ``latest`` points at. Also accepts a tag directory.
+
+    ``tag_option`` is how the caller's user names a tag (``"--tag"`` on the command line), for the error hints.
+    """
     root = Path(directory)
     if tag is None and (root / MANIFEST).exists():
         return root
+    if not root.is_dir():
+        raise CheckpointError(f"no checkpoint at {root}: the directory does not exist")
     if tag is None:
         pointer = root / LATEST
         if not pointer.exists():
-            raise CheckpointError(f"no checkpoint in {root}: {pointer} does not exist; pass tag= explicitly")
+            tags = _tags_in(root)
+            if not tags:
+                raise CheckpointError(
+                    f"no checkpoint in {root}: no {LATEST} pointer and no tag directory with a {MANIFEST}; pass "
+                    "the directory that save_checkpoint() wrote to"
+                )
+            raise CheckpointError(
+                f"no checkpoint in {root}: {pointer} does not exist; pass {tag_option} with one of: "
+                f"{', '.join(tags)}"
+            )
         tag = pointer.read_text().strip()
-    path = root / _check_tag(tag)
+        try:
+            check_tag(tag)
+        except ValueError as e:
+            raise CheckpointError(
+                f"{pointer} is damaged: {e}; pass {tag_option} with one of: {', '.join(_tags_in(root)) or '(none)'}"
+            ) from e
+    path = root / check_tag(tag)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+        raise CheckpointError(
+            f"checkpoint {path} does not exist; checkpoints in {root}: {', '.join(_tags_in(root)) or '(none)'}"
+        )
     return path
+
+
+def _tags_in(root: Path, limit: int = 10) -> list[str]:
+    """Names of the checkpoint directories in ``root`` (at most ``limit``), for error messages."""
+    try:
+        tags = sorted(
+            p.name for p in root.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()
+        )
+    except OSError:
+        return []
+    return tags[:limit] + ([f"... ({len(tags) - limit} more)"] if len(tags) > limit else [])
 
 
 def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:

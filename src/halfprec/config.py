@@ -9,6 +9,7 @@ every DeepSpeed key inside those parts, whether it is mapped, accepted with a wa
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ from typing import Any, Literal
 
 from .scaler import _check_power_of_two
 
-__all__ = ["Config"]
+__all__ = ["Config", "check_fields"]
 
 _FSDP2_HINT = (
     "halfprec does not shard parameters (ZeRO-3); use torch FSDP2 (torch.distributed.fsdp.fully_shard with "
@@ -150,7 +151,9 @@ class Config:
         _choice("reduce_dtype", self.reduce_dtype, ("fp32", "param"))
         _choice("impl", self.impl, ("auto", "torch", "triton"))
 
-    def replace(self, **changes) -> Config:
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` applied (validated); an unknown field is a TypeError naming close matches."""
+        check_fields(changes)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -168,3 +171,23 @@ class Config:
         from .deepspeed_config import read_deepspeed
 
         return read_deepspeed(cls, cfg)
+
+
+def check_fields(changes: Mapping[str, Any], what: str = "Config field") -> None:
+    """Raise TypeError for keys of ``changes`` that are not fields of ``Config``, suggesting the closest ones.
+
+    ``initialize(model, opt, gradient_accumulation=4)`` would otherwise fail with the dataclass's bare
+    "unexpected keyword argument", which neither says what the field is called nor lists the choices.
+    """
+    fields = [f.name for f in dataclasses.fields(Config)]
+    unknown = [key for key in changes if key not in fields]
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), fields, n=3, cutoff=0.6)
+        hints.append(f"{key!r} (did you mean {' or '.join(map(repr, close))}?)" if close else repr(key))
+    raise TypeError(
+        f"unknown {what}{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; Config's fields are: "
+        f"{', '.join(fields)}"
+    )

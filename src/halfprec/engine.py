@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
-from .config import Config
+from .config import Config, check_fields
 from .optimizer import MixedPrecisionOptimizer
+from .resume import check_scaler_kind, keep_scaler_settings
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
 __all__ = ["Engine", "StepRecord", "initialize"]
@@ -79,8 +80,15 @@ def initialize(
     ``overrides`` replace fields of ``config`` (e.g. ``precision="fp16", max_grad_norm=1.0``). An fp32 model is
     cast to the configured precision here, and the masters start from its original fp32 weights.
     """
-    config = config or Config()
+    if config is None:
+        config = Config()
+    elif not isinstance(config, Config):
+        raise TypeError(
+            f"config must be a halfprec.config.Config, got {type(config).__name__}; build one with Config(...) "
+            "or Config.from_deepspeed(...), or pass the fields as keyword arguments"
+        )
     if overrides:
+        check_fields(overrides, "config override")
         config = config.replace(**overrides)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -236,14 +244,19 @@ class Engine:
         overwrite: bool = False,
         keep_last: int | None = None,
     ) -> Path:
-        """Save at an optimizer-step boundary into ``<directory>/<tag>`` (default ``step-<global_step>``)."""
+        """Save at an optimizer-step boundary into ``<directory>/<tag>`` (default ``step-<global_step>``).
+
+        A tag is a str of letters, digits, ``.``, ``_`` and ``-`` starting with a letter or digit (ValueError
+        otherwise; ``checkpoint.check_tag``). An existing ``<tag>`` that is not a halfprec checkpoint is an error
+        and is left as it is, even with ``overwrite=True``.
+        """
         if self.micro_step % self.gradient_accumulation_steps != 0 or self.micro_step != self._stepped_micro:
             raise RuntimeError(
                 f"save_checkpoint() in the middle of a gradient accumulation (micro_step {self.micro_step}, "
                 f"{self.gradient_accumulation_steps} per step): save right after engine.step()"
             )
+        tag = f"step-{self.global_step}" if tag is None else ckpt.check_tag(tag)
         ckpt.check_plain(client_state or {})
-        tag = tag or f"step-{self.global_step}"
         engine_state = {
             "global_step": self.global_step,
             "micro_step": self.micro_step,
@@ -319,7 +332,10 @@ class Engine:
     ) -> dict[str, Any]:
         """Restore weights, masters, optimizer and scaler state, counters, scheduler and RNG; return client_state.
 
-        ``load_optimizer_states=False`` loads the weights only and refreshes the masters from them.
+        ``load_optimizer_states=False`` loads the weights only and refreshes the masters from them. Everything is
+        checked before the model is touched (model, param groups, loss-scaler kind): a failed load changes nothing.
+        The loss scaler's settings stay those of this engine's config (a warning lists any that the checkpoint had
+        otherwise); its dynamic state (scale, growth tracker, hysteresis budget) comes from the checkpoint.
         """
         path = ckpt.resolve(directory, tag)
         manifest = ckpt.read_manifest(path)
@@ -328,13 +344,22 @@ class Engine:
         engine_state = ckpt.load_pt(path, "engine")
         sharded_files = (path / "optimizer" / ".metadata").exists()
         optim_state = None
-        if load_optimizer_states and not sharded_files and not self._sharded:
+        # everything is checked before anything changes: a failed load leaves model and optimizer as they were
+        if load_optimizer_states and self._sharded and not sharded_files:
+            raise ckpt.CheckpointError(
+                f"{path} holds an unsharded optimizer state (optimizer.pt); a ZeRO-{self.config.zero_stage} engine "
+                "loads checkpoints saved by a sharded engine, or pass load_optimizer_states=False"
+            )
+        if load_optimizer_states and not sharded_files:
             optim_state = ckpt.load_pt(path, "optimizer")
-            if isinstance(self.optimizer, MixedPrecisionOptimizer):
-                try:  # before anything changes: a failed load must leave model and optimizer as they were
-                    self.optimizer.check_state_dict(optim_state)
-                except ValueError as e:
-                    raise ckpt.CheckpointError(f"{path / 'optimizer.pt'}: {e}") from e
+        if load_optimizer_states:
+            check_scaler_kind(path, engine_state, optim_state, self.optimizer.loss_scaler, self.config)
+        if optim_state is not None and isinstance(self.optimizer, MixedPrecisionOptimizer):
+            try:
+                self.optimizer.check_state_dict(optim_state)
+            except ValueError as e:
+                raise ckpt.CheckpointError(f"{path / 'optimizer.pt'}: {e}") from e
+        configured = self.optimizer.loss_scaler.state_dict() if load_optimizer_states else {}
         self.module.load_state_dict(weights, strict=True)
         if not load_optimizer_states:
             self.optimizer.refresh_masters()
@@ -342,13 +367,10 @@ class Engine:
             from .distributed import checkpoint as dckpt
 
             dckpt.load(self.optimizer, path / "optimizer", named_parameters=self.module)
-        elif self._sharded:
-            raise ckpt.CheckpointError(
-                f"{path} holds an unsharded optimizer state (optimizer.pt); a ZeRO-{self.config.zero_stage} engine "
-                "loads checkpoints saved by a sharded engine, or pass load_optimizer_states=False"
-            )
         else:
             self.optimizer.load_state_dict(optim_state)
+        if load_optimizer_states:
+            keep_scaler_settings(path, self.optimizer.loss_scaler, configured)
         self.global_step = int(engine_state["global_step"])
         self.micro_step = self._stepped_micro = int(engine_state["micro_step"])
         if (

@@ -84,6 +84,18 @@ class MasterStore:
     def model_params(self) -> list[torch.nn.Parameter]:
         return [p for chunk in self.chunks for p in chunk.params]
 
+    def check_devices(self) -> None:
+        """Raise when a model param has moved off its master's device since the masters were made."""
+        for chunk in self.chunks:
+            for p in chunk.params:
+                if p.device != chunk.device:
+                    raise RuntimeError(
+                        f"a param of shape {tuple(p.shape)} is on {p.device} but its FP32 master is on "
+                        f"{chunk.device}: the model moved after the optimizer was wrapped. Move the model to its "
+                        "device first, then build and wrap the optimizer (halfprec does not move masters and "
+                        "optimizer state behind your back)"
+                    )
+
     def copy_grads_in(self) -> list[torch.Tensor]:
         """Point each master's ``.grad`` at its fp32 view and fill it from the model grad, or set it to None.
 

@@ -213,7 +213,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self.scale_loss(loss).backward(**kwargs)
 
     def _scaling_is_off(self) -> bool:
-        return isinstance(self.loss_scaler, StaticLossScaler) and self.loss_scaler._init_scale == 1.0
+        return self.loss_scaler.is_unit
 
     @torch.no_grad()
     def unscale_(self) -> None:
@@ -221,6 +221,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         if self._s.unscaled:
             return
         check_unfrozen(self._frozen)
+        self._store.check_devices()
         stepped = self._s.stepped_grads
         if stepped is not None and stepped.marks and stepped.same(self._trained):
             raise RuntimeError(

@@ -86,6 +86,11 @@ class LossScaler:
     def is_dynamic(self) -> bool:
         return False
 
+    @property
+    def is_unit(self) -> bool:
+        """True for a static scale of 1: no scaling at all (known on the host, no sync)."""
+        return not self.is_dynamic and self._init_scale == 1.0
+
     def update(self, found_inf: torch.Tensor) -> None:
         """Advance the schedule after a step; ``found_inf`` is 1.0 when the step overflowed."""
 

@@ -249,3 +249,51 @@ def test_resume_in_a_fresh_process_bit_exact(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(child["masters"], ref_mp.master_params(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _OwnLoss(HalfprecTrainer):
+    """The usual custom-loss pattern: compute_loss overridden without calling super()."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = model(**inputs)
+        return (out["loss"], out) if return_outputs else out["loss"]
+
+
+def test_compute_loss_override_is_still_loss_scaled(tmp_path):
+    dtype, batches = DTYPES["fp16"], make_batches(6)
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2)
+    model = RegressionModel()
+    mp = make_optimizer(model.net, dtype)
+    trainer = _OwnLoss(
+        model=model,
+        args=_args(tmp_path, 3),
+        train_dataset=_dataset(batches),
+        optimizers=(mp, make_scheduler(mp)),
+    )
+    trainer.train()
+    assert _logged(trainer, "grad_norm") == ref.grad_norms
+    assert_same_weights(model.net, mp, ref_model, ref_mp)
+
+
+class _NoSuperStep(HalfprecTrainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = model(**inputs)["loss"]
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+
+def test_unscaled_backward_before_a_step_is_an_error(tmp_path):
+    model = RegressionModel()
+    mp = make_optimizer(model.net, DTYPES["fp16"])
+    trainer = _NoSuperStep(
+        model=model,
+        args=_args(tmp_path, 2),
+        train_dataset=_dataset(make_batches(4)),
+        optimizers=(mp, make_scheduler(mp)),
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(
+        RuntimeError, match=r"backward that halfprec did not loss-scale.*super\(\)\.training_step"
+    ):
+        trainer.train()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))

@@ -221,7 +221,28 @@ def test_clip_set_twice_is_an_error():
         enable_checkpointing=False,
         enable_model_summary=False,
     )
-    with pytest.raises(ValueError, match=r"max_grad_norm=0\.5 and the Trainer has gradient_clip_val=0\.05"):
+    with (
+        pytest.raises(ValueError, match=r"max_grad_norm=0\.5 and the Trainer has gradient_clip_val=0\.05"),
+        pytest.warns(RuntimeWarning, match=r"masters start from their 16-bit roundings.*return the plain"),
+    ):
+        trainer.fit(model, make_loader(make_batches(2)))
+
+
+def test_optimizer_wrapped_in_configure_optimizers_warns_that_masters_are_rounded():
+    """configure_optimizers runs after the plugin cast the model: such masters cannot start from fp32."""
+    model = LitRegression(halfprec_optimizer=0.5)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        plugins=[HalfprecPrecision("bf16")],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(
+        RuntimeWarning, match=r"MixedPrecisionOptimizer was built over params that the halfprec"
+    ):
         trainer.fit(model, make_loader(make_batches(2)))
 
 

@@ -1,8 +1,14 @@
-"""`halfprec export CKPT --out FILE` and `halfprec inspect CKPT`."""
+"""`halfprec export CKPT --out FILE` and `halfprec inspect CKPT`.
+
+A bad checkpoint or argument is the user's input, not a bug: its message goes to stderr, without a traceback,
+and the command exits with status 2 (as argparse does for bad arguments).
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from .. import checkpoint as ckpt
 from ..export import export, inspect
@@ -25,26 +31,37 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "checkpoint", help="a checkpoint directory (a tag, or its parent with a 'latest' pointer)"
     )
-    parser.add_argument("--tag", default=None)
+    parser.add_argument(
+        "--tag", default=None, help="tag inside the directory (default: the 'latest' pointer)"
+    )
 
 
-def _path(args: argparse.Namespace):
-    from pathlib import Path
-
+def _path(args: argparse.Namespace) -> Path:
     path = Path(args.checkpoint)
     if args.tag is None and (path / ".metadata").exists():
         return path
-    return ckpt.resolve(path, args.tag)
+    return ckpt.resolve(path, args.tag, tag_option="--tag")
+
+
+def _fail(command: str, error: Exception) -> int:
+    print(f"halfprec {command}: error: {error}", file=sys.stderr)
+    return 2
 
 
 def run_export(args: argparse.Namespace) -> int:
-    out = export(_path(args), args.out, dtype=args.dtype)
+    try:
+        out = export(_path(args), args.out, dtype=args.dtype)
+    except (ckpt.CheckpointError, ValueError, OSError) as e:
+        return _fail("export", e)
     print(f"wrote {out}")
     return 0
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    rows = inspect(_path(args))
+    try:
+        rows = inspect(_path(args))
+    except (ckpt.CheckpointError, ValueError, OSError) as e:
+        return _fail("inspect", e)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

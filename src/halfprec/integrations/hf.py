@@ -15,9 +15,10 @@ What changes against the stock Trainer, and why:
 * ``max_grad_norm`` is applied by halfprec to the unscaled fp32 master grads (the Trainer's own
   ``accelerator.clip_grad_norm_`` would clip the scaled 16-bit grads), and the logged ``grad_norm`` is
   halfprec's unscaled, pre-clip norm.
-* ``compute_loss``: for fp16 a gradient hook on the returned loss multiplies the incoming gradient by the loss
-  scale (a power of two, so exact), so the Trainer's ``accelerator.backward`` produces scaled grads while the
-  loss it logs stays unscaled.
+* ``training_step``: for fp16 a gradient hook on the loss that ``compute_loss`` returns (yours too, when a
+  subclass overrides it) multiplies the incoming gradient by the loss scale (a power of two, so exact), so the
+  Trainer's ``accelerator.backward`` produces scaled grads while the loss it logs stays unscaled. A step after
+  a backward that was not scaled (a ``training_step`` override that does not call ``super()``) is an error.
 * ``create_scheduler`` (which the Trainer calls right after ``accelerator.prepare``) links halfprec's skipped
   steps to ``accelerator.optimizer_step_was_skipped``, which the Trainer reads to hold the LR schedule.
 * ``log``: every training log record also gets ``loss_scale`` and ``skipped_steps``.
@@ -198,6 +199,8 @@ class HalfprecTrainerMixin:
             )
         else:
             mp.max_grad_norm = self._halfprec_max_grad_norm(mp)
+        if getattr(mp, "_halfprec_scale_check", None) is None:
+            mp._halfprec_scale_check = mp.register_step_pre_hook(self._halfprec_check_scaled)
         self.optimizer = mp
         return mp
 
@@ -207,17 +210,40 @@ class HalfprecTrainerMixin:
         return super().create_scheduler(num_training_steps, optimizer)
 
     # --- loss scaling ---------------------------------------------------------------------------------
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        result = super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
-        loss = result[0] if return_outputs else result
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # The scaling hook goes on whatever loss compute_loss returns: a subclass that overrides compute_loss
+        # (the usual way to customise the loss) need not call super(). For this one call, the instance's
+        # compute_loss is a wrapper around the class's; nothing outside this Trainer is touched.
+        compute_loss = self.compute_loss
+
+        def scaled_compute_loss(*args: Any, **kwargs: Any) -> Any:
+            result = compute_loss(*args, **kwargs)
+            self._halfprec_scale(result[0] if isinstance(result, tuple) else result)
+            return result
+
+        self.compute_loss = scaled_compute_loss
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            del self.compute_loss
+
+    def _halfprec_scale(self, loss: Any) -> None:
         mp = self.halfprec_optimizer
         if mp is not None and torch.is_tensor(loss) and loss.requires_grad:
             # Scales every gradient below the loss (scale_loss returns the grad itself when scaling is off);
             # the loss the Trainer divides, logs and returns stays unscaled.
             loss.register_hook(mp.scale_loss)
-        return result
+            self._halfprec_scaled = True
+
+    def _halfprec_check_scaled(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Step pre-hook: a step whose backward was not loss-scaled would apply grads ``loss_scale`` too small."""
+        scaled, self._halfprec_scaled = getattr(self, "_halfprec_scaled", False), False
+        if not scaled and not optimizer.loss_scaler.is_unit:
+            raise RuntimeError(
+                "the optimizer stepped after a backward that halfprec did not loss-scale: a training_step "
+                "override must call super().training_step(...), or scale the loss itself with "
+                "self.halfprec_optimizer.scale_loss(loss) before self.accelerator.backward"
+            )
 
     # --- clipping and the logged norm (halfprec clips inside step(), on the fp32 master grads) -----------
     def _clip_grad_norm(self, model):

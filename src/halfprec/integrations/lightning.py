@@ -25,15 +25,21 @@ Trainer flavour (``HalfprecPrecision``):
 
 Fabric flavour (``HalfprecFabricPrecision``): Fabric's ``Precision`` has no ``connect`` and Fabric users build
 the optimizer before ``fabric.setup``, so the wrapping is an explicit helper, :func:`setup_fabric`, called in
-place of ``fabric.setup``. It wraps the plain optimizers (casting the params, fp32 masters) and then calls
-``fabric.setup``. ``fabric.backward(loss)`` scales; ``fabric.save``/``fabric.load`` of the optimizer carry the
-masters and the scaler; hold the schedule yourself: ``if not optimizer.step_was_skipped: scheduler.step()``.
+place of ``fabric.setup``. It moves the module to ``fabric.device``, wraps the plain optimizers (casting the
+params, fp32 masters made on the device) and then calls ``fabric.setup``. ``fabric.backward(loss)`` scales;
+``fabric.save``/``fabric.load`` of the optimizer carry the masters and the scaler; hold the schedule yourself:
+``if not optimizer.step_was_skipped: scheduler.step()``.
+
+Both flavours: in ``on_before_optimizer_step`` (and after ``unscale_()``) the unscaled grads are on the fp32
+masters (``main_params``); the model's 16-bit grads stay loss-scaled under fp16 (unscaling them in 16 bits
+would underflow), so norms logged from ``model.parameters()`` there read ``loss_scale`` times too large.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Generator, Iterable
 from typing import Any
 
@@ -112,12 +118,15 @@ class _Common:
         optimizer = _unwrap(optimizer)
         if isinstance(optimizer, _halfprec_optimizer_types()):
             mp = optimizer  # already owns masters and a loss scale (MixedPrecisionOptimizer, FusedAdamW, ...)
+            self._warn_rounded_masters(mp)
         else:
             with torch.no_grad():
                 for group in optimizer.param_groups:
                     for p in group["params"]:
                         if p in self._fp32:
-                            p.data = self._fp32[p]  # back to fp32 so that param_dtype keeps it as the master
+                            # back to fp32 so that param_dtype keeps it as the master; on the param's device
+                            # now (the Trainer moves the module after convert_module, the fp32 copy stayed)
+                            p.data = self._fp32[p].to(p.device)
             scaler = None if self.loss_scaler is None else copy.deepcopy(self.loss_scaler)
             mp = MixedPrecisionOptimizer(
                 optimizer,
@@ -129,6 +138,19 @@ class _Common:
         if mp not in self._optimizers:
             self._optimizers.append(mp)
         return mp
+
+    def _warn_rounded_masters(self, mp: Any) -> None:
+        held = getattr(mp, "_model_params", None)
+        if held is None:  # the fused optimizers hold the model params in their groups
+            held = [p for g in mp.param_groups for p in g["params"]]
+        if any(p in self._fp32 for p in held):
+            warnings.warn(
+                f"the {type(mp).__name__} was built over params that the halfprec plugin had already cast to "
+                f"{self.dtype}, so its fp32 masters start from their 16-bit roundings, not from the fp32 weights; "
+                "return the plain torch optimizer from configure_optimizers and let the plugin wrap it",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _release_fp32(self) -> None:
         # Params outside every optimizer stay 16-bit; their fp32 tensors are not needed any more.
@@ -333,6 +355,10 @@ def setup_fabric(
             f"fabric has the precision plugin {type(plugin).__name__}; build it with "
             "Fabric(plugins=[HalfprecFabricPrecision('bf16' | 'fp16')]) and no precision= argument"
         )
+    if setup_kwargs.get("move_to_device", True):
+        # Masters are made where the params are when the optimizer is wrapped: on the device, not on the host
+        # that fabric.setup would move the module away from.
+        module.to(fabric.device)
     plugin.convert_module(module)  # the fp32 tensors are remembered, the params cast
     wrapped = [plugin._wrap(opt, max_grad_norm) for opt in _as_list(optimizers)]
     plugin._release_fp32()

@@ -247,7 +247,7 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._marked = [False] * len(self._trainable)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.loss_scaler, StaticLossScaler) and self.loss_scaler._init_scale == 1.0:
+        if self.loss_scaler.is_unit:
             return loss
         return loss * self.loss_scaler.scale.to(loss.device)
 
