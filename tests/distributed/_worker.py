@@ -547,6 +547,131 @@ def scenario_engine_ckpt(out: str, stage: int, gas: int, first: int, more: int) 
     }
 
 
+def _error(fn) -> str:
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _sgd_line(stage: int):
+    """Linear(4, 1) in bf16 at 0, SGD lr=1: a step moves the weight by exactly minus the applied grad."""
+    model = torch.nn.Linear(4, 1, bias=False).bfloat16()
+    with torch.no_grad():
+        model.weight.zero_()
+    opt = ShardedMixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=model, stage=stage
+    )
+    return model, opt
+
+
+class _Two(torch.nn.Module):
+    """fp32 params; ``b`` gets a grad only at step 0 (on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.a = torch.nn.Parameter(torch.randn(5, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(3, generator=g))
+
+    def loss(self, step: int, rank: int) -> torch.Tensor:
+        x = torch.randn(5, generator=torch.Generator().manual_seed(50 * step + rank))
+        out = (self.a * x).sum() ** 2
+        return out + (self.b * x[:3]).sum() ** 2 if step == 0 else out
+
+
+def scenario_semantics(out: str, steps: int) -> dict:
+    """step() twice, step() without zero_grad(), zero_grad(set_to_none=False), frozen params, min-scale warning."""
+    import warnings
+
+    x = torch.ones(1, 4, dtype=torch.bfloat16) * (RANK + 1)  # grads 1 and 2: mean 1.5
+    res: dict = {}
+    for stage in (1, 2):
+        r: dict = {}
+        model, opt = _sgd_line(stage)
+        opt.backward(model(x).sum())
+        opt.step()
+        r["twice"] = _error(opt.step)
+        opt.zero_grad()
+        r["after_zero_grad"] = _error(opt.step)  # no backward since zero_grad: allowed, updates nothing
+        r["w_after_zero_grad_step"] = model.weight.detach().float().clone()
+        model, opt = _sgd_line(stage)
+        opt.backward(model(x).sum())
+        opt.step()
+        r["w1"] = model.weight.detach().float().clone()
+
+        def again(model=model, opt=opt) -> None:
+            opt.backward(model(x).sum())
+            opt.step()
+
+        r["no_zero_grad"] = _error(again)  # stage 1: accumulates like torch; stage 2: refused
+        r["w2"] = model.weight.detach().float().clone()
+        # zero_grad(set_to_none=False): b had a grad at step 0 and keeps a zero one, so AdamW keeps moving it
+        two = _Two()
+        ref = _Two()
+        opt = ShardedMixedPrecisionOptimizer(
+            torch.optim.AdamW(two.parameters(), lr=0.1, foreach=False), named_parameters=two, stage=stage
+        )
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, foreach=False)
+        b0 = two.b.detach().clone()
+        for step in range(steps):
+            opt.backward(two.loss(step, RANK))
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            grads = []
+            for rank in range(WORLD):
+                ref.zero_grad(set_to_none=True)
+                ref.loss(step, rank).backward()
+                grads.append([None if p.grad is None else p.grad.clone() for p in ref.parameters()])
+            for k, p in enumerate(ref.parameters()):
+                if grads[0][k] is not None:
+                    total = sum((g[k] for g in grads[1:]), grads[0][k])
+                    p.grad = total / WORLD
+                elif p.grad is not None or step > 0:
+                    p.grad = torch.zeros_like(p)
+            ref_opt.step()
+        r["keep_zero"] = {
+            "params": [p.detach().clone() for p in two.parameters()],
+            "oracle": [p.detach().clone() for p in ref.parameters()],
+            "b_moved_after_step0": not torch.equal(two.b.detach(), b0),
+        }
+        # a param frozen when wrapped: refused once unfrozen and given a grad; its stale grad cleared by zero_grad
+        lin = torch.nn.Linear(4, 1, bias=True).bfloat16()
+        lin.bias.requires_grad_(False)
+        opt = ShardedMixedPrecisionOptimizer(
+            torch.optim.SGD(lin.parameters(), lr=1.0), named_parameters=lin, stage=stage
+        )
+        lin.bias.grad = torch.ones_like(lin.bias)
+        opt.zero_grad(set_to_none=False)
+        r["frozen_zeroed"] = lin.bias.grad is not None and bool((lin.bias.grad == 0).all())
+        opt.zero_grad()
+        r["frozen_cleared"] = lin.bias.grad is None
+        lin.bias.requires_grad_(True)
+        opt.backward(lin(x).sum())
+        r["unfrozen"] = _error(opt.step)
+        res[stage] = r
+    # overflow at the minimum scale: one RuntimeWarning, on rank 0 only
+    lin = torch.nn.Linear(4, 1, bias=False).half()
+    scaler = halfprec.DynamicLossScaler(init_scale=1.0, min_scale=1.0, hysteresis=1)
+    opt = ShardedMixedPrecisionOptimizer(
+        torch.optim.SGD(lin.parameters(), lr=1.0), named_parameters=lin, stage=2, loss_scaler=scaler
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.backward(lin(x.half()).sum() * float("inf"))
+            opt.step()
+            opt.zero_grad()
+    res["min_scale_warnings"] = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, RuntimeWarning) and "minimum" in str(w.message)
+    ]
+    res["min_scale_skipped"] = opt.skipped_steps
+    return res
+
+
 def scenario_multi(out: str, parts: list) -> dict:
     """Several scenarios in one process group: ``parts`` is ``[[name, kwargs], ...]``."""
     return {name: globals()[f"scenario_{name}"](out=out, **kwargs) for name, kwargs in parts}

@@ -3,6 +3,10 @@
 Every rank must issue the same collectives in the same order. Buckets are therefore launched strictly in
 index order (bucket ``b`` waits for ``b - 1`` even when it fills first), and a callback queued at the end of
 each backward pass launches the buckets whose params got no grad on this rank (unused params), with zeros.
+That callback is queued by the first grad hook of the backward: a backward that reaches no trained param at
+all on some rank fires no hook there, launches nothing, and the ranks' collectives mismatch (a hang or a
+crash). As with DDP, every rank's backward must reach at least one trained param; a param unused on a rank
+(or on all ranks) is fine.
 
 Stage 1 keeps a whole 16-bit grad buffer (``p.grad`` are views of it, so autograd accumulates micro-batches
 in place); a bucket is reduced when backward completes it outside ``no_sync()``, each reduction overwriting
@@ -56,6 +60,8 @@ class GradReducer:
         self.overlapped = 0  # buckets of the last backward launched before it ended (observability, tests)
         self._sync = True
         self.frozen = False  # set between unscale_() and step(): a new grad then would be silently lost
+        self.fresh = False  # a grad hook fired since the last step() (or zero_grad): a new backward ran
+        self.consumed = False  # stage 2: step() consumed grad_shard in place; set until zero_grad()
         self._expected = [sum(1 for i in b.params if layout.numels[i] > 0) for b in layout.buckets]
         self._reset_pass()
         self._handles = [
@@ -99,6 +105,12 @@ class GradReducer:
                 "a backward ran after unscale_() and before step(): its grads would not reach this step. Call "
                 "unscale_() after the last backward() of the step."
             )
+        if self.stage == 2 and self.consumed:
+            raise RuntimeError(
+                "ZeRO-2 reduces grads into a shard that step() consumed; call zero_grad() after step() before "
+                "the next backward()"
+            )
+        self.fresh = True
         self.used[i] = True
         self.up_to_date = False
         layout = self.layout
@@ -202,7 +214,9 @@ class GradReducer:
             self._sync = old
 
     @torch.no_grad()
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the grads. ``set_to_none=False`` keeps the ``used`` flags, as torch keeps zero grads: a param
+        that has had a grad since the last ``set_to_none=True`` call is then stepped with a zero grad."""
         if self.flat_grad is not None:
             self.flat_grad.zero_()
             for i, p in enumerate(self.params):
@@ -212,9 +226,12 @@ class GradReducer:
                 p.grad = None
             if self.grad_shard is not None:
                 self.grad_shard.zero_()
-        self.used = [False] * len(self.params)
+        if set_to_none:
+            self.used = [False] * len(self.params)
         self.up_to_date = False
         self.frozen = False
+        self.fresh = False
+        self.consumed = False
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..options import check_unfrozen, min_scale_message
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from ..wrapper import WrappingOptimizer
 from ._grads import GradReducer
@@ -94,6 +96,8 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         self.reduce_dtype = reduce_dtype
         self.process_group = process_group
         self._init_wrapper(optimizer)
+        # params of the groups left out for being frozen now: refused if unfrozen later, grads cleared
+        self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
 
         names, params, group_of = named_trainable(optimizer, named_parameters)
         # layout order: reverse of the optimizer's order, the usual approximation of backward order
@@ -123,6 +127,8 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         self._step_was_skipped = False
         self._skipped_steps = 0
         self._step_scale: float | None = None
+        self._stepped = False  # a step() ran since zero_grad(); another needs a new backward first
+        self._warned_min_scale = False
 
     # --- construction --------------------------------------------------------------------------------
     def _init_flat(self, param_dtype: torch.dtype | None) -> None:
@@ -242,6 +248,12 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         """Finish the gradient reduction; the fp32 grad shard then holds the unscaled mean grad. Idempotent."""
         if self._unscaled:
             return
+        check_unfrozen(self._frozen)
+        if self._stepped and not self._reducer.fresh:
+            raise RuntimeError(
+                "step() called again without a new backward(): these grads were already applied (and fp32 grads "
+                "unscaled in place); call zero_grad() and backward() before the next step()"
+            )
         shard = self._reducer.finish()
         if self.reduce_dtype == "fp32" and self.world_size > 1:
             shard.div_(self.world_size)
@@ -271,10 +283,14 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         skipped, before, after = bool(values[0]), values[2], values[3]
         self._step_scale = before
         self._step_was_skipped = skipped
+        # the shard is unscaled (and clipped) in place: it cannot be applied again nor added to (stage 2)
+        self._stepped = True
+        self._reducer.fresh = False
+        self._reducer.consumed = self.stage == 2
         if skipped:
             self._skipped_steps += 1
             if self.rank == 0:
-                self._log_skip(before, after)
+                self._log_skip(before, after, bool(values[1]))
             return
         used_anywhere = values[4:]
         for i, piece_param in self._piece_params.items():
@@ -290,13 +306,16 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         self.optimizer.step()
         self._publish()
 
-    def _log_skip(self, before: float, after: float) -> None:
+    def _log_skip(self, before: float, after: float, was_at_min: bool) -> None:
         logger.warning(
             "halfprec: step skipped, non-finite gradients on some rank (loss scale %g -> %g, %d skipped so far)",
             before,
             after,
             self._skipped_steps,
         )
+        if was_at_min and self.loss_scaler.is_dynamic and not self._warned_min_scale:
+            self._warned_min_scale = True
+            warnings.warn(min_scale_message(before), RuntimeWarning, stacklevel=3)
 
     @torch.no_grad()
     def _publish(self) -> None:
@@ -311,11 +330,26 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
             work.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the grads. At stage 1 the model grads are views of one buffer: they are zeroed, not freed."""
-        self._reducer.zero_grad()
+        """Clear the grads of every param of the groups, frozen ones included (as torch does).
+
+        At stage 1 the model grads are views of one buffer: they are zeroed, not freed. ``set_to_none=False``
+        keeps torch's meaning: a param that has had a grad since the last ``set_to_none=True`` call keeps a
+        zero grad and is stepped (momentum and weight decay still move it).
+        """
+        self._reducer.zero_grad(set_to_none)
         for p in self._piece_params.values():
             p.grad = None
+        with torch.no_grad():
+            for p in self._frozen:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.zero_()
         self._unscaled = False
+        self._stepped = False
 
     # --- rank-local checkpoint state (same world size only; see checkpoint.py for resharding) ----------
     def state_dict(self) -> dict[str, Any]:
