@@ -677,15 +677,6 @@ def test_errors(build, error, pattern):
 
 
 # --- 9. import hygiene and public surface ----------------------------------------------------------------------
-def test_public_surface_pinned():
-    assert sorted(halfprec.__all__) == sorted(halfprec.__all__) and set(halfprec.__all__) >= {
-        "MixedPrecisionOptimizer",
-        "StaticLossScaler",
-        "DynamicLossScaler",
-        "LossScaler",
-    }
-
-
 SCHEDULERS = [
     lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.9**s),
     lambda o: torch.optim.lr_scheduler.StepLR(o, 2),
@@ -819,3 +810,54 @@ def test_calls_through_a_dict_copying_wrapper_reach_the_optimizer():
     assert torch.equal(mp.master_params()[0], before[0])  # zero grad: unchanged
     assert not torch.equal(mp.master_params()[1], before[1])
     assert mp.skipped_steps == wrapper.skipped_steps == 0 and not mp._s.unscaled
+
+
+def test_overflow_at_min_scale_warns_once_and_keeps_skipping():
+    model = torch.nn.Linear(4, 1, bias=False).half()
+    scaler = halfprec.DynamicLossScaler(init_scale=4.0, min_scale=1.0, hysteresis=1)
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), loss_scaler=scaler)
+    scales = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            mp.backward(model(torch.ones(1, 4, dtype=torch.float16)).float().sum() * float("inf"))
+            mp.step()
+            mp.zero_grad()
+            scales.append(mp.loss_scale)
+    assert scales == [2.0, 1.0, 1.0, 1.0, 1.0] and mp.skipped_steps == 5
+    at_min = [w for w in caught if "minimum loss scale" in str(w.message)]
+    assert len(at_min) == 1 and issubclass(at_min[0].category, RuntimeWarning)
+    assert "Lower min_scale" in str(at_min[0].message)
+
+
+@pytest.mark.parametrize(
+    ("other", "match"),
+    [
+        # one more layer: the first extra param is named, not just the group sizes
+        (
+            lambda: [torch.nn.Linear(3, 4), torch.nn.Linear(4, 2), torch.nn.Linear(2, 2)],
+            r"holds 4 params, this optimizer 6: param 4 \(shape \[2, 2\] dtype torch.float16\) is only in this model",
+        ),
+        # same sizes, another shape at param 2
+        (
+            lambda: [torch.nn.Linear(3, 4), torch.nn.Linear(4, 3)],
+            r"at param 2: saved shape \[2, 4\] dtype torch.float16 .*this model shape \[3, 4\]",
+        ),
+    ],
+)
+def test_load_into_another_model_names_the_first_mismatching_param(other, match):
+    def wrap(layers):
+        model = torch.nn.Sequential(*layers).half()
+        return halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()))
+
+    saved = wrap([torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)]).state_dict()
+    mp = wrap(other())
+    with pytest.raises(ValueError, match=match):
+        mp.load_state_dict(saved)
+
+
+def test_add_param_group_refuses_differentiable():
+    model = torch.nn.Linear(3, 4).half()
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW([model.weight]))
+    with pytest.raises(ValueError, match=r"add_param_group got differentiable=True"):
+        mp.add_param_group({"params": [model.bias], "differentiable": True})

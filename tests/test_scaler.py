@@ -83,3 +83,21 @@ def test_update_does_not_sync(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: calls.append(1))
     scaler.update(torch.tensor(1.0))
     assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("scaler", "change", "match"),
+    [
+        (lambda: DynamicLossScaler(), {"scale": 3.0}, r"scale must be a power of two"),
+        (lambda: DynamicLossScaler(), {"hysteresis": 0}, r"hysteresis must be an integer >= 1"),
+        (lambda: DynamicLossScaler(), {"growth_factor": 0.5}, r"growth_factor must be > 1"),
+        (lambda: StaticLossScaler(4.0), {"init_scale": 3.0}, r"scale must be a power of two"),
+        (lambda: StaticLossScaler(4.0), {"scale": -1.0}, r"scale must be a positive, finite power of two"),
+    ],
+)
+def test_load_state_dict_refuses_invalid_values_and_changes_nothing(scaler, change, match):
+    s = scaler()
+    before = s.state_dict()
+    with pytest.raises(ValueError, match=match):
+        s.load_state_dict({**before, **change})
+    assert s.state_dict() == before

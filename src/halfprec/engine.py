@@ -354,7 +354,7 @@ class Engine:
             optim_state = ckpt.load_pt(path, "optimizer")
         if load_optimizer_states:
             check_scaler_kind(path, engine_state, optim_state, self.optimizer.loss_scaler, self.config)
-        if optim_state is not None and isinstance(self.optimizer, MixedPrecisionOptimizer):
+        if optim_state is not None and not self._sharded:
             try:
                 self.optimizer.check_state_dict(optim_state)
             except ValueError as e:

@@ -53,7 +53,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         loss_scaler: a ``StaticLossScaler`` or ``DynamicLossScaler``. ``None`` means ``DynamicLossScaler()``
             when any trainable param is fp16, else no scaling (``StaticLossScaler(1.0)``).
         max_grad_norm: clip the global L2 norm of the unscaled grads to this value; ``None`` = no clipping.
-        skip_nonfinite: skip steps with non-finite bf16/fp32 grads (fp16 grads are always checked).
+        skip_nonfinite: skip steps with non-finite bf16/fp32 grads. With any fp16 param every grad is
+            loss-scaled, so every grad is checked (an overflow anywhere is the scale's), whatever this says.
         param_dtype: ``torch.bfloat16`` or ``torch.float16`` to cast the optimizer's trainable params to that
             dtype in place (same ``Parameter`` objects), keeping their fp32 values as the masters.
         impl: ``"torch"`` (this exact path), ``"triton"`` (the fused optimizer of ``halfprec.optim`` with the same
@@ -143,6 +144,10 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         params = group["params"]
         params = [params] if torch.is_tensor(params) else list(params)
         _check_params(params, known=set(self._model_params))
+        if group.get("differentiable", False):
+            raise ValueError(
+                "add_param_group got differentiable=True; halfprec's step runs under no_grad: leave it False"
+            )
         if self._scaling_is_off() and not self._has_fp16:
             new_fp16 = [p for p in params if p.requires_grad and p.dtype == torch.float16]
             if new_fp16:
@@ -345,6 +350,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 f"not a MixedPrecisionOptimizer state dict (format {found!r}); a plain torch optimizer state "
                 "dict goes to mp.optimizer.load_state_dict(...), followed by mp.refresh_masters()"
             )
+        self._check_compatible(state_dict["params"])
         saved_groups = [len(g["params"]) for g in state_dict["optimizer"]["param_groups"]]
         groups = [len(g["params"]) for g in self.param_groups]
         if saved_groups != groups:
@@ -352,22 +358,30 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 f"state dict has param groups of sizes {saved_groups}, this optimizer {groups}: build the "
                 "optimizer with the same param groups as the one that was saved"
             )
-        self._check_compatible(state_dict["params"])
         self.loss_scaler.check_state_dict(state_dict.get("scaler"))
 
     def _check_compatible(self, saved: list[dict[str, Any]]) -> None:
         params, model = self._index_params(), self._model_params
         masters = set(self._store.master_params())
-        if len(saved) != len(params):
-            raise ValueError(f"state dict holds {len(saved)} params, this optimizer {len(params)}")
-        for i, (entry, p, m) in enumerate(zip(saved, params, model, strict=True)):
-            mine = {"shape": list(p.shape), "dtype": _dtype_name(m.dtype), "master": p in masters}
-            if entry != mine:
+        mine = [
+            {"shape": list(p.shape), "dtype": _dtype_name(m.dtype), "master": p in masters}
+            for p, m in zip(params, model, strict=True)
+        ]
+        for i, (entry, here) in enumerate(zip(saved, mine, strict=False)):
+            if entry != here:
                 raise ValueError(
                     f"state dict does not match this model at param {i}: saved shape {entry['shape']} dtype "
-                    f"{entry['dtype']} {_role(entry)}, this model shape {mine['shape']} dtype {mine['dtype']} "
-                    f"{_role(mine)}"
+                    f"{entry['dtype']} {_role(entry)}, this model shape {here['shape']} dtype {here['dtype']} "
+                    f"{_role(here)}"
                 )
+        if len(saved) != len(mine):
+            i = min(len(saved), len(mine))
+            extra = saved[i] if len(saved) > len(mine) else mine[i]
+            where = "the state dict" if len(saved) > len(mine) else "this model"
+            raise ValueError(
+                f"state dict holds {len(saved)} params, this optimizer {len(mine)}: param {i} (shape "
+                f"{extra['shape']} dtype {extra['dtype']}) is only in {where}"
+            )
 
     def __repr__(self) -> str:
         return f"MixedPrecisionOptimizer({self.optimizer!r}, loss_scaler={self.loss_scaler!r})"

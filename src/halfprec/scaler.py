@@ -127,6 +127,7 @@ class LossScaler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.check_state_dict(state_dict)
+        self._check_values(state_dict)
         if self._device is None:
             # Not placed yet: keep the values until the optimizer places the state on its device.
             self._pending = dict(state_dict)
@@ -138,6 +139,20 @@ class LossScaler:
 
     def _config(self) -> dict[str, Any]:
         return {}
+
+    @classmethod
+    def _from_config(cls, config: dict[str, Any]) -> LossScaler:
+        return cls(**config)
+
+    def _check_values(self, state_dict: dict[str, Any]) -> None:
+        """The loaded settings pass the constructor's checks and the scale is a power of two (ValueError)."""
+        config = {k: state_dict[k] for k in self._config() if k in state_dict}
+        try:
+            self._from_config(config)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"loss-scaler state dict holds invalid settings: {e}") from e
+        if "scale" in state_dict:
+            _check_power_of_two("scale", state_dict["scale"])
 
     def _load_config(self, state_dict: dict[str, Any]) -> None:
         if "init_scale" in state_dict:
@@ -156,6 +171,10 @@ class StaticLossScaler(LossScaler):
 
     def _config(self) -> dict[str, Any]:
         return {"init_scale": self._init_scale}
+
+    @classmethod
+    def _from_config(cls, config: dict[str, Any]) -> LossScaler:
+        return cls(config.get("init_scale", 1.0))
 
 
 class DynamicLossScaler(LossScaler):

@@ -55,6 +55,8 @@ def make_optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
     if kind == "adamw":
         return torch.optim.AdamW(groups, lr=0.01, foreach=False)
+    if kind == "adam":
+        return torch.optim.Adam(groups, lr=0.01, foreach=False)
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=0.05, momentum=0.9, foreach=False)
     if kind == "adagrad":
@@ -181,7 +183,7 @@ def build_sharded(cfg: dict, **extra) -> tuple[Net, ShardedMixedPrecisionOptimiz
     return model, sharded
 
 
-def train(model, opt, cfg: dict, steps: range, trace: dict | None = None) -> None:
+def train(model, opt, cfg: dict, steps: range, trace: dict | None = None, sched=None) -> None:
     dtype = DTYPES[cfg["dtype"]]
     micro = cfg.get("micro", 1)
     for step in steps:
@@ -193,6 +195,8 @@ def train(model, opt, cfg: dict, steps: range, trace: dict | None = None) -> Non
             else:
                 opt.backward(loss)
         opt.step()
+        if sched is not None and not opt.step_was_skipped:
+            sched.step()
         if trace is not None:
             trace["norms"].append(opt.grad_norm)
             trace["skipped"].append(opt.step_was_skipped)
@@ -669,6 +673,57 @@ def scenario_semantics(out: str, steps: int) -> dict:
         if issubclass(w.category, RuntimeWarning) and "minimum" in str(w.message)
     ]
     res["min_scale_skipped"] = opt.skipped_steps
+    return res
+
+
+def scenario_fused(out: str, configs: list, steps: int, more: int) -> dict:
+    """The fused local step (impl='triton', the interpreter on CPU) against the torch local step on the same
+    data; then a save after ``steps``, a load into a fresh fused optimizer and ``more`` steps against the
+    uninterrupted fused run."""
+    from halfprec.distributed import checkpoint
+
+    res: dict = {}
+    sched_state: dict = {}
+    for i, cfg in enumerate(configs):
+        r: dict = {}
+        for impl in ("torch", "triton"):
+            model, opt = build_sharded(cfg, impl=impl)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)  # the lr reaches the kernel
+            trace = {"norms": [], "skipped": [], "scales": []}
+            train(model, opt, cfg, range(steps), trace, sched)
+            if impl == "triton":
+                checkpoint.save(opt, Path(out) / f"fused{i}")
+                sched_state[i] = sched.state_dict()
+            train(model, opt, cfg, range(steps, steps + more), trace, sched)
+            trace["lr"] = [g["lr"] for g in opt.param_groups]
+            r[impl] = {
+                "impl": opt.impl,
+                "trace": trace,
+                "pieces": pieces(opt),
+                "params": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
+            }
+        model, opt = build_sharded(cfg, impl="triton")
+        checkpoint.load(opt, Path(out) / f"fused{i}")  # restores the lr the scheduler had set
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        sched.load_state_dict(sched_state[i])
+        train(model, opt, cfg, range(steps, steps + more), sched=sched)
+        r["resumed"] = {
+            "pieces": pieces(opt),
+            "params": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
+        }
+        res[i] = r
+    # what the fused local step refuses: inner step hooks (they would not run), optimizers without a kernel
+    cfg = configs[0]
+    model, opt = build_sharded(cfg, impl="triton")
+    opt.optimizer.register_step_post_hook(lambda *a: None)
+    opt.backward(loss_of(model, 0, RANK, 0, DTYPES[cfg["dtype"]], []))
+    res["hooks"] = _error(opt.step)
+    try:
+        m = make_model(torch.bfloat16)
+        ShardedMixedPrecisionOptimizer(torch.optim.NAdam(m.parameters()), named_parameters=m, impl="triton")
+        res["nadam"] = "no error"
+    except ValueError as e:
+        res["nadam"] = str(e)
     return res
 
 

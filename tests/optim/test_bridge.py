@@ -38,9 +38,16 @@ TRITON_ERRORS = [
 
 
 @pytest.mark.parametrize(("factory", "match"), TRITON_ERRORS)
-def test_select_impl_triton_cannot_be_honoured(factory, match):
+def test_select_impl_triton_cannot_be_honoured(factory, match, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as on a real machine: CPU params are refused
     with pytest.raises(ValueError, match=r"impl='triton' cannot be honoured: .*" + match):
         select_impl(factory(), "triton")
+
+
+def test_select_impl_triton_takes_cpu_params_only_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_impl(torch.optim.AdamW(_p()), "triton") == "triton"
+    assert select_impl(torch.optim.AdamW(_p()), "auto") == "torch"  # auto never picks the interpreter
 
 
 def test_select_impl_rejects_unknown():

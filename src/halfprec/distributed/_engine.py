@@ -36,6 +36,7 @@ def sharded_engine_optimizer(
         skip_nonfinite=config.skip_nonfinite,
         param_dtype=param_dtype,
         reduce_dtype=config.reduce_dtype,
+        impl=config.impl,
     )
     if param_dtype is not None:
         with torch.no_grad():

@@ -63,6 +63,11 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
             params' 16-bit dtype (half the traffic, rounds; DDP's default).
         bucket_size: elements per gradient bucket (params are never split across buckets).
         process_group: the data-parallel group; ``None`` = the default group.
+        impl: the local step: ``"torch"`` runs the wrapped torch optimizer on this rank's pieces (exact);
+            ``"triton"`` runs the fused update kernel over the flat local buffers (torch Adam, AdamW, SGD and
+            Adagrad; ``_fused_step``; the fused path's tolerance); ``"auto"`` picks ``"triton"`` when
+            ``halfprec.optim.bridge.select_impl`` would (CUDA params, Triton, the inner ``foreach``/``fused``
+            left at their defaults). An explicit ``"triton"`` that cannot be honoured raises.
     """
 
     def __init__(
@@ -78,8 +83,12 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         reduce_dtype: str = "fp32",
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         process_group: dist.ProcessGroup | None = None,
+        impl: str = "auto",
     ) -> None:
         check_optimizer(optimizer, loss_scaler, max_grad_norm, param_dtype)
+        from ..optim.bridge import select_impl
+
+        self.impl = select_impl(optimizer, impl)
         if stage not in (1, 2) or isinstance(stage, bool):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}; stage 0 is MixedPrecisionOptimizer + DDP")
         if reduce_dtype not in ("fp32", "param"):
@@ -113,6 +122,11 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         )
         self._build_buffers()
         self._build_pieces()
+        self._fused = None
+        if self.impl == "triton":
+            from ._fused_step import FusedLocalStep
+
+            self._fused = FusedLocalStep(self.optimizer, self.layout, self._piece_params, self.flat_master)
 
         self._has_fp16 = self.dtype == torch.float16
         if loss_scaler is None:
@@ -293,18 +307,33 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
                 self._log_skip(before, after, bool(values[1]))
             return
         used_anywhere = values[4:]
-        for i, piece_param in self._piece_params.items():
-            if used_anywhere[i] > 0:
-                piece = self.layout.piece_of[i]
-                piece_param.grad = shard[piece.local : piece.local + piece.numel]
-            else:
-                piece_param.grad = None
+        coef = None
         if self.max_grad_norm is not None:
             # the same arithmetic as torch.nn.utils.clip_grads_with_norm_
-            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            shard.mul_(coef.to(shard.device))
-        self.optimizer.step()
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(shard.device)
+        if self._fused is not None:
+            self._check_no_inner_hooks()
+            self._fused.step(shard, used_anywhere, coef)  # applies coef as it reads the grads
+        else:
+            for i, piece_param in self._piece_params.items():
+                if used_anywhere[i] > 0:
+                    piece = self.layout.piece_of[i]
+                    piece_param.grad = shard[piece.local : piece.local + piece.numel]
+                else:
+                    piece_param.grad = None
+            if coef is not None:
+                shard.mul_(coef)
+            self.optimizer.step()
         self._publish()
+
+    def _check_no_inner_hooks(self) -> None:
+        inner = self.optimizer
+        if inner._optimizer_step_pre_hooks or inner._optimizer_step_post_hooks:
+            raise RuntimeError(
+                f"the {type(inner).__name__} wrapped with impl='triton' has step hooks, which would not run: the "
+                "fused kernel replaces its step(). Register them on the ShardedMixedPrecisionOptimizer (they run "
+                "once per step) or pass impl='torch'"
+            )
 
     def _log_skip(self, before: float, after: float, was_at_min: bool) -> None:
         logger.warning(
@@ -370,5 +399,5 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
     def __repr__(self) -> str:
         return (
             f"ShardedMixedPrecisionOptimizer({self.optimizer!r}, stage={self.stage}, world_size={self.world_size}, "
-            f"reduce_dtype={self.reduce_dtype!r}, loss_scaler={self.loss_scaler!r})"
+            f"reduce_dtype={self.reduce_dtype!r}, impl={self.impl!r}, loss_scaler={self.loss_scaler!r})"
         )

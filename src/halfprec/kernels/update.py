@@ -7,7 +7,9 @@ the program touches no memory. Otherwise it reads the 16-bit grad, multiplies it
 generic path's unscale-then-clip), updates the fp32 master and state in fp32, and writes the 16-bit param
 rounded to nearest even (fp16 by the hardware conversion; bf16 by integer rounding of the fp32 bits, which
 gives the same bits in the interpreter and on the GPU). ``PARAM`` = 0 for fp32 params that are their own
-masters, 1 for fp16, 2 for bf16 (passed as an int16 view).
+masters, 1 for fp16, 2 for bf16 (passed as an int16 view). ``ALIGNED``: every row starts and ends at a
+multiple of 16 elements (the fused optimizers' padded layout), which lets Triton vectorise; the sharded
+optimizer's pieces cut params anywhere, so their unaligned head and tail rows run with ``ALIGNED=False``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ def _store_param(param_ptr, offs, x, mask, PARAM: tl.constexpr):
 
 
 @triton.jit
+def _row(table_ptr, pid, ALIGNED: tl.constexpr):
+    start = tl.load(table_ptr + pid * 3)
+    end = tl.load(table_ptr + pid * 3 + 1)
+    if ALIGNED:  # lets Triton vectorise the loads and stores
+        start = tl.multiple_of(start, 16)
+        end = tl.multiple_of(end, 16)
+    return start, end
+
+
+@triton.jit
 def _lerp(a, b, w):
     # torch's lerp: two formulas around w = 0.5, for accuracy at both ends.
     return tl.where(w < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
@@ -51,11 +63,11 @@ def _adam_kernel(
     pscal_ptr,
     scalars_ptr,
     PARAM: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    start = tl.multiple_of(tl.load(table_ptr + pid * 3), 16)
-    end = tl.multiple_of(tl.load(table_ptr + pid * 3 + 1), 16)
+    start, end = _row(table_ptr, pid, ALIGNED)
     ps = pscal_ptr + tl.load(table_ptr + pid * 3 + 2) * 16
     active = tl.load(ps)
     if active != 0.0:
@@ -97,11 +109,11 @@ def _sgd_kernel(
     pscal_ptr,
     scalars_ptr,
     PARAM: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    start = tl.multiple_of(tl.load(table_ptr + pid * 3), 16)
-    end = tl.multiple_of(tl.load(table_ptr + pid * 3 + 1), 16)
+    start, end = _row(table_ptr, pid, ALIGNED)
     ps = pscal_ptr + tl.load(table_ptr + pid * 3 + 2) * 16
     active = tl.load(ps)
     if active != 0.0:
@@ -138,11 +150,11 @@ def _adagrad_kernel(
     pscal_ptr,
     scalars_ptr,
     PARAM: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    start = tl.multiple_of(tl.load(table_ptr + pid * 3), 16)
-    end = tl.multiple_of(tl.load(table_ptr + pid * 3 + 1), 16)
+    start, end = _row(table_ptr, pid, ALIGNED)
     ps = pscal_ptr + tl.load(table_ptr + pid * 3 + 2) * 16
     active = tl.load(ps)
     if active != 0.0:
@@ -173,7 +185,9 @@ def _param_arg(param: torch.Tensor, master: torch.Tensor) -> tuple[torch.Tensor,
     return param, 1
 
 
-def adam_update(param, grad, master, exp_avg, exp_avg_sq, table, pscal, scalars) -> None:
+def adam_update(
+    param, grad, master, exp_avg, exp_avg_sq, table, pscal, scalars, *, aligned: bool = True
+) -> None:
     """Adam/AdamW update of one flat chunk (decay kind per param in ``pscal``)."""
     n = table.shape[0]
     if n == 0:
@@ -190,12 +204,13 @@ def adam_update(param, grad, master, exp_avg, exp_avg_sq, table, pscal, scalars)
         pscal,
         scalars,
         PARAM=code,
+        ALIGNED=aligned,
         BLOCK=cfg.update_block,
         num_warps=cfg.update_warps,
     )
 
 
-def sgd_update(param, grad, master, momentum_buffer, table, pscal, scalars) -> None:
+def sgd_update(param, grad, master, momentum_buffer, table, pscal, scalars, *, aligned: bool = True) -> None:
     """SGD update (momentum, dampening, nesterov per param in ``pscal``); ``momentum_buffer`` may be None."""
     n = table.shape[0]
     if n == 0:
@@ -212,12 +227,13 @@ def sgd_update(param, grad, master, momentum_buffer, table, pscal, scalars) -> N
         pscal,
         scalars,
         PARAM=code,
+        ALIGNED=aligned,
         BLOCK=cfg.update_block,
         num_warps=cfg.update_warps,
     )
 
 
-def adagrad_update(param, grad, master, state_sum, table, pscal, scalars) -> None:
+def adagrad_update(param, grad, master, state_sum, table, pscal, scalars, *, aligned: bool = True) -> None:
     """Adagrad update of one flat chunk."""
     n = table.shape[0]
     if n == 0:
@@ -233,6 +249,7 @@ def adagrad_update(param, grad, master, state_sum, table, pscal, scalars) -> Non
         pscal,
         scalars,
         PARAM=code,
+        ALIGNED=aligned,
         BLOCK=cfg.update_block,
         num_warps=cfg.update_warps,
     )

@@ -90,6 +90,7 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
             dynamic=loss_scaler.is_dynamic, min_scale=getattr(loss_scaler, "min_scale", 1.0)
         )
         self._stepped = False
+        self._replaced: weakref.ref | None = None  # the torch optimizer this one replaced, if any
 
     # --- construction --------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -187,7 +188,8 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
         raise NotImplementedError
 
-    def _hp_row(self, group: dict[str, Any]) -> list[Any]:
+    @classmethod
+    def _hp_row(cls, group: dict[str, Any]) -> list[Any]:
         raise NotImplementedError
 
     def _launch_update(self, chunk: Chunk) -> None:
@@ -333,8 +335,21 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._marked = [False] * len(self._trainable)
         if not capturing:
             self._reporter.record(self._scalars)
+            self._tell_schedulers()
         self._stepped = True
         return loss
+
+    def _adopt_scheduler_target(self, optimizer: torch.optim.Optimizer) -> None:
+        """Remember the torch optimizer this one replaced (``bridge.fused_from_torch``): LR schedulers built on it
+        write into the shared group dicts, and check that its ``step()`` ran before theirs."""
+        self._replaced = weakref.ref(optimizer)
+
+    def _tell_schedulers(self) -> None:
+        # torch's LR schedulers warn "lr_scheduler.step() before optimizer.step()" unless the flag that their
+        # wrapper of optimizer.step() sets is there; the replaced torch optimizer's step() never runs
+        replaced = self._replaced() if self._replaced is not None else None
+        if replaced is not None:
+            replaced._opt_called = True
 
     # --- results (reading one syncs) --------------------------------------------------------------------
     @property
@@ -356,6 +371,16 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale
+
+    @property
+    def step_loss_scale(self) -> float | None:
+        """The loss scale the last step's gradients were scaled with, before the scaler's update (syncs)."""
+        return float(self._scalars[4].item()) if self._stepped else None
+
+    @property
+    def _model_params(self) -> list[torch.nn.Parameter]:
+        """The model's params in group order, frozen ones included (what the state dict indexes)."""
+        return self._all
 
     @property
     def skipped_steps(self) -> int:

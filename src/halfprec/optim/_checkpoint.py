@@ -51,6 +51,22 @@ class CheckpointMixin:
             "skipped_steps": self.skipped_steps,
         }
 
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise ValueError unless ``state_dict`` is a halfprec optimizer state dict of this model (changes
+        nothing), as ``MixedPrecisionOptimizer.check_state_dict`` does."""
+        if not isinstance(state_dict, dict) or state_dict.get("format") != FORMAT:
+            found = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"not a halfprec optimizer state dict (format {found!r})")
+        self._check_entries(state_dict["params"])
+        saved_groups = [len(g["params"]) for g in state_dict["optimizer"]["param_groups"]]
+        groups = [len(g["params"]) for g in self.param_groups]
+        if saved_groups != groups:
+            raise ValueError(
+                f"state dict has param groups of sizes {saved_groups}, this optimizer {groups}: build the "
+                "optimizer with the same param groups as the one that was saved"
+            )
+        self.loss_scaler.check_state_dict(state_dict.get("scaler"))
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the generic path's checkpoint format, or a plain torch optimizer state dict (masters are then
         taken from the model's current weights)."""

@@ -82,7 +82,8 @@ class FusedAdagrad(FusedOptimizer):
         p = self._trainable[i]
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
-    def _hp_row(self, group: dict[str, Any]) -> list[Any]:
+    @classmethod
+    def _hp_row(cls, group: dict[str, Any]) -> list[Any]:
         return [group["lr"], group["lr_decay"], group["weight_decay"], group["eps"], 0.0, 0.0, 0.0, 0.0]
 
     def _launch_update(self, chunk) -> None:

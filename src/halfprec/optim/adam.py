@@ -96,9 +96,10 @@ class FusedAdam(FusedOptimizer):
                     "use the torch path (halfprec.MixedPrecisionOptimizer over torch.optim.AdamW)"
                 )
 
-    def _hp_row(self, group: dict[str, Any]) -> list[Any]:
+    @classmethod
+    def _hp_row(cls, group: dict[str, Any]) -> list[Any]:
         b1, b2 = group["betas"]
-        dec = 1.0 if group.get("decoupled_weight_decay", self._DECOUPLED) else 0.0
+        dec = 1.0 if group.get("decoupled_weight_decay", cls._DECOUPLED) else 0.0
         return [group["lr"], b1, b2, group["eps"], group["weight_decay"], dec, 0.0, 0.0]
 
     def _launch_update(self, chunk) -> None:

@@ -5,10 +5,13 @@ Policy of ``impl="auto"`` (written here once): the fused path runs when the wrap
 optimizer's ``foreach``/``fused`` flags were left at their defaults (None; an explicit flag is the user asking for
 that torch implementation, so it is honoured) and nothing the kernels lack (``amsgrad``, ``maximize``,
 ``capturable``, ``differentiable``) is on. Otherwise the torch path runs. ``impl="triton"`` raises a ValueError
-naming the reason and the fix when these do not hold; ``impl="torch"`` always takes the torch path.
+naming the reason and the fix when these do not hold (under ``TRITON_INTERPRET=1`` it also accepts CPU params,
+for the interpreter tests); ``impl="torch"`` always takes the torch path.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -46,7 +49,8 @@ def fused_unsupported_reason(optimizer: torch.optim.Optimizer, *, explicit: bool
                 return f"param group {i} has {flag}=True, which the fused kernels do not implement; use impl='torch'"
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     off_cuda = sorted({str(p.device) for p in params if p.device.type != "cuda"})
-    if off_cuda:
+    interpreted = explicit and os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests of the kernels
+    if off_cuda and not interpreted:
         return f"params on {off_cuda}; the fused kernels need CUDA params: move the model to CUDA or use impl='torch'"
     odd = sorted(
         {str(p.dtype) for p in params if p.dtype not in (torch.float16, torch.bfloat16, torch.float32)}
@@ -93,8 +97,9 @@ def fused_from_torch(
     """The fused optimizer equivalent to ``optimizer``: same params, groups and per-group hyper-parameters
     (every group key is copied, so LR schedulers and state dicts carry over), and its state if it has any.
 
-    The torch optimizer is not stepped and is left untouched except that its params become views of the fused
-    optimizer's flat buffers; drop it afterwards.
+    The fused optimizer takes over the torch optimizer's param-group dicts (the very dicts, so an LR scheduler
+    built on the torch optimizer before wrapping drives the kernel) and its state (moved, so it is held once);
+    the torch optimizer is never stepped, and its params become views of the fused optimizer's flat buffers.
     """
     cls = _fused_class(optimizer)
     if cls is None:
@@ -114,11 +119,13 @@ def fused_from_torch(
         param_dtype=param_dtype,
     )
     for mine, theirs in zip(fused.param_groups, optimizer.param_groups, strict=True):
-        for k, v in theirs.items():
-            if k != "params":
-                mine[k] = v
+        if any(p is not q for p, q in zip(mine["params"], theirs["params"], strict=True)):
+            raise AssertionError("fused optimizer groups must hold the torch optimizer's params")
+    fused.param_groups = optimizer.param_groups
     if saved_state is not None:
         fused.load_state_dict(saved_state)
+        optimizer.state.clear()
+    fused._adopt_scheduler_target(optimizer)
     return fused
 
 

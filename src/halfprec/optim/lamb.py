@@ -45,7 +45,8 @@ class FusedLamb(FusedAdam):
             torch.zeros(max(c.update_table.shape[0], 1), 2, device=self._device) for c in self._chunks
         ]
 
-    def _hp_row(self, group: dict[str, Any]) -> list[Any]:
+    @classmethod
+    def _hp_row(cls, group: dict[str, Any]) -> list[Any]:
         b1, b2 = group["betas"]
         return [group["lr"], b1, b2, group["eps"], group["weight_decay"], 0.0, 0.0, 0.0]
 

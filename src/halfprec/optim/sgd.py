@@ -87,7 +87,8 @@ class FusedSGD(FusedOptimizer):
                 "path (halfprec.MixedPrecisionOptimizer over torch.optim.SGD)"
             )
 
-    def _hp_row(self, group: dict[str, Any]) -> list[Any]:
+    @classmethod
+    def _hp_row(cls, group: dict[str, Any]) -> list[Any]:
         return [
             group["lr"],
             group["momentum"],

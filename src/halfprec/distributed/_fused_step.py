@@ -1,0 +1,186 @@
+"""The sharded optimizer's local step on the fused Triton kernels (``impl="triton"``, or ``"auto"`` on CUDA).
+
+The torch optimizer (Adam, AdamW, SGD or Adagrad) keeps its param groups and its torch-format state; only its
+``step()`` is replaced. Its elementwise state tensors (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``,
+``sum``) become views of flat fp32 buffers laid out in the rank's local coordinates (``_layout``), like the
+masters and the fp32 grad shard, so one launch of the fused update kernel steps every piece: it reads the
+grad shard, multiplies it by the clip coefficient, and updates master and state in fp32. Per-piece scalars
+(bias corrections, Adagrad's decayed lr, SGD's first-step flag) come from the fused path's finalize program.
+
+Step counters stay torch's: 0-d fp32 CPU tensors in ``optimizer.state``, advanced on the host (the sharded
+step has already read which params got a grad anywhere), so checkpoints and the torch path read them as
+they are. State replaced from outside (``load_state_dict``, a checkpoint load) is copied into the buffers and
+re-viewed at the next step.
+
+Rows of the update table cover a piece's 16-aligned interior with vectorised programs; the (at most 15
+element) head and tail of a piece that a shard boundary or a neighbour left unaligned run in a second launch
+with ``ALIGNED=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._layout import Layout
+
+__all__ = ["FusedLocalStep"]
+
+_ALIGN = 16
+
+
+def _rows(lo: int, hi: int, index: int, block: int) -> tuple[list[tuple], list[tuple]]:
+    """(aligned rows, unaligned rows) covering ``[lo, hi)`` for piece ``index``."""
+    a0 = -(-lo // _ALIGN) * _ALIGN
+    a1 = hi // _ALIGN * _ALIGN
+    if a0 >= a1:
+        return [], [(lo, hi, index)]
+    aligned = [(s, min(s + block, a1), index) for s in range(a0, a1, block)]
+    loose = [(lo, a0, index)] if lo < a0 else []
+    if a1 < hi:
+        loose.append((a1, hi, index))
+    return aligned, loose
+
+
+class FusedLocalStep:
+    """Flat state buffers, update tables and device scratch for one sharded optimizer's fused local step."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        layout: Layout,
+        piece_params: dict[int, torch.nn.Parameter],
+        flat_master: torch.Tensor,
+    ) -> None:
+        from ..kernels.norm import HP_WIDTH, PSCAL_WIDTH
+        from ..kernels.settings import settings
+        from ..optim.bridge import _fused_class
+
+        cls = _fused_class(optimizer)
+        self.optimizer = optimizer
+        self.kind = cls._KIND
+        self.hp_row = cls._hp_row
+        self.master = flat_master
+        self.device = flat_master.device
+        self.sgd = isinstance(optimizer, torch.optim.SGD)
+        self.counts_steps = not self.sgd  # torch SGD keeps no step counter
+        # the pieces in local order; k indexes every per-piece device array
+        self.pieces = sorted(layout.pieces, key=lambda pc: pc.local)
+        self.params = [piece_params[pc.param] for pc in self.pieces]
+        group_of = {}
+        for gi, group in enumerate(optimizer.param_groups):
+            group_of.update({id(p): gi for p in group["params"]})
+        self.group_of = [group_of[id(p)] for p in self.params]
+        block = settings().update_block
+        aligned, loose = [], []
+        for k, pc in enumerate(self.pieces):
+            a, b = _rows(pc.local, pc.local + pc.numel, k, block)
+            aligned += a
+            loose += b
+        dev = self.device
+        self.aligned = torch.tensor(aligned, dtype=torch.int64).reshape(-1, 3).to(dev)
+        self.loose = torch.tensor(loose, dtype=torch.int64).reshape(-1, 3).to(dev)
+        n = max(len(self.pieces), 1)
+        self.steps = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.flags = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.pgroup = torch.tensor(self.group_of or [0], dtype=torch.int32).to(dev)
+        self.pscal = torch.zeros(n, PSCAL_WIDTH, dtype=torch.float32, device=dev)
+        self.hp = torch.zeros(len(optimizer.param_groups), HP_WIDTH, dtype=torch.float64, device=dev)
+        self.scalars = torch.zeros(8, dtype=torch.float32, device=dev)
+        self.zero = torch.zeros(1, dtype=torch.float32, device=dev)
+        self.one = torch.ones((), dtype=torch.float32, device=dev)  # the grad shard is already unscaled
+        self.buffers: dict[str, torch.Tensor] = {}  # allocated at the first step: construction stays inert
+
+    # --- state ---------------------------------------------------------------------------------------------
+    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        if self.sgd:
+            return ("momentum_buffer",) if float(group["momentum"]) != 0 else ()
+        return ("sum",) if self.kind == 2 else ("exp_avg", "exp_avg_sq")
+
+    def _view(self, name: str, k: int) -> torch.Tensor:
+        if name not in self.buffers:
+            self.buffers[name] = torch.zeros_like(self.master)
+        pc = self.pieces[k]
+        return self.buffers[name][pc.local : pc.local + pc.numel]
+
+    def _adopt(self, k: int, group: dict[str, Any]) -> dict[str, Any] | None:
+        """The piece's state with every elementwise tensor a view of the flat buffers (None: no state yet)."""
+        state = self.optimizer.state.get(self.params[k])
+        if not state:
+            return None
+        for name in self._state_names(group):
+            value = state.get(name)
+            if value is None:
+                continue
+            view = self._view(name, k)
+            if value.data_ptr() != view.data_ptr():
+                with torch.no_grad():
+                    view.copy_(value.reshape(-1))
+                state[name] = view
+        step = state.get("step")
+        if torch.is_tensor(step) and step.device.type != "cpu":
+            state["step"] = step.detach().to("cpu", torch.float32)  # torch's non-capturable format
+        return state
+
+    def _begin(self, k: int, group: dict[str, Any]) -> dict[str, Any]:
+        """State of a piece's first update, as torch creates it (zeros; Adagrad: its initial value)."""
+        state = self.optimizer.state[self.params[k]]
+        if self.counts_steps:
+            state["step"] = torch.tensor(0.0)
+        for name in self._state_names(group):
+            view = self._view(name, k)
+            view.fill_(float(group["initial_accumulator_value"]) if name == "sum" else 0.0)
+            state[name] = view
+        return state
+
+    # --- the step ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, grad_shard: torch.Tensor, used_anywhere: list[float], coef: torch.Tensor | None) -> None:
+        """Update every piece whose param got a grad on some rank (``used_anywhere[layout index] > 0``);
+        ``coef``: the clip coefficient as a device scalar, or None."""
+        from ..kernels.norm import finalize
+        from ..kernels.update import adagrad_update, adam_update, sgd_update
+
+        groups = self.optimizer.param_groups
+        counts, flags = [], []
+        for k in range(len(self.params)):
+            group = groups[self.group_of[k]]
+            state = self._adopt(k, group)
+            if used_anywhere[self.pieces[k].param] <= 0:
+                counts.append(0.0)
+                flags.append(0.0)
+                continue
+            if self.sgd:
+                # the kernel's first-step flag (count + 1 == 1) copies the grad into a new momentum buffer
+                had = state is not None and state.get("momentum_buffer") is not None
+                if not had and self._state_names(group):
+                    self._begin(k, group)
+                counts.append(1.0 if had else 0.0)
+            else:
+                state = state if state is not None and "step" in state else self._begin(k, group)
+                counts.append(float(state["step"]))
+                state["step"] += 1  # as torch advances it: a 0-d fp32 CPU tensor
+            flags.append(1.0)
+        host = torch.tensor([counts, flags], dtype=torch.float32)
+        rows = torch.tensor([[float(v) for v in self.hp_row(g)] for g in groups], dtype=torch.float64)
+        dev = host.to(self.device, non_blocking=True)
+        self.steps.copy_(dev[0])
+        self.flags.copy_(dev[1])
+        self.hp.copy_(rows, non_blocking=True)
+        finalize(
+            self.zero, self.zero, self.one, self.scalars, None, self.flags, self.steps, self.pgroup, self.hp,
+            self.pscal, check=False, kind=self.kind,
+        )  # fmt: skip
+        self.scalars[2].copy_(self.one if coef is None else coef)
+        for table, aligned in ((self.aligned, True), (self.loose, False)):
+            args = (self.master, grad_shard, self.master)
+            tail = (table, self.pscal, self.scalars)
+            if self.kind == 0:
+                adam_update(
+                    *args, self.buffers["exp_avg"], self.buffers["exp_avg_sq"], *tail, aligned=aligned
+                )
+            elif self.kind == 2:
+                adagrad_update(*args, self.buffers["sum"], *tail, aligned=aligned)
+            else:
+                sgd_update(*args, self.buffers.get("momentum_buffer"), *tail, aligned=aligned)
