@@ -11,9 +11,11 @@ ZeRO-0 is MixedPrecisionOptimizer + DDP. Columns (rank 0's timings, the max over
 * ``comm ms``: the bare collectives on a buffer of the model's size (all-reduce for ZeRO-0; reduce-scatter
   + all-gather for ZeRO-1/2) in the reduce dtype;
 * ``held B/param``: bytes held by params, grads, masters, master grads and optimizer state, per param;
-* ``model B/param``: the design's figure for the generic path: 2 (param) + 2 (grad) + 12 (master, m, v) + 4
-  (fp32 master grads) at ZeRO-0; 2 + 2 + 16/d at stage 1; 2 + 16/d at stage 2 (fp32 grad shard, no whole
-  16-bit grads); the fused path would save the 4/d of master grads. Bucket buffers are not counted;
+* ``local step``: ``torch`` (the wrapped torch AdamW on the pieces) or ``triton`` (the fused update kernel
+  over the flat local buffers, ``impl="triton"``);
+* ``model B/param``: 2 (param) + 2 (grad) + 12 (master, m, v) + 4 (fp32 master grads) at ZeRO-0; 2 + 2 + 16/d
+  at stage 1; 2 + 16/d at stage 2: the fp32 grad shard (4/d) is kept on both local-step paths (the
+  reduce-scatter sums into it in fp32), so the fused path's figure is the same. Bucket buffers are not counted;
 * ``peak B/param``: ``torch.cuda.max_memory_allocated`` over a step, per param (GPU only).
 """
 
@@ -80,15 +82,15 @@ def _held_bytes(opt, model) -> int:
     return total
 
 
-def run(zero: int, args, device, dtype) -> dict:
+def run(zero: int, impl: str, args, device, dtype) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]).to(
         device
     )
     n = sum(p.numel() for p in model.parameters())
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=device.type == "cuda")
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if zero == 0:
-        opt = halfprec.MixedPrecisionOptimizer(inner, param_dtype=dtype, max_grad_norm=1.0)
+        opt = halfprec.MixedPrecisionOptimizer(inner, param_dtype=dtype, max_grad_norm=1.0, impl="torch")
         net = torch.nn.parallel.DistributedDataParallel(model)
     else:
         opt = ShardedMixedPrecisionOptimizer(
@@ -98,6 +100,7 @@ def run(zero: int, args, device, dtype) -> dict:
             param_dtype=dtype,
             max_grad_norm=1.0,
             reduce_dtype=args.reduce,
+            impl=impl,
         )
         net = model
     x = torch.randn(8, args.width, device=device, dtype=dtype)
@@ -139,6 +142,7 @@ def run(zero: int, args, device, dtype) -> dict:
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     return {
         "zero": zero,
+        "impl": impl,
         "params": n,
         "step": step_ms,
         "bwd": bwd,
@@ -157,6 +161,7 @@ def main() -> None:
     ap.add_argument("--fp16", action="store_true")
     ap.add_argument("--reduce", default="fp32", choices=("fp32", "param"))
     ap.add_argument("--zero", default="0,1,2")
+    ap.add_argument("--impls", default="torch,triton", help="local step of ZeRO-1/2 (ZeRO-0 runs torch only)")
     args = ap.parse_args()
     dist.init_process_group(backend=None)
     if torch.cuda.is_available():
@@ -167,22 +172,25 @@ def main() -> None:
     dtype = torch.float16 if args.fp16 else torch.bfloat16
     rows = []
     for z in args.zero.split(","):
-        rows.append(run(int(z), args, device, dtype))
-        gc.collect()  # the previous variant's buffers must not count in the next one's peak
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        for impl in ["torch"] if z == "0" else args.impls.split(","):
+            rows.append(run(int(z), impl, args, device, dtype))
+            gc.collect()  # the previous variant's buffers must not count in the next one's peak
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     if dist.get_rank() == 0:
         world = dist.get_world_size()
         print(
             f"world size {world}, {rows[0]['params'] / 1e6:.1f}M params, {dtype}, reduce {args.reduce}, "
             f"{device.type}, torch {torch.__version__}"
         )
-        print("| ZeRO | step ms | bwd ms | comm ms | held B/param | model B/param | peak B/param |")
-        print("|---|---|---|---|---|---|---|")
+        print(
+            "| ZeRO | local step | step ms | bwd ms | comm ms | held B/param | model B/param | peak B/param |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             peak = "n/a" if r["peak"] < 0 else f"{r['peak']:.2f}"
             print(
-                f"| {r['zero']} | {r['step']:.2f} | {r['bwd']:.2f} | {r['comm']:.2f} | {r['held']:.2f} | "
+                f"| {r['zero']} | {r['impl']} | {r['step']:.2f} | {r['bwd']:.2f} | {r['comm']:.2f} | {r['held']:.2f} | "
                 f"{r['model']:.2f} | {peak} |"
             )
     dist.destroy_process_group()

@@ -94,7 +94,7 @@ def test_tags_are_immutable_and_keep_last_prunes(tmp_path):
     for _ in range(3):
         train(engine, 1)
         engine.save_checkpoint(tmp_path, keep_last=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2", "step-3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".published", "latest", "step-2", "step-3"]
     with pytest.raises(FileExistsError, match="step-3 already exists and tags are immutable"):
         engine.save_checkpoint(tmp_path)
     engine.save_checkpoint(tmp_path, overwrite=True)
@@ -160,7 +160,8 @@ def test_code_running_pickle_is_refused_without_running(tmp_path):
         "size": (path / "engine.pt").stat().st_size,
         "sha256": ckpt._digest(path / "engine.pt"),
     }
-    (path / "manifest.json").write_text(json.dumps(manifest))  # the digests cannot save us: weights_only must
+    manifest["manifest_sha256"] = ckpt._manifest_digest(manifest)  # an attacker can re-seal it all:
+    (path / "manifest.json").write_text(json.dumps(manifest))  # the digests cannot save us, weights_only must
     with pytest.raises(ckpt.CheckpointError, match="engine.pt with weights_only=True"):
         build("bf16").load_checkpoint(tmp_path)
     assert not marker.exists()
@@ -233,3 +234,62 @@ def test_state_that_weights_only_cannot_load_is_refused_at_save(tmp_path):
     engine.lr_scheduler.base_lrs = [np.float64(3e-3)]  # numpy scalars do not load with weights_only=True
     with pytest.raises(ValueError, match="lr_scheduler.state_dict\\(\\)\\['base_lrs'\\]\\[0\\] is a float64"):
         engine.save_checkpoint(tmp_path)
+
+
+def test_a_published_tag_stays_immutable_after_a_rewind(tmp_path):
+    engine = build("bf16")
+    for _ in range(3):
+        train(engine, 1)
+        engine.save_checkpoint(tmp_path)  # step-1, step-2, step-3
+    engine.load_checkpoint(tmp_path, tag="step-1")
+    train(engine, 1)
+    engine.save_checkpoint(tmp_path, tag="rewind-2")  # latest now names an older step than step-3
+    train(engine, 1)
+    before = ckpt._digest(tmp_path / "step-3" / "optimizer.pt")
+    with pytest.raises(FileExistsError, match="step-3 already exists and tags are immutable"):
+        engine.save_checkpoint(tmp_path)  # step-3 again: published, so never moved aside
+    assert ckpt._digest(tmp_path / "step-3" / "optimizer.pt") == before
+    assert not [p for p in tmp_path.iterdir() if "unpublished" in p.name]
+    engine.save_checkpoint(tmp_path, tag="rewind-3", keep_last=2)  # the two most recent saves stay
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "latest",
+        "rewind-2",
+        "rewind-3",
+    ]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.update(global_step=m["global_step"] + 1),  # still valid JSON, wrong counter
+        lambda m: m["ties"].update({"head.weight": "mix.weight"}),  # a tie pointing elsewhere
+        lambda m: m.pop("manifest_sha256"),
+    ],
+)
+def test_an_edited_manifest_is_named_as_corrupted(tmp_path, edit):
+    engine = build("bf16")
+    train(engine, 1)
+    path = engine.save_checkpoint(tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ckpt.CheckpointError, match=r"manifest.json is corrupted"):
+        build("bf16").load_checkpoint(tmp_path)
+
+
+def test_python_and_numpy_rng_states_are_restored(tmp_path):
+    import random
+
+    import numpy as np
+
+    engine = build("bf16")
+    train(engine, 1)
+    random.seed(7)
+    np.random.seed(7)
+    engine.save_checkpoint(tmp_path)
+    expected = (random.random(), float(np.random.rand()), torch.rand(1))
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    build("bf16", seed=3).load_checkpoint(tmp_path)
+    assert (random.random(), float(np.random.rand()), torch.rand(1)) == expected

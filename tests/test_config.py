@@ -445,3 +445,9 @@ def test_every_warn_row_is_accepted_and_reported():
 
 def test_docs_table_matches_code():
     assert render_deepspeed_table() in DOCS.read_text()
+
+
+def test_auto_beside_an_explicit_precision_is_reported():
+    with pytest.warns(DeepSpeedConfigWarning, match=r"bf16.enabled=.auto. with fp16.enabled=true"):
+        config = Config.from_deepspeed({"fp16": {"enabled": True}, "bf16": {"enabled": "auto"}})
+    assert config.precision == "fp16"

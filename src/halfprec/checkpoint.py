@@ -5,11 +5,12 @@ Layout of ``<dir>/<tag>/``::
     model.safetensors   the model's state dict, each shared tensor stored once (ties listed in the manifest)
     optimizer.pt        MixedPrecisionOptimizer.state_dict(): torch-format inner state, fp32 masters, scaler
     engine.pt           counters, param names, LR scheduler, RNG states, client_state
-    manifest.json       written last: format, counters, ties, and each file's size and SHA-256
+    manifest.json       written last: format, counters, ties, each file's size and SHA-256, and its own SHA-256
 
 A save writes everything into a hidden temporary sibling, fsyncs the files and the directory, renames it to
 ``<tag>`` and only then replaces ``<dir>/latest`` (itself written to a temporary file and renamed). A process
-killed at any point leaves the previous checkpoint and pointer intact. ``*.pt`` files are read with
+killed at any point leaves the previous checkpoint and pointer intact. ``<dir>/.published`` logs every tag
+``latest`` has named: a tag is immutable once published, and ``keep_last`` keeps the most recently published. ``*.pt`` files are read with
 ``torch.load(weights_only=True)``; the manifest's digests catch truncated or flipped bytes, which neither
 ``torch.load`` nor safetensors notices.
 """
@@ -52,6 +53,7 @@ __all__ = [
 FORMAT = "halfprec-checkpoint/1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
+PUBLISHED = ".published"  # the tags ``latest`` has named, oldest first, one per line (hidden: not a tag)
 
 
 class CheckpointError(RuntimeError):
@@ -65,6 +67,12 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the manifest's canonical JSON, its own digest field left out."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _digest(path: Path) -> str:
@@ -164,8 +172,8 @@ def prepare(
     """Check the arguments of a save; returns ``(root, final)``. Raises before anything is written.
 
     A save killed after its rename but before ``latest`` was replaced leaves a complete ``<tag>`` that ``latest``
-    does not name; the restarted run reaches the same tag again, so such an unpublished directory (newer than
-    what ``latest`` names, or with no ``latest`` at all) is moved aside with a warning instead of blocking it.
+    never named; the restarted run reaches the same tag again, so such an unpublished directory (not in the
+    ``.published`` log) is moved aside with a warning instead of blocking it. A published tag is immutable.
     Temporary directories of killed saves of this tag are removed.
     """
     root = Path(directory)
@@ -241,6 +249,7 @@ def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
         with safe_open(str(tmp / "model.safetensors"), framework="pt") as f:
             ties = json.loads((f.metadata() or {}).get("ties", "{}"))
     manifest = {"format": FORMAT, "tag": tag, "ties": ties, "files": entries, **info}
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
@@ -259,27 +268,35 @@ def commit(tmp: Path, final: Path) -> None:
 
 
 def publish(root: Path, tag: str, keep_last: int | None) -> None:
-    """Point ``latest`` at ``tag`` (atomically), then prune to the ``keep_last`` newest checkpoints."""
+    """Point ``latest`` at ``tag`` (atomically), log the publication, then prune to the ``keep_last`` most
+    recently published checkpoints."""
     _write_latest(root, tag)
+    with open(root / PUBLISHED, "a") as f:
+        f.write(tag + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     if keep_last is not None:
         _prune(root, keep_last, keep=tag)
 
 
-def _unpublished(root: Path, final: Path) -> bool:
-    def step_of(path: Path) -> int | None:
-        try:
-            return int(json.loads((path / MANIFEST).read_text())["global_step"])
-        except (OSError, ValueError, KeyError, json.JSONDecodeError):
-            return None
+def _published(root: Path) -> list[str] | None:
+    """Tags in publication order (None: no log, a directory written before the log existed)."""
+    try:
+        lines = (root / PUBLISHED).read_text().splitlines()
+    except OSError:
+        return None
+    return [line.strip() for line in lines if _TAG.fullmatch(line.strip())]  # a torn last line is skipped
 
+
+def _unpublished(root: Path, final: Path) -> bool:
+    """A complete ``<tag>`` that a save renamed into place but never published (killed before ``latest``)."""
     pointer = root / LATEST
-    if not pointer.exists():
-        return True
-    latest = pointer.read_text().strip()
-    if latest == final.name:
+    if pointer.exists() and pointer.read_text().strip() == final.name:
         return False
-    mine, theirs = step_of(final), step_of(root / latest)
-    return mine is not None and theirs is not None and mine > theirs
+    log = _published(root)
+    if log is not None:
+        return final.name not in log
+    return not pointer.exists()
 
 
 def _write_latest(root: Path, tag: str) -> None:
@@ -293,14 +310,14 @@ def _write_latest(root: Path, tag: str) -> None:
 
 
 def _prune(root: Path, keep_last: int, keep: str) -> None:
-    found = []
-    for path in root.iterdir():
-        if not path.name.startswith(".") and _is_checkpoint_of(path, path.name):
-            try:
-                found.append((int(json.loads((path / MANIFEST).read_text())["global_step"]), path.name))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-    found.sort()
+    """Remove halfprec checkpoints but the ``keep_last`` most recently published (after a rewind, the
+    checkpoints of the abandoned branch go first, whatever their step numbers)."""
+    order = {tag: i for i, tag in enumerate(_published(root) or [])}  # a tag's last publication counts
+    found = sorted(
+        (order.get(path.name, -1), path.name)
+        for path in root.iterdir()
+        if not path.name.startswith(".") and _is_checkpoint_of(path, path.name)
+    )
     for _, name in found[:-keep_last]:
         if name != keep:
             shutil.rmtree(root / name)
@@ -365,8 +382,13 @@ def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{manifest_path} is corrupted: {e}") from e
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{manifest_path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{manifest_path} has format {found!r}, expected {FORMAT!r}")
+    if manifest.get("manifest_sha256") != _manifest_digest(manifest):
+        raise CheckpointError(
+            f"{manifest_path} is corrupted: its contents do not match the SHA-256 it was written with"
+        )
     if verify:
         for name, entry in manifest["files"].items():
             file = path / name

@@ -371,6 +371,11 @@ def _precision(flat: dict[str, Any], notes: list[str]) -> str:
         raise ValueError("both fp16.enabled and bf16.enabled are true; enable one of them")
     for name in ("fp16", "bf16"):
         if enabled[name] is True:
+            other = "bf16" if name == "fp16" else "fp16"
+            if enabled[other] == "auto":
+                notes.append(
+                    f"{other}.enabled='auto' with {name}.enabled=true: {name} is used, {other} stays off"
+                )
             return name
     autos = [f"{name}.enabled" for name in ("fp16", "bf16") if enabled[name] == "auto"]
     if not autos:

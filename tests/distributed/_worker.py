@@ -386,8 +386,55 @@ def scenario_gpu(out: str, steps: int) -> dict:
             "same_masters_in_checkpoint": exported,
             "reloaded": reloaded,
             "scale": opt.loss_scale,
+            "fused": _gpu_fused(device, stage, steps, cfg, ref, ref_model),
         }
     return res
+
+
+def _gpu_fused(device, stage: int, steps: int, cfg: dict, ref, ref_model) -> dict:
+    """The fused local step on CUDA (impl='auto' picks it for an AdamW with default flags) against the exact
+    unsharded run ``ref`` of the same steps: masters and state within the fused tolerance, counters exact."""
+    model = make_model(torch.float16).to(device)
+    inner = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+            {
+                "params": [p for n, p in model.named_parameters() if not n.endswith("weight")],
+                "weight_decay": 0.0,
+            },
+        ],
+        lr=0.01,
+    )
+    opt = ShardedMixedPrecisionOptimizer(
+        inner, named_parameters=model, stage=stage, loss_scaler=make_scaler(cfg)
+    )
+    for step in range(steps):
+        x, y = batch(step, 0)
+        opt.backward(F.mse_loss(model(x.to(device, torch.float16)).float(), y.to(device)))
+        opt.step()
+        opt.zero_grad()
+    got = dict(zip(group_order_names(model), opt.master_params(), strict=True))
+    want = dict(zip(group_order_names(ref_model), ref.master_params(), strict=True))
+    master_diff = max((got[n].reshape(-1) - want[n].reshape(-1)).abs().max().item() for n in want)
+    state_diff, steps_equal = 0.0, True
+    for n in want:
+        mine, theirs = opt.state.get(got[n], {}), ref.state.get(want[n], {})
+        steps_equal &= set(mine) == set(theirs) and (not mine or float(mine["step"]) == float(theirs["step"]))
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in theirs:
+                diff = (mine[key].reshape(-1) - theirs[key].reshape(-1)).abs().max().item()
+                state_diff = max(state_diff, diff)
+    return {
+        "impl": opt.impl,
+        "master_diff": master_diff,
+        "state_diff": state_diff,
+        "steps_equal": steps_equal,
+        "params_are_masters_rounded": all(
+            torch.equal(p.detach().reshape(-1), got[n].detach().reshape(-1).to(p.dtype))
+            for n, p in model.named_parameters()
+            if n in got
+        ),
+    }
 
 
 def scenario_misc(out: str) -> dict:

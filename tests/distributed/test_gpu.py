@@ -21,3 +21,7 @@ def test_nccl_world_size_one_matches_unsharded_and_checkpoints(tmp_path, monkeyp
         assert res[stage]["same_params"], stage
         assert res[stage]["same_masters_in_checkpoint"], stage
         assert res[stage]["reloaded"], stage
+        fused = res[stage]["fused"]
+        assert fused["impl"] == "triton", fused  # impl='auto' on CUDA with default AdamW flags
+        assert fused["steps_equal"] and fused["params_are_masters_rounded"], fused
+        assert fused["master_diff"] < 2e-5 and fused["state_diff"] < 1e-6, fused  # tests/optim/tolerances.py

@@ -297,3 +297,28 @@ def test_unscaled_backward_before_a_step_is_an_error(tmp_path):
     ):
         trainer.train()
     assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+class _OwnStep(HalfprecTrainer):
+    """A training_step override that calls accelerator.backward itself, scaling as the error message says."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = model(**inputs)["loss"] / self.args.gradient_accumulation_steps
+        self.accelerator.backward(self.halfprec_scale_loss(loss))
+        return loss.detach()
+
+
+def test_training_step_override_that_scales_its_loss_matches_the_plain_loop(tmp_path):
+    dtype, batches = DTYPES["fp16"], make_batches(6)
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2)
+    model = RegressionModel()
+    mp = make_optimizer(model.net, dtype)
+    trainer = _OwnStep(
+        model=model,
+        args=_args(tmp_path, 3),
+        train_dataset=_dataset(batches),
+        optimizers=(mp, make_scheduler(mp)),
+    )
+    trainer.train()
+    assert mp.skipped_steps == ref_mp.skipped_steps
+    assert_same_weights(model.net, mp, ref_model, ref_mp)

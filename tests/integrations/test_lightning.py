@@ -249,3 +249,24 @@ def test_optimizer_wrapped_in_configure_optimizers_warns_that_masters_are_rounde
 def test_precision_flag_with_plugin_is_refused_by_lightning():
     with pytest.raises(Exception, match=r"precision"):
         L.Trainer(accelerator="cpu", precision="bf16-true", plugins=[HalfprecPrecision("bf16")], logger=False)
+
+
+def test_second_fit_on_the_same_trainer_uses_only_its_own_optimizer():
+    """Each fit connects its optimizers anew (a second fit, or one after Tuner.lr_find): manual fp16
+    backward must still find exactly one optimizer's loss scale."""
+    batches = make_batches(4)
+    model = LitManual(inf_at=())
+    plugin = HalfprecPrecision("fp16", loss_scaler=make_scaler(torch.float16))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        plugins=[plugin],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, make_loader(batches))
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model, make_loader(batches))
+    assert len(plugin._optimizers) == 1 and len(model.losses) == 8

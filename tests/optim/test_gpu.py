@@ -181,3 +181,69 @@ def test_eager_step_runs_no_torch_op_but_the_report_copy(skipped):
     launched = [n for n in ops.names if n not in _NO_LAUNCH]
     assert launched == ["copy_"], ops.names
     assert fused.step_was_skipped is skipped
+
+
+def _engine(seed: int, impl: str = "auto"):
+    from tests.engine_util import TiedLM
+
+    torch.manual_seed(seed)
+    model = TiedLM().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    return halfprec.initialize(
+        model, opt, lr_scheduler=sched, precision="fp16", max_grad_norm=1.0, gradient_accumulation_steps=2,
+        initial_scale=2.0**14, growth_interval=3, impl=impl,
+    )  # fmt: skip
+
+
+def _train(engine, steps: int, inf_at=()) -> list[float]:
+    from tests.engine_util import batch
+
+    losses = []
+    for _ in range(steps):
+        step = engine.global_step
+        for micro in range(2):
+            idx = batch(step, micro).cuda()
+            logits = engine(idx[:, :-1]).float().reshape(-1, 37)
+            loss = torch.nn.functional.cross_entropy(logits, idx[:, 1:].reshape(-1))
+            engine.backward(loss)
+            losses.append(loss.item())
+        if step in inf_at:
+            engine.module.mix.weight.grad.view(-1)[0] = float("inf")
+        engine.step()
+    return losses
+
+
+def test_engine_on_cuda_takes_the_fused_path_and_resumes_bit_exactly(tmp_path):
+    engine, ref = _engine(0), _engine(0, impl="torch")
+    assert isinstance(engine.optimizer, FusedAdamW)  # impl="auto" on CUDA
+    torch.testing.assert_close(_train(engine, 4, (1,)), _train(ref, 4, (1,)), rtol=1e-3, atol=1e-4)
+    assert engine.skipped_steps == ref.skipped_steps == 1 and engine.last_record.skipped is False
+    assert engine.lr_scheduler.last_epoch == 3
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [g["lr"] for g in ref.optimizer.param_groups]
+    engine.save_checkpoint(tmp_path)
+    _train(engine, 2)
+    resumed = _engine(123)
+    resumed.load_checkpoint(tmp_path)
+    _train(resumed, 2)
+    a, b = engine.optimizer.state_dict(), resumed.optimizer.state_dict()
+    for k, v in a["masters"].items():
+        assert torch.equal(v, b["masters"][k]), k
+    for k, st in a["optimizer"]["state"].items():
+        for key, v in st.items():
+            assert torch.equal(v, b["optimizer"]["state"][k][key]), (k, key)
+    for (name, v), w in zip(
+        engine.module.state_dict().items(), resumed.module.state_dict().values(), strict=True
+    ):
+        assert torch.equal(v, w), name
+
+
+def test_bench_measures_every_implementation():
+    from halfprec.optim.bench import run_bench
+
+    result = run_bench(
+        workload="small", optimizers=("adamw", "sgd"), impls=("fused", "torch", "plain"), iters=2
+    )
+    got = {(r["impl"], r["optimizer"]) for r in result["rows"]}
+    assert got == {(i, o) for i in ("fused", "torch", "plain") for o in ("adamw", "sgd")}, got
+    assert all(r["ms"] > 0 for r in result["rows"])

@@ -24,7 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impls", default="fused,torch,plain", help="comma list of fused, torch, plain")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=Path("halfprec-bench.json"),
+        help="where the JSON results go (default %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +54,6 @@ def run(args: argparse.Namespace) -> int:
         iters=args.iters,
     )
     print(format_table(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"results written to {args.json}")
     return 0

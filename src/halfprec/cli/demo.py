@@ -401,9 +401,9 @@ def _table(results: list[RunResult], device: str) -> str:
     notes = ["train loss: mean of the last 10 steps; val loss: 8 fixed held-out batches"]
     if device == "cpu":
         notes.append("peak RSS: the whole child process (torch and the corpus included)")
-        if any(r.precision == "fp16" for r in results):
+        if any(r.precision in ("fp16", "bf16") for r in results):
             notes.append(
-                "on CPU, fp16 matmuls take fp16 inputs, accumulate in fp32 and round to fp16, as GPUs do"
+                "on CPU, 16-bit matmuls take 16-bit inputs, accumulate in fp32 and round to 16 bits, as GPUs do"
             )
     return "\n".join(lines + [""] + notes)
 

@@ -21,6 +21,7 @@ sums in the 16-bit dtype.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -93,8 +94,14 @@ class GradReducer:
         return self._ensure_flat_grad()[off : off + n].view(self.params[i].shape)
 
     def _make_hook(self, i: int):
+        # a weak reference: the hook lives on the param, which autograd's C++ side also holds, so a strong one
+        # would make param -> hook -> reducer -> param a cycle that Python's collector cannot see or free
+        ref = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            self._on_grad(i, param)
+            reducer = ref()
+            if reducer is not None:
+                reducer._on_grad(i, param)
 
         return hook
 

@@ -196,6 +196,9 @@ class HalfprecTrainerMixin:
                 loss_scaler=self._halfprec_loss_scaler,
                 max_grad_norm=self._halfprec_max_grad_norm(None),
                 param_dtype=self.halfprec_dtype,
+                # the exact path: the tool's hooks read the unscaled fp32 master grads (clipping, logging), which
+                # the fused kernels never materialise
+                impl="torch",
             )
         else:
             mp.max_grad_norm = self._halfprec_max_grad_norm(mp)
@@ -235,14 +238,25 @@ class HalfprecTrainerMixin:
             loss.register_hook(mp.scale_loss)
             self._halfprec_scaled = True
 
+    def halfprec_scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times halfprec's loss scale, for a ``training_step`` override that calls
+        ``self.accelerator.backward`` itself: ``self.accelerator.backward(self.halfprec_scale_loss(loss))``."""
+        mp = self.halfprec_optimizer
+        if mp is None:
+            raise RuntimeError(
+                "halfprec_scale_loss() before the optimizer exists: call it from training_step"
+            )
+        self._halfprec_scaled = True
+        return mp.scale_loss(loss)
+
     def _halfprec_check_scaled(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Step pre-hook: a step whose backward was not loss-scaled would apply grads ``loss_scale`` too small."""
         scaled, self._halfprec_scaled = getattr(self, "_halfprec_scaled", False), False
         if not scaled and not optimizer.loss_scaler.is_unit:
             raise RuntimeError(
                 "the optimizer stepped after a backward that halfprec did not loss-scale: a training_step "
-                "override must call super().training_step(...), or scale the loss itself with "
-                "self.halfprec_optimizer.scale_loss(loss) before self.accelerator.backward"
+                "override must call super().training_step(...), or scale the loss itself: "
+                "self.accelerator.backward(self.halfprec_scale_loss(loss))"
             )
 
     # --- clipping and the logged norm (halfprec clips inside step(), on the fp32 master grads) -----------

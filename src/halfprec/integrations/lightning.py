@@ -134,6 +134,9 @@ class _Common:
                 max_grad_norm=max_grad_norm,
                 skip_nonfinite=self.skip_nonfinite,
                 param_dtype=self.dtype,
+                # the exact path: the tool's hooks read the unscaled fp32 master grads (clipping, logging), which
+                # the fused kernels never materialise
+                impl="torch",
             )
         if mp not in self._optimizers:
             self._optimizers.append(mp)
@@ -262,6 +265,8 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         clip_val = getattr(trainer, "gradient_clip_val", None) if trainer is not None else None
         by_id: dict[int, MixedPrecisionOptimizer] = {}
         wrapped = []
+        # every fit (and Tuner.lr_find) connects its optimizers anew: only this fit's are the plugin's
+        self._optimizers = []
         for optimizer in optimizers:
             mp = self._wrap(optimizer)
             if mp.max_grad_norm is not None and clip_val:

@@ -169,7 +169,13 @@ def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) ->
         fn = opt.step
     elif impl == "torch":
         opt = halfprec.MixedPrecisionOptimizer(_torch_opt(name, params), max_grad_norm=1.0, impl="torch")
-        mark, fn = None, opt.step
+
+        def mark(params=params) -> None:
+            # a new backward's grads (new tensor objects, same storage): step() refuses to re-apply old ones
+            for p in params:
+                p.grad = p.grad.detach()
+
+        fn = opt.step
     else:
         pipe = _PlainPipeline(name, params)
         mark, fn = None, pipe.step
