@@ -249,3 +249,12 @@ def test_param_dtype_casts_fp32_model_and_keeps_fp32_masters():
     opt = FusedAdamW([p], param_dtype=torch.float16)
     assert p.dtype == torch.float16
     assert torch.equal(opt.master_params()[0], original)
+
+
+def test_a_param_whose_storage_was_replaced_is_an_error():
+    model = torch.nn.Linear(8, 4).to(DEVICE, torch.float16)
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+    model.float().half()  # new storage for every param: the masters would move, the model would not
+    model(torch.randn(2, 8, device=DEVICE, dtype=torch.float16)).float().sum().backward()
+    with pytest.raises(RuntimeError, match=r"no longer lives in FusedAdamW's flat buffer"):
+        opt.step()

@@ -175,6 +175,7 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         # where each param's grad view starts (the views live as long as the optimizer): one int compare per
         # param in step(), which is host time on a skipped step
         self._view_ptrs = [chunk.grad_views[local].data_ptr() for chunk, local in self._where]
+        self._param_ptrs = [p.data_ptr() for p in trainable]  # the params are views of the flat buffers
         self._init_state()
         ref = weakref.ref(self)
         self._hooks = [
@@ -223,6 +224,13 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
     def _adopt_grads(self) -> None:
         for i, p in enumerate(self._trainable):
+            if p.data_ptr() != self._param_ptrs[i]:
+                raise RuntimeError(
+                    f"the param of shape {tuple(p.shape)} no longer lives in {type(self).__name__}'s flat buffer "
+                    "(replaced by model.to(), .half()/.float(), load_state_dict(assign=True) or a .data "
+                    "assignment after the optimizer was built), so its updates would not reach the model; "
+                    "build the optimizer after the model is in its final dtype and device"
+                )
             g = p.grad
             if g is None:
                 if self._marked[i]:
