@@ -29,7 +29,7 @@ import torch
 
 from .masters import LOW_PRECISION, MasterStore
 from .migrate import migrate_state, restore_state_dtypes
-from .options import check_options, check_unfrozen, min_scale_message
+from .options import check_options, check_saved_groups, check_unfrozen, clear_grads, min_scale_message
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from .wrapper import WrappingOptimizer
 
@@ -292,14 +292,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the grads of every param of the groups, frozen ones included (as torch does)."""
-        for p in self._model_params:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_()
-                p.grad.zero_()
+        clear_grads(self._model_params, set_to_none)
         self._store.clear_grads()
         self._s.unscaled = False
         self._s.stepped_grads = None
@@ -351,14 +344,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 "dict goes to mp.optimizer.load_state_dict(...), followed by mp.refresh_masters()"
             )
         self._check_compatible(state_dict["params"])
-        saved_groups = [len(g["params"]) for g in state_dict["optimizer"]["param_groups"]]
-        groups = [len(g["params"]) for g in self.param_groups]
-        if saved_groups != groups:
-            raise ValueError(
-                f"state dict has param groups of sizes {saved_groups}, this optimizer {groups}: build the "
-                "optimizer with the same param groups as the one that was saved"
-            )
-        self.loss_scaler.check_state_dict(state_dict.get("scaler"))
+        check_saved_groups(state_dict, self.param_groups, self.loss_scaler)
 
     def _check_compatible(self, saved: list[dict[str, Any]]) -> None:
         params, model = self._index_params(), self._model_params

@@ -1,4 +1,5 @@
-"""Checks of the options every halfprec optimizer takes (the generic, fused and sharded ones alike)."""
+"""Checks of the options every halfprec optimizer takes (the generic, fused and sharded ones alike), and the
+pieces of the torch.optim contract they share (a saved state dict's groups, zero_grad's grad clearing)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from .masters import LOW_PRECISION
 from .scaler import LossScaler
 
-__all__ = ["check_options", "check_unfrozen", "min_scale_message"]
+__all__ = ["check_options", "check_saved_groups", "check_unfrozen", "clear_grads", "min_scale_message"]
 
 
 def check_options(
@@ -59,3 +60,28 @@ def min_scale_message(scale: float) -> str:
         f"halfprec: gradients overflowed at the minimum loss scale {scale:g}; the scale cannot go lower, so every "
         "such step is skipped. Lower min_scale, lower the learning rate, or train in bf16."
     )
+
+
+def check_saved_groups(state_dict: dict, param_groups: list[dict], loss_scaler) -> None:
+    """A halfprec optimizer state dict has this optimizer's group sizes and loss-scaler kind (ValueError)."""
+    saved_groups = [len(g["params"]) for g in state_dict["optimizer"]["param_groups"]]
+    groups = [len(g["params"]) for g in param_groups]
+    if saved_groups != groups:
+        raise ValueError(
+            f"state dict has param groups of sizes {saved_groups}, this optimizer {groups}: build the "
+            "optimizer with the same param groups as the one that was saved"
+        )
+    loss_scaler.check_state_dict(state_dict.get("scaler"))
+
+
+def clear_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
+    """What ``torch.optim.Optimizer.zero_grad`` does to each param's ``.grad``."""
+    with torch.no_grad():
+        for p in params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()

@@ -17,7 +17,9 @@ A step, in order (every rank takes the same decisions, because they are made fro
 4. Overflow: skip (only the scaler and ``skipped_steps`` change), identically on every rank. Otherwise clip
    the shard by the global norm, give pieces of params that got no grad anywhere ``grad=None`` (the torch
    optimizer leaves them and their counters alone), run the inner step, round the masters into this rank's
-   shard of the flat param buffer and all-gather every bucket.
+   shard of the flat param buffer and all-gather every bucket. With ``impl="triton"`` the fused update kernel
+   (``_fused_step``) replaces the inner step and the clip multiply: it reads the grad shard once, times the
+   clip coefficient, and updates only the pieces of params that got a grad somewhere.
 
 Checkpoints that reshard across world sizes: ``halfprec.distributed.checkpoint``. ``state_dict()`` here is
 the rank-local state and loads only at the same world size and layout.
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..options import check_unfrozen, min_scale_message
+from ..options import check_unfrozen, clear_grads, min_scale_message
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from ..wrapper import WrappingOptimizer
 from ._grads import GradReducer
@@ -368,15 +370,7 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         self._reducer.zero_grad(set_to_none)
         for p in self._piece_params.values():
             p.grad = None
-        with torch.no_grad():
-            for p in self._frozen:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_()
-                    p.grad.zero_()
+        clear_grads(self._frozen, set_to_none)
         self._unscaled = False
         self._stepped = False
 

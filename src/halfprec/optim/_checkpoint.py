@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ..options import check_saved_groups
+
 __all__ = ["FORMAT", "CheckpointMixin"]
 
 FORMAT = "halfprec.MixedPrecisionOptimizer/1"
@@ -58,14 +60,7 @@ class CheckpointMixin:
             found = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"not a halfprec optimizer state dict (format {found!r})")
         self._check_entries(state_dict["params"])
-        saved_groups = [len(g["params"]) for g in state_dict["optimizer"]["param_groups"]]
-        groups = [len(g["params"]) for g in self.param_groups]
-        if saved_groups != groups:
-            raise ValueError(
-                f"state dict has param groups of sizes {saved_groups}, this optimizer {groups}: build the "
-                "optimizer with the same param groups as the one that was saved"
-            )
-        self.loss_scaler.check_state_dict(state_dict.get("scaler"))
+        check_saved_groups(state_dict, self.param_groups, self.loss_scaler)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the generic path's checkpoint format, or a plain torch optimizer state dict (masters are then
