@@ -65,7 +65,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     """
 
     def __new__(cls, optimizer=None, *args: Any, impl: str = "auto", **kwargs: Any):
-        if cls is MixedPrecisionOptimizer and impl != "torch":
+        # copy.deepcopy and pickle call __new__(cls) with no arguments, then restore __dict__
+        if cls is MixedPrecisionOptimizer and impl != "torch" and optimizer is not None:
             _validate(
                 optimizer,
                 kwargs.get("loss_scaler"),
@@ -281,7 +282,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def _report_skip(self, scale_before: float, after: float, was_at_min: bool) -> None:
         logger.warning(
-            "halfprec: step skipped, non-finite gradients (loss scale %g -> %g, %d skipped so far)",
+            "halfprec: step skipped, non-finite gradients or gradient norm (loss scale %g -> %g, %d skipped so far)",
             scale_before,
             after,
             self._s.skipped_steps,

@@ -270,3 +270,16 @@ def test_second_fit_on_the_same_trainer_uses_only_its_own_optimizer():
     trainer.fit_loop.max_epochs = 2
     trainer.fit(model, make_loader(batches))
     assert len(plugin._optimizers) == 1 and len(model.losses) == 8
+
+
+def test_scheduler_proxy_can_be_deep_copied():
+    import copy
+
+    import halfprec
+    from halfprec.integrations.lightning import _HoldOnSkipScheduler
+
+    net = torch.nn.Linear(2, 2).half()
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.SGD(net.parameters(), lr=1.0), impl="torch")
+    proxy = _HoldOnSkipScheduler(torch.optim.lr_scheduler.StepLR(mp, 1, 0.5), mp)
+    twin = copy.deepcopy(proxy)
+    assert twin.get_last_lr() == [1.0] and twin.state_dict() == proxy.state_dict()

@@ -339,7 +339,7 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
 
     def _log_skip(self, before: float, after: float, was_at_min: bool) -> None:
         logger.warning(
-            "halfprec: step skipped, non-finite gradients on some rank (loss scale %g -> %g, %d skipped so far)",
+            "halfprec: step skipped, non-finite gradients or gradient norm on some rank (loss scale %g -> %g, %d skipped so far)",
             before,
             after,
             self._skipped_steps,

@@ -218,7 +218,11 @@ class _HoldOnSkipScheduler(torch.optim.lr_scheduler.LRScheduler):
         self.__dict__["_mp"] = optimizer
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_scheduler"], name)
+        try:
+            scheduler = self.__dict__["_scheduler"]
+        except KeyError:  # copy/pickle look attributes up before __init__ ran: say they are not there
+            raise AttributeError(name) from None
+        return getattr(scheduler, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._scheduler, name, value)

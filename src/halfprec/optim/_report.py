@@ -67,7 +67,7 @@ class SkipReporter:
         if not found:
             return
         logger.warning(
-            "halfprec: step skipped, non-finite gradients (loss scale %g -> %g, %d skipped so far)",
+            "halfprec: step skipped, non-finite gradients or gradient norm (loss scale %g -> %g, %d skipped so far)",
             before,
             after,
             int(skipped),
