@@ -89,3 +89,16 @@ def test_param_unfrozen_after_construction_is_an_error():
     frozen.requires_grad_(False)
     opt.zero_grad()
     assert frozen.grad is None and live.grad is None
+
+
+def test_momentum_switched_on_after_steps_without_it_is_refused():
+    p = [torch.nn.Parameter(torch.randn(41, device=DEVICE, dtype=torch.float16))]
+    opt = FusedSGD(p, lr=0.1, momentum=0.0, dampening=0.1)
+    p[0].grad = torch.randn_like(p[0])
+    opt.step()
+    opt.param_groups[0]["momentum"] = 0.9
+    p[0].grad = torch.randn_like(p[0])
+    with pytest.raises(ValueError, match=r"momentum went from 0 to 0.9 after steps"):
+        opt.step()
+    opt.load_state_dict(opt.state_dict())  # a load is a new starting point: momentum 0.9 from here on
+    opt.step()

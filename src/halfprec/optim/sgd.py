@@ -63,9 +63,29 @@ class FusedSGD(FusedOptimizer):
             skip_nonfinite=skip_nonfinite,
             param_dtype=param_dtype,
         )
+        self._momentum_was_zero: list[bool] | None = None  # per group, at the last step
 
     def _state_names_for_build(self) -> tuple[str, ...]:
         return ("momentum_buffer",) if any(float(g["momentum"]) != 0 for g in self.param_groups) else ()
+
+    def _upload_hyper(self, capturing: bool) -> None:
+        # torch starts a momentum buffer at a param's first step *with momentum*; the kernel knows only the
+        # param's step count, so a group that took steps without momentum cannot start one later
+        now_zero = [float(g["momentum"]) == 0 for g in self.param_groups]
+        if self._momentum_was_zero is not None:
+            for i, (before, now) in enumerate(zip(self._momentum_was_zero, now_zero, strict=True)):
+                if before and not now:
+                    raise ValueError(
+                        f"param group {i}: momentum went from 0 to {self.param_groups[i]['momentum']!r} after steps "
+                        "were taken without it, which FusedSGD cannot follow exactly; use the torch path "
+                        "(halfprec.MixedPrecisionOptimizer(torch.optim.SGD(...), impl='torch'))"
+                    )
+        self._momentum_was_zero = now_zero
+        super()._upload_hyper(capturing)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._momentum_was_zero = None  # the loaded groups and buffers are the new starting point
 
     def _prepare_step(self) -> None:
         if any(float(g["momentum"]) != 0 for g in self.param_groups):
