@@ -96,6 +96,7 @@ class Record:
     skipped: list[bool] = dataclasses.field(default_factory=list)
     grad_norms: list[float | None] = dataclasses.field(default_factory=list)
     scales: list[float] = dataclasses.field(default_factory=list)
+    clipped_norms: list[float] = dataclasses.field(default_factory=list, compare=False)  # after clipping
 
 
 def plain_loop(
@@ -125,7 +126,10 @@ def plain_loop(
         rec.losses.append(loss.item())
         mp.backward(loss / accum)
         if (i + 1) % accum == 0:
+            ref = _clip_reference(mp, max_grad_norm)
             mp.step()
+            if ref is not None and not mp.step_was_skipped:
+                _check_clipped(mp, ref, rec)
             if not mp.step_was_skipped:
                 sched.step()
             mp.zero_grad()
@@ -135,6 +139,33 @@ def plain_loop(
             rec.scales.append(mp.loss_scale)
     injector.handle.remove()
     return model, mp, sched, rec
+
+
+def _clip_reference(mp, max_grad_norm):
+    """fp32 copies of the unscaled master grads, clipped by ``torch.nn.utils.clip_grad_norm_`` (the oracle of
+    halfprec's clipping): ``(total norm, clipped grads)``, or None without clipping or on the fused path (whose
+    grads are never unscaled in place; tests/optim checks its clipping)."""
+    if max_grad_norm is None or not isinstance(mp, halfprec.MixedPrecisionOptimizer):
+        return None
+    mp.unscale_()
+    copies = [torch.nn.Parameter(m.detach().clone()) for m in mp.master_params() if m.grad is not None]
+    for c, m in zip(copies, [m for m in mp.master_params() if m.grad is not None], strict=True):
+        c.grad = m.grad.detach().clone()
+    total = torch.nn.utils.clip_grad_norm_(copies, max_grad_norm)
+    return float(total), [c.grad for c in copies]
+
+
+def _check_clipped(mp, ref, rec) -> None:
+    """halfprec's reported norm is the unscaled norm before clipping, and the grads it stepped with are
+    clip_grad_norm_'s, bit for bit."""
+    total, clipped = ref
+    assert mp.grad_norm == total, (mp.grad_norm, total)
+    used = [m.grad for m in mp.master_params() if m.grad is not None]
+    for got, want in zip(used, clipped, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    rec.clipped_norms.append(
+        float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in used])))
+    )
 
 
 def assert_same_weights(model_a, mp_a, model_b, mp_b) -> None:

@@ -88,6 +88,9 @@ def test_matches_plain_loop(name, accum):
     assert len(rec.lrs) == 6 // accum
     assert_same_weights(model, mp, ref_model, ref_mp)
     assert all(n > 0.05 for n in rec.grad_norms)  # clipping at 0.05 was active on every step
+    # ... and clipped the norm to 0.05: the oracle checked each step's grads against clip_grad_norm_ (fp32)
+    assert len(ref.clipped_norms) == 6 // accum
+    assert all(abs(n - 0.05) < 1e-6 for n in ref.clipped_norms), ref.clipped_norms
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
