@@ -226,18 +226,19 @@ torch.save({"params": [p.detach() for p in model.parameters()], "masters": [m.de
 """
 
 
-def test_resume_in_a_fresh_process_bit_exact(tmp_path):
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_resume_in_a_fresh_process_bit_exact(tmp_path, name):
     import pathlib
     import subprocess
     import sys
 
-    dtype, batches = torch.float16, make_batches(8)
+    dtype, batches = DTYPES[name], make_batches(8)
     ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2)
     trainer, *_ = _trainer(tmp_path, dtype, batches, 2, save_strategy="steps", save_steps=2)
     trainer.train()
     root = pathlib.Path(__file__).resolve().parents[2]
     subprocess.run(
-        [sys.executable, "-c", _CHILD, "fp16", str(tmp_path), str(tmp_path / "checkpoint-2")],
+        [sys.executable, "-c", _CHILD, name, str(tmp_path), str(tmp_path / "checkpoint-2")],
         cwd=root,
         check=True,
     )
