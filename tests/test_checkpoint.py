@@ -293,3 +293,51 @@ def test_python_and_numpy_rng_states_are_restored(tmp_path):
     torch.manual_seed(99)
     build("bf16", seed=3).load_checkpoint(tmp_path)
     assert (random.random(), float(np.random.rand()), torch.rand(1)) == expected
+
+
+def _make_legacy(root: Path) -> None:
+    """Turn ``root`` into what the code before the publication log and the manifest's self-digest wrote."""
+    (root / ".published").unlink()
+    for manifest_path in root.glob("*/manifest.json"):
+        manifest = json.loads(manifest_path.read_text())
+        manifest.pop("manifest_sha256")
+        manifest["format"] = "halfprec-checkpoint/1"
+        manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def test_checkpoints_written_before_the_log_and_the_self_digest_still_load_and_stay_immutable(tmp_path):
+    engine = build("bf16")
+    for _ in range(3):
+        train(engine, 1)
+        engine.save_checkpoint(tmp_path)  # step-1, step-2, step-3
+    _make_legacy(tmp_path)
+    fresh = build("bf16", seed=3)
+    fresh.load_checkpoint(tmp_path)  # no self-digest: format /1 loads as before
+    assert fresh.global_step == 3
+    fresh.load_checkpoint(tmp_path, tag="step-1")
+    with pytest.raises(FileExistsError, match="step-2 already exists and tags are immutable"):
+        train(fresh, 1)
+        fresh.save_checkpoint(tmp_path)  # step-2 was published by the old code: never moved aside
+    fresh.save_checkpoint(tmp_path, tag="branch-2", keep_last=2)  # the log is seeded in step order
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "branch-2",
+        "latest",
+        "step-3",
+    ]
+    assert (tmp_path / ".published").read_text().split() == ["step-1", "step-2", "step-3", "branch-2"]
+
+
+def test_int_keys_in_the_manifest_info_do_not_break_its_digest(tmp_path):
+    ckpt.write_checkpoint(tmp_path, "t", weights=None, files={"x": {"a": 1}}, info={"sizes": {3: 1, 10: 2}})
+    assert ckpt.read_manifest(tmp_path / "t")["sizes"] == {"3": 1, "10": 2}
+
+
+def test_a_torn_log_line_is_ended_before_the_next_append(tmp_path):
+    engine = build("bf16")
+    train(engine, 1)
+    engine.save_checkpoint(tmp_path)
+    with open(tmp_path / ".published", "a") as f:
+        f.write("step-")  # a write cut short
+    train(engine, 1)
+    engine.save_checkpoint(tmp_path)
+    assert (tmp_path / ".published").read_text().split("\n") == ["step-1", "step-", "step-2", ""]

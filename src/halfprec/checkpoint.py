@@ -50,7 +50,8 @@ __all__ = [
     "check_plain",
 ]
 
-FORMAT = "halfprec-checkpoint/1"
+FORMAT = "halfprec-checkpoint/2"  # /2: the manifest carries its own SHA-256
+_LEGACY_FORMATS = ("halfprec-checkpoint/1",)  # still loaded (without the manifest's self-digest)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 PUBLISHED = ".published"  # the tags ``latest`` has named, oldest first, one per line (hidden: not a tag)
@@ -72,6 +73,7 @@ def _fsync_path(path: Path) -> None:
 def _manifest_digest(manifest: dict[str, Any]) -> str:
     """SHA-256 of the manifest's canonical JSON, its own digest field left out."""
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    body = json.loads(json.dumps(body))  # as read back: int dict keys become strings
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -222,7 +224,11 @@ def _is_checkpoint_of(path: Path, tag: str) -> bool:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(manifest, dict) and manifest.get("format") == FORMAT and manifest.get("tag") == tag
+    return (
+        isinstance(manifest, dict)
+        and manifest.get("format") in (FORMAT, *_LEGACY_FORMATS)
+        and manifest.get("tag") == tag
+    )
 
 
 def stage(tmp: Path, *, weights: dict[str, torch.Tensor] | None, files: dict[str, Any]) -> None:
@@ -270,33 +276,57 @@ def commit(tmp: Path, final: Path) -> None:
 def publish(root: Path, tag: str, keep_last: int | None) -> None:
     """Point ``latest`` at ``tag`` (atomically), log the publication, then prune to the ``keep_last`` most
     recently published checkpoints."""
+    # read first: a directory without a log yet is seeded from what it held before this save
+    before = [t for t in _published(root) if t != tag]
     _write_latest(root, tag)
-    with open(root / PUBLISHED, "a") as f:
-        f.write(tag + "\n")
+    log = root / PUBLISHED
+    lines = [] if log.exists() else before
+    with open(log, "a+") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:
+            f.seek(f.tell() - 1)
+            if f.read(1) != "\n":
+                lines.insert(0, "")  # end a torn last line before appending
+        f.write("".join(t + "\n" for t in [*lines, tag]))
         f.flush()
         os.fsync(f.fileno())
     if keep_last is not None:
         _prune(root, keep_last, keep=tag)
 
 
-def _published(root: Path) -> list[str] | None:
-    """Tags in publication order (None: no log, a directory written before the log existed)."""
+def _published(root: Path) -> list[str]:
+    """Tags in publication order, the one ``latest`` names last. A directory written before the log existed
+    gets the rule that wrote it: its checkpoints up to ``latest``'s step were published, in step order."""
+    pointer = root / LATEST
+    latest = pointer.read_text().strip() if pointer.exists() else None
     try:
-        lines = (root / PUBLISHED).read_text().splitlines()
+        tags = [line.strip() for line in (root / PUBLISHED).read_text().splitlines() if line.strip()]
     except OSError:
-        return None
-    return [line.strip() for line in lines if _TAG.fullmatch(line.strip())]  # a torn last line is skipped
+        tags = _legacy_published(root, latest)
+    return [t for t in tags if t != latest] + ([latest] if latest else [])
+
+
+def _legacy_published(root: Path, latest: str | None) -> list[str]:
+    def step_of(path: Path) -> int | None:
+        try:
+            return int(json.loads((path / MANIFEST).read_text())["global_step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    if latest is None:
+        return []
+    limit = step_of(root / latest)
+    found = []
+    for path in root.iterdir():
+        step = step_of(path) if not path.name.startswith(".") and _is_checkpoint_of(path, path.name) else None
+        if step is not None and limit is not None and step <= limit:
+            found.append((step, path.name))
+    return [name for _, name in sorted(found)]
 
 
 def _unpublished(root: Path, final: Path) -> bool:
     """A complete ``<tag>`` that a save renamed into place but never published (killed before ``latest``)."""
-    pointer = root / LATEST
-    if pointer.exists() and pointer.read_text().strip() == final.name:
-        return False
-    log = _published(root)
-    if log is not None:
-        return final.name not in log
-    return not pointer.exists()
+    return final.name not in _published(root)
 
 
 def _write_latest(root: Path, tag: str) -> None:
@@ -312,7 +342,7 @@ def _write_latest(root: Path, tag: str) -> None:
 def _prune(root: Path, keep_last: int, keep: str) -> None:
     """Remove halfprec checkpoints but the ``keep_last`` most recently published (after a rewind, the
     checkpoints of the abandoned branch go first, whatever their step numbers)."""
-    order = {tag: i for i, tag in enumerate(_published(root) or [])}  # a tag's last publication counts
+    order = {tag: i for i, tag in enumerate(_published(root))}  # a tag's last publication counts
     found = sorted(
         (order.get(path.name, -1), path.name)
         for path in root.iterdir()
@@ -382,10 +412,10 @@ def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{manifest_path} is corrupted: {e}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, *_LEGACY_FORMATS):
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(f"{manifest_path} has format {found!r}, expected {FORMAT!r}")
-    if manifest.get("manifest_sha256") != _manifest_digest(manifest):
+    if manifest["format"] == FORMAT and manifest.get("manifest_sha256") != _manifest_digest(manifest):
         raise CheckpointError(
             f"{manifest_path} is corrupted: its contents do not match the SHA-256 it was written with"
         )

@@ -759,6 +759,7 @@ def scenario_fused(out: str, configs: list, steps: int, more: int) -> dict:
             "params": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
         }
         res[i] = r
+    res["edges"] = _fused_edges()
     # what the fused local step refuses: inner step hooks (they would not run), optimizers without a kernel
     cfg = configs[0]
     model, opt = build_sharded(cfg, impl="triton")
@@ -771,6 +772,63 @@ def scenario_fused(out: str, configs: list, steps: int, more: int) -> dict:
         res["nadam"] = "no error"
     except ValueError as e:
         res["nadam"] = str(e)
+    return res
+
+
+def _fused_edges() -> dict:
+    """Fused local step: a rank holding no piece; a rank none of whose pieces got a grad yet; a scheduler built
+    on the torch optimizer before wrapping; a flag the kernel lacks turned on after construction."""
+    import warnings
+
+    res: dict = {}
+    # Linear(5, 1): one bucket of 2 x 16 elements, the weight wholly in rank 0's shard
+    lin = torch.nn.Linear(5, 1, bias=False).bfloat16()
+    opt = ShardedMixedPrecisionOptimizer(
+        torch.optim.AdamW(lin.parameters(), lr=0.1), named_parameters=lin, impl="triton"
+    )
+    res["no_piece_pieces"] = len(opt.layout.pieces)
+    before = lin.weight.detach().float().clone()
+    for _ in range(2):
+        opt.backward(lin(torch.ones(2, 5, dtype=torch.bfloat16)).float().sum())
+        opt.step()
+        opt.zero_grad()
+    res["no_piece_weight"] = lin.weight.detach().float().clone()
+    res["no_piece_moved"] = not torch.equal(before, res["no_piece_weight"])
+    # optimizer order [y, x] -> layout [x, y]: rank 0 holds x and y[:4], rank 1 only y[4:]; y gets no grad at
+    # step 0, so rank 1 has nothing to update there
+    two = torch.nn.ParameterDict(
+        {
+            "y": torch.nn.Parameter(torch.ones(12, dtype=torch.bfloat16)),
+            "x": torch.nn.Parameter(torch.ones(12, dtype=torch.bfloat16)),
+        }
+    )
+    inner = torch.optim.AdamW([two["y"], two["x"]], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)  # built before wrapping
+    opt = ShardedMixedPrecisionOptimizer(inner, named_parameters=two, bucket_size=1000, impl="triton")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            loss = (two["x"].float() * (RANK + 1)).sum()
+            if step > 0:
+                loss = loss + (two["y"].float() ** 2).sum()
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    res["pieces_held"] = [opt._names[pc.param] for pc in opt.layout.pieces]
+    res["xy"] = {n: p.detach().float().clone() for n, p in two.items()}
+    res["sched_warnings"] = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+    res["steps"] = {
+        opt._names[pc.param]: float(opt.state[opt._piece_params[pc.param]]["step"])
+        for pc in opt.layout.pieces
+    }
+    opt.param_groups[0]["maximize"] = True
+    opt.backward((two["x"].float() + two["y"].float()).sum())
+    try:
+        opt.step()
+        res["maximize"] = "no error"
+    except ValueError as e:
+        res["maximize"] = str(e)
     return res
 
 

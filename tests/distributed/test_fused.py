@@ -92,3 +92,18 @@ def test_fused_local_step_refuses_what_it_cannot_honour(ranks):
     for r in ranks:
         assert "has step hooks, which would not run" in r["hooks"] and "impl='torch'" in r["hooks"]
         assert r["nadam"].startswith("impl='triton' cannot be honoured: NAdam has no fused kernel")
+
+
+def test_fused_local_step_edges(ranks):
+    e0, e1 = ranks[0]["edges"], ranks[1]["edges"]
+    assert e1["no_piece_pieces"] == 0 and e0["no_piece_pieces"] == 1  # rank 1 holds nothing and still steps
+    assert torch.equal(e0["no_piece_weight"], e1["no_piece_weight"])
+    assert e0["no_piece_moved"] and e1["no_piece_moved"]  # rank 0 updated it, the all-gather reached rank 1
+    assert e1["pieces_held"] == ["y"] and e0["pieces_held"] == ["x", "y"]
+    # y: no grad at step 0, two updates after; x: three. Both ranks agree on the params.
+    assert e0["steps"] == {"x": 3.0, "y": 2.0} and e1["steps"] == {"y": 2.0}
+    for name in ("x", "y"):
+        assert torch.equal(e0["xy"][name], e1["xy"][name])
+    assert e0["sched_warnings"] == [] and e1["sched_warnings"] == []
+    for e in (e0, e1):
+        assert "maximize=True, which the fused local step does not implement" in e["maximize"]

@@ -143,6 +143,16 @@ class FusedLocalStep:
         from ..kernels.update import adagrad_update, adam_update, sgd_update
 
         groups = self.optimizer.param_groups
+        for i, group in enumerate(groups):
+            for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+                if group.get(flag, False):
+                    raise ValueError(
+                        f"param group {i} has {flag}=True, which the fused local step does not implement; build "
+                        "the sharded optimizer with impl='torch'"
+                    )
+        # torch's LR schedulers check this flag (set by their wrapper of the inner step(), which does not run
+        # here) to warn about a scheduler stepped before its optimizer
+        self.optimizer._opt_called = True
         counts, flags = [], []
         for k in range(len(self.params)):
             group = groups[self.group_of[k]]
@@ -162,6 +172,8 @@ class FusedLocalStep:
                 counts.append(float(state["step"]))
                 state["step"] += 1  # as torch advances it: a 0-d fp32 CPU tensor
             flags.append(1.0)
+        if not any(flags):  # no piece here got a grad (or this rank holds none): nothing to update
+            return
         host = torch.tensor([counts, flags], dtype=torch.float32)
         rows = torch.tensor([[float(v) for v in self.hp_row(g)] for g in groups], dtype=torch.float64)
         dev = host.to(self.device, non_blocking=True)
