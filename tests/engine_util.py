@@ -50,10 +50,11 @@ def batch(step: int, micro: int) -> torch.Tensor:
 def train(engine, steps: int, *, inject_inf_at: tuple[int, ...] = ()) -> list[float]:
     """``steps`` optimizer steps; data depends on global_step only, so a resumed run sees the same batches."""
     losses = []
+    device = next(engine.module.parameters()).device
     for _ in range(steps):
         step = engine.global_step
         for micro in range(engine.gradient_accumulation_steps):
-            idx = batch(step, micro)
+            idx = batch(step, micro).to(device)
             logits = engine(idx[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 37), idx[:, 1:].reshape(-1))
             loss = loss + 1e-3 * torch.randn(()).item() * 0  # consumes the torch RNG: resume must restore it

@@ -260,12 +260,22 @@ class _OwnLoss(HalfprecTrainer):
         return (out["loss"], out) if return_outputs else out["loss"]
 
 
-def test_compute_loss_override_is_still_loss_scaled(tmp_path):
+class _OwnStep(HalfprecTrainer):
+    """A training_step override that calls accelerator.backward itself, scaling as the error message says."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = model(**inputs)["loss"] / self.args.gradient_accumulation_steps
+        self.accelerator.backward(self.halfprec_scale_loss(loss))
+        return loss.detach()
+
+
+@pytest.mark.parametrize("trainer_cls", [_OwnLoss, _OwnStep], ids=["compute_loss", "training_step"])
+def test_overrides_are_still_loss_scaled(tmp_path, trainer_cls):
     dtype, batches = DTYPES["fp16"], make_batches(6)
     ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2)
     model = RegressionModel()
     mp = make_optimizer(model.net, dtype)
-    trainer = _OwnLoss(
+    trainer = trainer_cls(
         model=model,
         args=_args(tmp_path, 3),
         train_dataset=_dataset(batches),
@@ -273,6 +283,7 @@ def test_compute_loss_override_is_still_loss_scaled(tmp_path):
     )
     trainer.train()
     assert _logged(trainer, "grad_norm") == ref.grad_norms
+    assert mp.skipped_steps == ref_mp.skipped_steps
     assert_same_weights(model.net, mp, ref_model, ref_mp)
 
 
@@ -298,28 +309,3 @@ def test_unscaled_backward_before_a_step_is_an_error(tmp_path):
     ):
         trainer.train()
     assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
-
-
-class _OwnStep(HalfprecTrainer):
-    """A training_step override that calls accelerator.backward itself, scaling as the error message says."""
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = model(**inputs)["loss"] / self.args.gradient_accumulation_steps
-        self.accelerator.backward(self.halfprec_scale_loss(loss))
-        return loss.detach()
-
-
-def test_training_step_override_that_scales_its_loss_matches_the_plain_loop(tmp_path):
-    dtype, batches = DTYPES["fp16"], make_batches(6)
-    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2)
-    model = RegressionModel()
-    mp = make_optimizer(model.net, dtype)
-    trainer = _OwnStep(
-        model=model,
-        args=_args(tmp_path, 3),
-        train_dataset=_dataset(batches),
-        optimizers=(mp, make_scheduler(mp)),
-    )
-    trainer.train()
-    assert mp.skipped_steps == ref_mp.skipped_steps
-    assert_same_weights(model.net, mp, ref_model, ref_mp)

@@ -196,36 +196,22 @@ def _engine(seed: int, impl: str = "auto"):
     )  # fmt: skip
 
 
-def _train(engine, steps: int, inf_at=()) -> list[float]:
-    from tests.engine_util import batch
-
-    losses = []
-    for _ in range(steps):
-        step = engine.global_step
-        for micro in range(2):
-            idx = batch(step, micro).cuda()
-            logits = engine(idx[:, :-1]).float().reshape(-1, 37)
-            loss = torch.nn.functional.cross_entropy(logits, idx[:, 1:].reshape(-1))
-            engine.backward(loss)
-            losses.append(loss.item())
-        if step in inf_at:
-            engine.module.mix.weight.grad.view(-1)[0] = float("inf")
-        engine.step()
-    return losses
-
-
 def test_engine_on_cuda_takes_the_fused_path_and_resumes_bit_exactly(tmp_path):
+    from tests.engine_util import train
+
     engine, ref = _engine(0), _engine(0, impl="torch")
     assert isinstance(engine.optimizer, FusedAdamW)  # impl="auto" on CUDA
-    torch.testing.assert_close(_train(engine, 4, (1,)), _train(ref, 4, (1,)), rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(
+        train(engine, 4, inject_inf_at=(1,)), train(ref, 4, inject_inf_at=(1,)), rtol=1e-3, atol=1e-4
+    )
     assert engine.skipped_steps == ref.skipped_steps == 1 and engine.last_record.skipped is False
     assert engine.lr_scheduler.last_epoch == 3
     assert [g["lr"] for g in engine.optimizer.param_groups] == [g["lr"] for g in ref.optimizer.param_groups]
     engine.save_checkpoint(tmp_path)
-    _train(engine, 2)
+    train(engine, 2)
     resumed = _engine(123)
     resumed.load_checkpoint(tmp_path)
-    _train(resumed, 2)
+    train(resumed, 2)
     a, b = engine.optimizer.state_dict(), resumed.optimizer.state_dict()
     for k, v in a["masters"].items():
         assert torch.equal(v, b["masters"][k]), k
