@@ -10,9 +10,9 @@ Layout of ``<dir>/<tag>/``::
 A save writes everything into a hidden temporary sibling, fsyncs the files and the directory, renames it to
 ``<tag>`` and only then replaces ``<dir>/latest`` (itself written to a temporary file and renamed). A process
 killed at any point leaves the previous checkpoint and pointer intact. ``<dir>/.published`` logs every tag
-``latest`` has named: a tag is immutable once published, and ``keep_last`` keeps the most recently published. ``*.pt`` files are read with
-``torch.load(weights_only=True)``; the manifest's digests catch truncated or flipped bytes, which neither
-``torch.load`` nor safetensors notices.
+``latest`` has named: a tag is immutable once published, and ``keep_last`` keeps the most recently published.
+``*.pt`` files are read with ``torch.load(weights_only=True)``; the manifest's digests catch truncated or flipped
+bytes, which neither ``torch.load`` nor safetensors notices.
 """
 
 from __future__ import annotations

@@ -13,7 +13,14 @@ import torch
 from .masters import LOW_PRECISION
 from .scaler import LossScaler
 
-__all__ = ["check_options", "check_saved_groups", "check_unfrozen", "clear_grads", "min_scale_message"]
+__all__ = [
+    "check_options",
+    "check_saved_groups",
+    "check_unfrozen",
+    "clear_grads",
+    "min_scale_message",
+    "tell_schedulers",
+]
 
 
 def check_options(
@@ -85,3 +92,10 @@ def clear_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
             else:
                 p.grad.detach_()
                 p.grad.zero_()
+
+
+def tell_schedulers(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer`` as stepped for torch's LR schedulers built on it: they warn "lr_scheduler.step()
+    before optimizer.step()" unless the flag their wrapper of its ``step()`` sets is there, and a fused step
+    replaces that ``step()`` without calling it."""
+    optimizer._opt_called = True

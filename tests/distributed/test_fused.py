@@ -106,4 +106,7 @@ def test_fused_local_step_edges(ranks):
         assert torch.equal(e0["xy"][name], e1["xy"][name])
     assert e0["sched_warnings"] == [] and e1["sched_warnings"] == []
     for e in (e0, e1):
-        assert "maximize=True, which the fused local step does not implement" in e["maximize"]
+        assert (
+            "fused local step cannot run: param group 0 has maximize=True, which the fused kernels do not"
+            in e["maximize"]
+        )

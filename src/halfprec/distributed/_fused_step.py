@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..options import tell_schedulers
 from ._layout import Layout
 
 __all__ = ["FusedLocalStep"]
@@ -63,8 +64,8 @@ class FusedLocalStep:
         self.hp_row = cls._hp_row
         self.master = flat_master
         self.device = flat_master.device
-        self.sgd = isinstance(optimizer, torch.optim.SGD)
-        self.counts_steps = not self.sgd  # torch SGD keeps no step counter
+        self.sgd = isinstance(optimizer, torch.optim.SGD)  # no step counter; a buffer only with momentum
+        self.state_names = ("momentum_buffer",) if self.sgd else cls._STATE_NAMES
         # the pieces in local order; k indexes every per-piece device array
         self.pieces = sorted(layout.pieces, key=lambda pc: pc.local)
         self.params = [piece_params[pc.param] for pc in self.pieces]
@@ -94,9 +95,7 @@ class FusedLocalStep:
 
     # --- state ---------------------------------------------------------------------------------------------
     def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
-        if self.sgd:
-            return ("momentum_buffer",) if float(group["momentum"]) != 0 else ()
-        return ("sum",) if self.kind == 2 else ("exp_avg", "exp_avg_sq")
+        return () if self.sgd and float(group["momentum"]) == 0 else self.state_names
 
     def _view(self, name: str, k: int) -> torch.Tensor:
         if name not in self.buffers:
@@ -126,7 +125,7 @@ class FusedLocalStep:
     def _begin(self, k: int, group: dict[str, Any]) -> dict[str, Any]:
         """State of a piece's first update, as torch creates it (zeros; Adagrad: its initial value)."""
         state = self.optimizer.state[self.params[k]]
-        if self.counts_steps:
+        if not self.sgd:
             state["step"] = torch.tensor(0.0)
         for name in self._state_names(group):
             view = self._view(name, k)
@@ -141,18 +140,13 @@ class FusedLocalStep:
         ``coef``: the clip coefficient as a device scalar, or None."""
         from ..kernels.norm import finalize
         from ..kernels.update import adagrad_update, adam_update, sgd_update
+        from ..optim.bridge import unsupported_flag
 
         groups = self.optimizer.param_groups
-        for i, group in enumerate(groups):
-            for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
-                if group.get(flag, False):
-                    raise ValueError(
-                        f"param group {i} has {flag}=True, which the fused local step does not implement; build "
-                        "the sharded optimizer with impl='torch'"
-                    )
-        # torch's LR schedulers check this flag (set by their wrapper of the inner step(), which does not run
-        # here) to warn about a scheduler stepped before its optimizer
-        self.optimizer._opt_called = True
+        reason = unsupported_flag(groups)  # a flag may be turned on after construction
+        if reason is not None:
+            raise ValueError(f"the fused local step cannot run: {reason} when building the sharded optimizer")
+        tell_schedulers(self.optimizer)
         counts, flags = [], []
         for k in range(len(self.params)):
             group = groups[self.group_of[k]]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..options import check_options, check_unfrozen
+from ..options import check_options, check_unfrozen, tell_schedulers
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from ._buffers import Chunk
 from ._checkpoint import FORMAT, CheckpointMixin
@@ -353,11 +353,9 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._replaced = weakref.ref(optimizer)
 
     def _tell_schedulers(self) -> None:
-        # torch's LR schedulers warn "lr_scheduler.step() before optimizer.step()" unless the flag that their
-        # wrapper of optimizer.step() sets is there; the replaced torch optimizer's step() never runs
         replaced = self._replaced() if self._replaced is not None else None
         if replaced is not None:
-            replaced._opt_called = True
+            tell_schedulers(replaced)
 
     # --- results (reading one syncs) --------------------------------------------------------------------
     @property

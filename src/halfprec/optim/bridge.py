@@ -15,7 +15,25 @@ import os
 
 import torch
 
-__all__ = ["select_impl", "fused_from_torch", "fused_unsupported_reason", "mixed_precision_optimizer"]
+__all__ = [
+    "select_impl",
+    "fused_from_torch",
+    "fused_unsupported_reason",
+    "mixed_precision_optimizer",
+    "unsupported_flag",
+]
+
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+def unsupported_flag(groups: list[dict]) -> str | None:
+    """The first group flag the fused kernels lack (``amsgrad``, ``maximize``, ...), as a reason, or None."""
+    for i, group in enumerate(groups):
+        for flag in _UNSUPPORTED_FLAGS:
+            if group.get(flag, False):
+                return f"param group {i} has {flag}=True, which the fused kernels do not implement; use impl='torch'"
+    return None
+
 
 _IMPLS = ("auto", "torch", "triton")
 
@@ -44,9 +62,9 @@ def fused_unsupported_reason(optimizer: torch.optim.Optimizer, *, explicit: bool
         for flag in ("foreach", "fused"):
             if group.get(flag) is not None and not explicit:
                 return f"param group {i} sets {flag}={group[flag]!r} explicitly, which selects a torch kernel"
-        for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
-            if group.get(flag, False):
-                return f"param group {i} has {flag}=True, which the fused kernels do not implement; use impl='torch'"
+    flag = unsupported_flag(optimizer.param_groups)
+    if flag is not None:
+        return flag
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     off_cuda = sorted({str(p.device) for p in params if p.device.type != "cuda"})
     interpreted = explicit and os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests of the kernels
