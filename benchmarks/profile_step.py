@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from halfprec.optim.bench import WORKLOADS, _fused_opt, _params
+from halfprec.cli.bench_step import WORKLOADS, _fused_opt, _params
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 from .config import Config
 from .deepspeed_config import DeepSpeedConfigWarning
 from .engine import Engine, StepRecord, initialize
-from .optimizer import MixedPrecisionOptimizer
+from .optim.base import MixedPrecisionOptimizer
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
 __all__ = [

@@ -18,7 +18,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import Config, check_fields
-from .optimizer import MixedPrecisionOptimizer
+from .optim.base import MixedPrecisionOptimizer
 from .resume import check_scaler_kind, keep_scaler_settings
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
@@ -233,7 +233,7 @@ class Engine:
     # --- checkpoints -----------------------------------------------------------------------------------
     def _param_names(self) -> list[str | None]:
         names = {p: n for n, p in self.module.named_parameters()}  # first name of a tied param
-        return [names.get(p) for p in self.optimizer._model_params]
+        return [names.get(p) for p in self.optimizer.model_params()]
 
     def save_checkpoint(
         self,

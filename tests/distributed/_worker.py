@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import halfprec
-from halfprec.distributed.sharded import ShardedMixedPrecisionOptimizer
+from halfprec.distributed import ShardedMixedPrecisionOptimizer
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))

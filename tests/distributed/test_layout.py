@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from halfprec.distributed._layout import PAD, Layout
+from halfprec.optim.sharded.layout import PAD, Layout
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])

@@ -12,7 +12,7 @@ from ..optim.helpers import DEVICE
 def test_param_store_rounds_to_nearest_even(dtype):
     from halfprec.kernels.settings import settings
     from halfprec.kernels.update import adam_update
-    from halfprec.optim._buffers import build_table
+    from halfprec.optim.fused.buffers import build_table
 
     n = 4112  # a multiple of 16, as chunks are padded
     g = torch.Generator().manual_seed(0)

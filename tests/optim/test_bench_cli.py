@@ -22,7 +22,7 @@ def test_arguments_and_no_cuda_exit_code(capsys):
 
 
 def test_format_table():
-    from halfprec.optim.bench import format_table
+    from halfprec.cli.bench_step import format_table
 
     row = dict(
         impl="fused",

@@ -225,7 +225,7 @@ def test_engine_on_cuda_takes_the_fused_path_and_resumes_bit_exactly(tmp_path):
 
 
 def test_bench_measures_every_implementation():
-    from halfprec.optim.bench import run_bench
+    from halfprec.cli.bench_step import run_bench
 
     result = run_bench(
         workload="small", optimizers=("adamw", "sgd"), impls=("fused", "torch", "plain"), iters=2

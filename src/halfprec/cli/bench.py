@@ -1,5 +1,5 @@
 """``halfprec bench``: time one optimizer step (fused, generic torch path, plain torch pipeline) on the GPU,
-print a table and write JSON. The measurement lives in ``halfprec.optim.bench``; this module maps argparse to it."""
+print a table and write JSON. The measurement lives in ``halfprec.cli.bench_step``; this module maps argparse to it."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from ..optim.bench import format_table, run_bench
+    from .bench_step import format_table, run_bench
 
     result = run_bench(
         workload=args.workload,

@@ -19,7 +19,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "ShardedMixedPrecisionOptimizer":
-        from .sharded import ShardedMixedPrecisionOptimizer
+        from ..optim.sharded import ShardedMixedPrecisionOptimizer
 
         return ShardedMixedPrecisionOptimizer
     if name in ("save", "load"):

@@ -6,7 +6,7 @@ import torch
 
 from ..config import Config
 from ..scaler import LossScaler
-from .sharded import ShardedMixedPrecisionOptimizer
+from ..optim.sharded import ShardedMixedPrecisionOptimizer
 
 __all__ = ["sharded_engine_optimizer"]
 

@@ -34,10 +34,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from ..optimizer import MixedPrecisionOptimizer
+from ..optim.base import MixedPrecisionOptimizer
 from ._safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, read_metadata, refuse_bytes
-from ._validate import is_elementwise, named_trainable
-from .sharded import ShardedMixedPrecisionOptimizer
+from ..optim.sharded.checks import is_elementwise, named_trainable
+from ..optim.sharded import ShardedMixedPrecisionOptimizer
 
 __all__ = ["save", "load", "FORMAT_VERSION"]
 

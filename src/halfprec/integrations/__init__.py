@@ -9,11 +9,3 @@ Each adapter lives in its own module and imports its tool only when that module 
 """
 
 __all__: list[str] = []
-
-
-def _halfprec_optimizer_types() -> tuple[type, ...]:
-    """The optimizers that own masters and a loss scale: the wrapper and the fused family (no Triton import)."""
-    from ..optim._base import FusedOptimizer
-    from ..optimizer import MixedPrecisionOptimizer
-
-    return (MixedPrecisionOptimizer, FusedOptimizer)

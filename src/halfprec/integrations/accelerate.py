@@ -32,8 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..optimizer import MixedPrecisionOptimizer
-from . import _halfprec_optimizer_types
+from ..optim.base import MixedPrecisionOptimizer
 
 __all__ = ["attach", "check_accelerator", "prepare"]
 
@@ -97,7 +96,7 @@ def attach(accelerator: Any) -> None:
     check_accelerator(accelerator)
     for prepared in accelerator._optimizers:
         inner = getattr(prepared, "optimizer", None)
-        if isinstance(inner, _halfprec_optimizer_types()):
+        if isinstance(inner, MixedPrecisionOptimizer):
             _link(prepared, inner)
 
 

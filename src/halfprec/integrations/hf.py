@@ -37,9 +37,8 @@ from typing import Any
 
 import torch
 
-from ..optimizer import MixedPrecisionOptimizer
+from ..optim.base import MixedPrecisionOptimizer
 from ..scaler import LossScaler
-from . import _halfprec_optimizer_types
 from . import accelerate as _hp_accelerate
 
 __all__ = ["HalfprecCallback", "HalfprecTrainer", "HalfprecTrainerMixin", "check_training_args"]
@@ -108,7 +107,7 @@ def check_training_args(args: Any) -> None:
 
 def _unwrap(optimizer: Any) -> MixedPrecisionOptimizer | None:
     """The halfprec optimizer inside an AcceleratedOptimizer (or itself), or None."""
-    while optimizer is not None and not isinstance(optimizer, _halfprec_optimizer_types()):
+    while optimizer is not None and not isinstance(optimizer, MixedPrecisionOptimizer):
         optimizer = getattr(optimizer, "optimizer", None)
     return optimizer
 

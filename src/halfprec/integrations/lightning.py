@@ -45,9 +45,8 @@ from typing import Any
 
 import torch
 
-from ..optimizer import MixedPrecisionOptimizer
+from ..optim.base import MixedPrecisionOptimizer
 from ..scaler import LossScaler
-from . import _halfprec_optimizer_types
 
 try:
     from lightning.fabric.plugins import Precision as _FabricPrecision
@@ -116,7 +115,7 @@ class _Common:
         self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
     ) -> MixedPrecisionOptimizer:
         optimizer = _unwrap(optimizer)
-        if isinstance(optimizer, _halfprec_optimizer_types()):
+        if isinstance(optimizer, MixedPrecisionOptimizer):
             mp = optimizer  # already owns masters and a loss scale (MixedPrecisionOptimizer, FusedAdamW, ...)
             self._warn_rounded_masters(mp)
         else:
@@ -143,9 +142,7 @@ class _Common:
         return mp
 
     def _warn_rounded_masters(self, mp: Any) -> None:
-        held = getattr(mp, "_model_params", None)
-        if held is None:  # the fused optimizers hold the model params in their groups
-            held = [p for g in mp.param_groups for p in g["params"]]
+        held = mp.model_params() if isinstance(mp, MixedPrecisionOptimizer) else []
         if any(p in self._fp32 for p in held):
             warnings.warn(
                 f"the {type(mp).__name__} was built over params that the halfprec plugin had already cast to "
@@ -162,7 +159,7 @@ class _Common:
     def _mp(self, optimizer: Any = None) -> MixedPrecisionOptimizer:
         if optimizer is not None:
             mp = _unwrap(optimizer)
-            if not isinstance(mp, _halfprec_optimizer_types()):
+            if not isinstance(mp, MixedPrecisionOptimizer):
                 raise RuntimeError(
                     f"the halfprec plugin got a {type(mp).__name__}; it steps halfprec MixedPrecisionOptimizers "
                     "only (in Fabric, set up the optimizers with halfprec.integrations.lightning.setup_fabric)"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from halfprec.optim import FusedAdagrad, FusedAdamW, FusedSGD
-from halfprec.optim.bridge import fused_from_torch, select_impl
+from halfprec.optim.select import fused_from_torch, select_impl
 
 from .helpers import DEVICE
 
@@ -92,22 +92,22 @@ def test_fused_from_torch_copies_groups(factory, cls):
 
 
 def test_importing_halfprec_optim_does_not_import_triton():
-    code = "import sys, halfprec, halfprec.optim, halfprec.optim.bridge; print('triton' in sys.modules)"
+    code = "import sys, halfprec, halfprec.optim, halfprec.optim.select; print('triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_mixed_precision_optimizer_factory_takes_the_torch_path_off_cuda():
     import halfprec
-    from halfprec.optim.bridge import mixed_precision_optimizer
 
-    opt = mixed_precision_optimizer(torch.optim.AdamW(_p()), impl="auto", max_grad_norm=1.0)
+    opt = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(_p()), impl="auto", max_grad_norm=1.0)
     assert isinstance(opt, halfprec.MixedPrecisionOptimizer) and opt.max_grad_norm == 1.0
 
 
 @pytest.mark.gpu
 def test_mixed_precision_optimizer_factory_takes_the_fused_path_on_cuda():
-    from halfprec.optim.bridge import mixed_precision_optimizer
+    import halfprec
 
-    opt = mixed_precision_optimizer(torch.optim.AdamW(_p("cuda"), lr=0.5), impl="auto", max_grad_norm=1.0)
+    opt = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(_p("cuda"), lr=0.5), impl="auto", max_grad_norm=1.0)
     assert isinstance(opt, FusedAdamW) and opt.param_groups[0]["lr"] == 0.5
+    assert isinstance(opt, halfprec.MixedPrecisionOptimizer)  # every strategy is the public class

@@ -12,20 +12,16 @@ from typing import Any
 
 import torch
 
-from ..options import check_saved_groups
-
-__all__ = ["FORMAT", "CheckpointMixin"]
-
-FORMAT = "halfprec.MixedPrecisionOptimizer/1"
+__all__ = ["CheckpointMixin"]
 
 
 class CheckpointMixin:
     def state_dict(self) -> dict[str, Any]:
         self._reporter.drain(wait=True)
+        self._ensure_state()
         steps = self._steps.cpu().tolist()
         state: dict[int, dict[str, Any]] = {}
         masters: dict[int, torch.Tensor] = {}
-        entries = []
         groups = []
         k = 0
         for group in self.param_groups:
@@ -35,7 +31,6 @@ class CheckpointMixin:
             for p in group["params"]:
                 i = self._index.get(p)
                 is_master = i is not None and p.dtype != torch.float32
-                entries.append({"shape": list(p.shape), "dtype": str(p.dtype), "master": is_master})
                 if i is not None:
                     exported = self._export_state(i, steps[i])
                     if exported:
@@ -45,30 +40,27 @@ class CheckpointMixin:
                         masters[k] = chunk.master_views[local].clone()
                 k += 1
         return {
-            "format": FORMAT,
+            "format": self._FORMAT,
             "optimizer": {"state": state, "param_groups": groups},
             "masters": masters,
-            "params": entries,
+            "params": self._param_entries(),
             "scaler": self.loss_scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
         }
 
-    def check_state_dict(self, state_dict: Any) -> None:
-        """Raise ValueError unless ``state_dict`` is a halfprec optimizer state dict of this model (changes
-        nothing), as ``MixedPrecisionOptimizer.check_state_dict`` does."""
-        if not isinstance(state_dict, dict) or state_dict.get("format") != FORMAT:
-            found = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
-            raise ValueError(f"not a halfprec optimizer state dict (format {found!r})")
-        self._check_entries(state_dict["params"])
-        check_saved_groups(state_dict, self.param_groups, self.loss_scaler)
+    def _param_entries(self) -> list[dict[str, Any]]:
+        return [
+            {"shape": list(p.shape), "dtype": str(p.dtype), "master": p in self._index and p.dtype != torch.float32}
+            for p in self._all
+        ]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the generic path's checkpoint format, or a plain torch optimizer state dict (masters are then
         taken from the model's current weights)."""
         if not isinstance(state_dict, dict):
             raise ValueError(f"expected a state dict, got {type(state_dict).__name__}")
-        if state_dict.get("format") == FORMAT:
-            self._check_entries(state_dict["params"])
+        if state_dict.get("format") == self._FORMAT:
+            self._check_compatible(state_dict["params"])
             inner = state_dict["optimizer"]
         elif "state" in state_dict and "param_groups" in state_dict:
             inner, state_dict = state_dict, None
@@ -91,6 +83,7 @@ class CheckpointMixin:
         self._prepare_step()
         steps = [0.0] * len(self._trainable)
         with torch.no_grad():
+            self._ensure_state()
             for chunk in self._chunks:
                 for buf in chunk.state.values():
                     buf.zero_()
@@ -110,14 +103,3 @@ class CheckpointMixin:
                     chunk.write_params()
                 self.loss_scaler.load_state_dict(state_dict["scaler"])
                 self._scalars[3].fill_(float(state_dict["skipped_steps"]))
-
-    def _check_entries(self, saved: list[dict[str, Any]]) -> None:
-        if len(saved) != len(self._all):
-            raise ValueError(f"state dict holds {len(saved)} params, this optimizer {len(self._all)}")
-        for k, (entry, p) in enumerate(zip(saved, self._all, strict=True)):
-            if entry["shape"] != list(p.shape) or entry["dtype"] != str(p.dtype):
-                raise ValueError(
-                    f"state dict does not match this model at param {k}: saved shape "
-                    f"{entry['shape']} dtype {entry['dtype']}, this model shape {list(p.shape)} "
-                    f"dtype {p.dtype}"
-                )

@@ -38,7 +38,7 @@ class FusedLamb(FusedAdam):
     ) -> None:
         kwargs.setdefault("decoupled_weight_decay", False)
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
-        from ..kernels.lamb import trust_table
+        from ...kernels.lamb import trust_table
 
         self._trust_rows = [trust_table(c.update_table) for c in self._chunks]
         self._lamb_partials = [
@@ -51,7 +51,7 @@ class FusedLamb(FusedAdam):
         return [group["lr"], b1, b2, group["eps"], group["weight_decay"], 0.0, 0.0, 0.0]
 
     def _launch_update(self, chunk) -> None:
-        from ..kernels.lamb import lamb_update
+        from ...kernels.lamb import lamb_update
 
         k = self._chunks.index(chunk)
         param = chunk.master if chunk.param is None else chunk.param

@@ -1,4 +1,5 @@
-"""How ``MixedPrecisionOptimizer`` / the engine choose between the exact torch path and the fused Triton path.
+"""The ``impl=`` policy: how ``MixedPrecisionOptimizer(optimizer, impl=...)``, the engine and the sharded optimizer
+choose between the exact torch path and the fused Triton path.
 
 Policy of ``impl="auto"`` (written here once): the fused path runs when the wrapped optimizer is exactly torch
 ``Adam``, ``AdamW``, ``SGD`` or ``Adagrad``, every trainable param is on CUDA, Triton imports, and the inner
@@ -18,8 +19,8 @@ import torch
 __all__ = [
     "select_impl",
     "fused_from_torch",
+    "fused_class",
     "fused_unsupported_reason",
-    "mixed_precision_optimizer",
     "unsupported_flag",
 ]
 
@@ -38,10 +39,9 @@ def unsupported_flag(groups: list[dict]) -> str | None:
 _IMPLS = ("auto", "torch", "triton")
 
 
-def _fused_class(optimizer: torch.optim.Optimizer):
-    from .adagrad import FusedAdagrad
-    from .adam import FusedAdam, FusedAdamW
-    from .sgd import FusedSGD
+def fused_class(optimizer: torch.optim.Optimizer):
+    """The fused optimizer class for a torch optimizer's type, or None."""
+    from .fused import FusedAdagrad, FusedAdam, FusedAdamW, FusedSGD
 
     return {
         torch.optim.AdamW: FusedAdamW,
@@ -53,7 +53,7 @@ def _fused_class(optimizer: torch.optim.Optimizer):
 
 def fused_unsupported_reason(optimizer: torch.optim.Optimizer, *, explicit: bool) -> str | None:
     """Why the fused path cannot take ``optimizer`` (None when it can). ``explicit``: impl='triton' was asked."""
-    if _fused_class(optimizer) is None:
+    if fused_class(optimizer) is None:
         return (
             f"{type(optimizer).__name__} has no fused kernel (torch Adam, AdamW, SGD and Adagrad do); use "
             "impl='torch'"
@@ -119,7 +119,7 @@ def fused_from_torch(
     built on the torch optimizer before wrapping drives the kernel) and its state (moved, so it is held once);
     the torch optimizer is never stepped, and its params become views of the fused optimizer's flat buffers.
     """
-    cls = _fused_class(optimizer)
+    cls = fused_class(optimizer)
     if cls is None:
         raise ValueError(
             f"{type(optimizer).__name__} has no fused kernel (torch Adam, AdamW, SGD and Adagrad do)"
@@ -143,29 +143,5 @@ def fused_from_torch(
     if saved_state is not None:
         fused.load_state_dict(saved_state)
         optimizer.state.clear()
-    fused._adopt_scheduler_target(optimizer)
+    fused.adopt_scheduler_target(optimizer)
     return fused
-
-
-def mixed_precision_optimizer(
-    optimizer: torch.optim.Optimizer,
-    *,
-    impl: str = "auto",
-    loss_scaler=None,
-    max_grad_norm: float | None = None,
-    skip_nonfinite: bool = True,
-    param_dtype: torch.dtype | None = None,
-):
-    """``MixedPrecisionOptimizer(optimizer, ...)`` on the torch path, or the equivalent fused optimizer, as
-    ``select_impl(optimizer, impl)`` decides. Both have the same step/zero_grad/backward/state_dict surface."""
-    kwargs = dict(
-        loss_scaler=loss_scaler,
-        max_grad_norm=max_grad_norm,
-        skip_nonfinite=skip_nonfinite,
-        param_dtype=param_dtype,
-    )
-    if select_impl(optimizer, impl) == "triton":
-        return fused_from_torch(optimizer, **kwargs)
-    from ..optimizer import MixedPrecisionOptimizer
-
-    return MixedPrecisionOptimizer(optimizer, **kwargs)

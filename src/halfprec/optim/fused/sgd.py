@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._base import FusedOptimizer
+from .base import FusedOptimizer
 from .adam import _check_number
 
 __all__ = ["FusedSGD"]
@@ -121,7 +121,7 @@ class FusedSGD(FusedOptimizer):
         ]
 
     def _launch_update(self, chunk) -> None:
-        from ..kernels.update import sgd_update
+        from ...kernels.update import sgd_update
 
         param = chunk.master if chunk.param is None else chunk.param
         sgd_update(

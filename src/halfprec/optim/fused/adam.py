@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._base import FusedOptimizer
+from .base import FusedOptimizer
 
 __all__ = ["FusedAdam", "FusedAdamW"]
 
@@ -36,7 +36,7 @@ class FusedAdam(FusedOptimizer):
     """Adam (L2 weight decay unless ``decoupled_weight_decay=True``) with built-in FP32 masters.
 
     Takes the model's fp16/bf16 params directly (fp32 params are their own masters). See
-    ``halfprec.optim._base`` for the step, the grad marking and the loss-scaling arguments.
+    ``halfprec.optim.fused.base`` for the step, the grad marking and the loss-scaling arguments.
     """
 
     _KIND = 0
@@ -103,7 +103,7 @@ class FusedAdam(FusedOptimizer):
         return [group["lr"], b1, b2, group["eps"], group["weight_decay"], dec, 0.0, 0.0]
 
     def _launch_update(self, chunk) -> None:
-        from ..kernels.update import adam_update
+        from ...kernels.update import adam_update
 
         param = chunk.master if chunk.param is None else chunk.param
         adam_update(

@@ -9,27 +9,25 @@ nothing and creates no event (a skipped step is mostly host time).
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections import deque
 
 import torch
 
-__all__ = ["SkipReporter"]
+from ..results import SkipLog
 
-logger = logging.getLogger("halfprec")
+__all__ = ["SkipReporter"]
 
 _MAX_PENDING = 64
 _WIDTH = 6
 
 
 class SkipReporter:
-    def __init__(self, *, dynamic: bool, min_scale: float) -> None:
+    def __init__(self, log: SkipLog, *, dynamic: bool, min_scale: float) -> None:
+        self._log = log
         self._pending: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
         self._free: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._dynamic = dynamic
         self._min_scale = min_scale
-        self._warned_min_scale = False
 
     def record(self, scalars: torch.Tensor) -> None:
         """Stage ``scalars[:6]`` (see the module docstring) for a later report."""
@@ -66,18 +64,9 @@ class SkipReporter:
         found, _norm, _coef, skipped, before, after = buf.tolist()
         if not found:
             return
-        logger.warning(
-            "halfprec: step skipped, non-finite gradients or gradient norm (loss scale %g -> %g, %d skipped so far)",
-            before,
-            after,
-            int(skipped),
+        self._log.report(
+            before=before,
+            after=after,
+            skipped_so_far=int(skipped),
+            at_min_scale=self._dynamic and before <= self._min_scale,
         )
-        if self._dynamic and before <= self._min_scale and not self._warned_min_scale:
-            self._warned_min_scale = True
-            warnings.warn(
-                f"halfprec: gradients overflowed at the minimum loss scale {before:g}; the scale cannot go "
-                "lower, so every such step is skipped. Lower min_scale, lower the learning rate, or train in "
-                "bf16.",
-                RuntimeWarning,
-                stacklevel=4,
-            )

@@ -4,8 +4,10 @@ A chunk holds, for its params in group order, at offsets padded to ``ALIGN`` ele
 
 * ``param``: the 16-bit weights (the params' ``.data`` become views of it), or None for fp32 params, whose
   ``.data`` become views of ``master`` (they are their own masters);
-* ``grad``: a buffer of the params' dtype that their ``.grad`` are views of, so backward accumulates into it;
-* ``master``: fp32 masters; ``state[name]``: fp32 optimizer state (``exp_avg``, ``sum``, ...);
+* ``grad``: a buffer of the params' dtype that their ``.grad`` are views of, so backward accumulates into it
+  (made by ``make_grad`` at the first grad, not at construction);
+* ``master``: fp32 masters; ``state[name]``: fp32 optimizer state (``exp_avg``, ``sum``, ...), added by
+  ``add_state`` at the first update (construction allocates only ``master`` and ``param``);
 * ``norm_table`` / ``update_table``: int64 [programs, 3] rows (start, end, global param index) that split every
   param into kernel blocks without crossing a param boundary, so each program reads one param's scalars.
 Rows end at the param's end rounded up to ``ALIGN``: the padding is zero in every buffer and an update keeps it
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..masters import ALIGN
+from ..layout import ALIGN
 
 __all__ = ["Chunk", "build_table"]
 
@@ -46,7 +48,6 @@ class Chunk:
         params: Sequence[torch.nn.Parameter],
         indices: Sequence[int],
         originals: dict[torch.Tensor, torch.Tensor],
-        state_names: Sequence[str],
         *,
         norm_block: int,
         update_block: int,
@@ -65,10 +66,10 @@ class Chunk:
         dev = self.device
         self.master = torch.zeros(total, dtype=torch.float32, device=dev)
         self.param = None if self.dtype == torch.float32 else torch.zeros(total, dtype=self.dtype, device=dev)
-        self.grad = torch.zeros(total, dtype=self.dtype, device=dev)
-        self.state = {name: torch.zeros(total, dtype=torch.float32, device=dev) for name in state_names}
+        self.grad: torch.Tensor | None = None
+        self.grad_views: list[torch.Tensor] = []
+        self.state: dict[str, torch.Tensor] = {}
         self.master_views = self._views(self.master)
-        self.grad_views = self._views(self.grad)
         with torch.no_grad():
             for p, m in zip(self.params, self.master_views, strict=True):
                 m.copy_(originals.get(p, p.data))
@@ -84,6 +85,10 @@ class Chunk:
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets, strict=True)]
+
+    def make_grad(self) -> None:
+        self.grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.grad_views = self._views(self.grad)
 
     def state_views(self, name: str) -> list[torch.Tensor]:
         return self._views(self.state[name])

@@ -1,5 +1,6 @@
-"""Checks of the options every halfprec optimizer takes (the generic, fused and sharded ones alike), and the
-pieces of the torch.optim contract they share (a saved state dict's groups, zero_grad's grad clearing)."""
+"""Checks every halfprec optimizer makes (the exact, fused and sharded strategies alike): its options, the torch
+optimizer it is given, unfrozen params, a saved state dict's groups; and the pieces of the torch.optim contract
+they share (zero_grad's grad clearing, telling LR schedulers that a step ran)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,22 @@ from typing import Any
 
 import torch
 
-from .masters import LOW_PRECISION
-from .scaler import LossScaler
+from ..scaler import LossScaler
+from .layout import LOW_PRECISION
 
 __all__ = [
     "check_options",
+    "check_params",
     "check_saved_groups",
+    "check_torch_optimizer",
     "check_unfrozen",
     "clear_grads",
-    "min_scale_message",
     "tell_schedulers",
 ]
 
 
 def check_options(
-    *, loss_scaler: Any, max_grad_norm: Any, param_dtype: torch.dtype | None, skip_nonfinite: Any = True
+    *, loss_scaler: Any = None, max_grad_norm: Any = None, param_dtype: torch.dtype | None = None, skip_nonfinite: Any = True
 ) -> None:
     """Raise ValueError naming the value and the fix for a bad ``loss_scaler``, ``max_grad_norm`` or ``param_dtype``."""
     if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
@@ -61,14 +63,6 @@ def check_unfrozen(frozen: Iterable[torch.Tensor]) -> None:
             )
 
 
-def min_scale_message(scale: float) -> str:
-    """The one warning given when gradients overflow at the dynamic scaler's minimum scale."""
-    return (
-        f"halfprec: gradients overflowed at the minimum loss scale {scale:g}; the scale cannot go lower, so every "
-        "such step is skipped. Lower min_scale, lower the learning rate, or train in bf16."
-    )
-
-
 def check_saved_groups(state_dict: dict, param_groups: list[dict], loss_scaler) -> None:
     """A halfprec optimizer state dict has this optimizer's group sizes and loss-scaler kind (ValueError)."""
     saved_groups = [len(g["params"]) for g in state_dict["optimizer"]["param_groups"]]
@@ -99,3 +93,43 @@ def tell_schedulers(optimizer: torch.optim.Optimizer) -> None:
     before optimizer.step()" unless the flag their wrapper of its ``step()`` sets is there, and a fused step
     replaces that ``step()`` without calling it."""
     optimizer._opt_called = True
+
+
+def check_params(params: list, known: set) -> None:
+    seen: set = set()
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"optimizer params must be tensors, got {type(p).__name__}")
+        if not (p.is_floating_point()):
+            raise ValueError(
+                f"param of shape {tuple(p.shape)} has dtype {p.dtype}; halfprec trains floating-point params "
+                "only: remove it from the optimizer or make it a buffer"
+            )
+        if p in seen or p in known:
+            raise ValueError(
+                f"param of shape {tuple(p.shape)} appears twice in the optimizer's groups; list each param "
+                "in exactly one group"
+            )
+        seen.add(p)
+
+
+def check_torch_optimizer(optimizer: Any, *, known: Iterable[torch.Tensor] = ()) -> None:
+    """Raise ValueError unless ``optimizer`` is a torch optimizer halfprec can wrap (not an already-wrapped one:
+    the caller checks that, knowing the halfprec base class)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}; build one over the model's "
+            "params, e.g. torch.optim.AdamW(model.parameters())"
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "LBFGS re-evaluates the closure inside step(), which a master-weight wrapper cannot unscale or "
+            "check; use it in fp32 without halfprec"
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable", False):
+            raise ValueError(
+                f"param group {i} has differentiable=True; halfprec's step runs under no_grad: build the "
+                "optimizer with differentiable=False"
+            )
+    check_params([p for g in optimizer.param_groups for p in g["params"]], known=set(known))

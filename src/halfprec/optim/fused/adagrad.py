@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ._base import FusedOptimizer
+from .base import FusedOptimizer
 from .adam import _check_number
 
 __all__ = ["FusedAdagrad"]
@@ -87,7 +87,7 @@ class FusedAdagrad(FusedOptimizer):
         return [group["lr"], group["lr_decay"], group["weight_decay"], group["eps"], 0.0, 0.0, 0.0, 0.0]
 
     def _launch_update(self, chunk) -> None:
-        from ..kernels.update import adagrad_update
+        from ...kernels.update import adagrad_update
 
         param = chunk.master if chunk.param is None else chunk.param
         adagrad_update(

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..masters import LOW_PRECISION
-from ..options import check_options
+from ..layout import LOW_PRECISION
+from ..checks import check_options
 
 __all__ = [
     "ELEMENTWISE",
@@ -53,7 +53,7 @@ ELEMENTWISE = tuple(
 
 
 def check_optimizer(optimizer: Any, loss_scaler: Any, max_grad_norm: Any, param_dtype: Any) -> None:
-    from ..optimizer import MixedPrecisionOptimizer
+    from ..base import MixedPrecisionOptimizer
 
     if isinstance(optimizer, MixedPrecisionOptimizer):
         raise ValueError(

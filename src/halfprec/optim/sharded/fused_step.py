@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ..options import tell_schedulers
-from ._layout import Layout
+from ..checks import tell_schedulers
+from .layout import Layout
 
 __all__ = ["FusedLocalStep"]
 
@@ -54,11 +54,11 @@ class FusedLocalStep:
         piece_params: dict[int, torch.nn.Parameter],
         flat_master: torch.Tensor,
     ) -> None:
-        from ..kernels.norm import HP_WIDTH, PSCAL_WIDTH
-        from ..kernels.settings import settings
-        from ..optim.bridge import _fused_class
+        from ...kernels.norm import HP_WIDTH, PSCAL_WIDTH
+        from ...kernels.settings import settings
+        from ..select import fused_class
 
-        cls = _fused_class(optimizer)
+        cls = fused_class(optimizer)
         self.optimizer = optimizer
         self.kind = cls._KIND
         self.hp_row = cls._hp_row
@@ -138,9 +138,9 @@ class FusedLocalStep:
     def step(self, grad_shard: torch.Tensor, used_anywhere: list[float], coef: torch.Tensor | None) -> None:
         """Update every piece whose param got a grad on some rank (``used_anywhere[layout index] > 0``);
         ``coef``: the clip coefficient as a device scalar, or None."""
-        from ..kernels.norm import finalize
-        from ..kernels.update import adagrad_update, adam_update, sgd_update
-        from ..optim.bridge import unsupported_flag
+        from ...kernels.norm import finalize
+        from ...kernels.update import adagrad_update, adam_update, sgd_update
+        from ..select import unsupported_flag
 
         groups = self.optimizer.param_groups
         reason = unsupported_flag(groups)  # a flag may be turned on after construction

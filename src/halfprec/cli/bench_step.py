@@ -92,7 +92,7 @@ def _torch_opt(name, params, *, fused=None):
 
 
 def _fused_opt(name, params):
-    from . import FusedAdagrad, FusedAdamW, FusedLamb, FusedSGD
+    from ..optim import FusedAdagrad, FusedAdamW, FusedLamb, FusedSGD
 
     kw = dict(
         loss_scaler=halfprec.DynamicLossScaler() if params[0].dtype == torch.float16 else None,

@@ -28,31 +28,28 @@ the rank-local state and loads only at the same world size and layout.
 from __future__ import annotations
 
 import contextlib
-import logging
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..options import check_unfrozen, clear_grads, min_scale_message
-from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
-from ..wrapper import WrappingOptimizer
-from ._grads import GradReducer
-from ._layout import Layout
-from ._local_state import load_local_state_dict, local_state_dict
-from ._validate import check_optimizer, named_trainable, shard_state
+from ...scaler import LossScaler
+from ..base import MixedPrecisionOptimizer
+from ..checks import check_unfrozen, clear_grads
+from ..state import restore_state_dtypes
+from .checks import check_optimizer, named_trainable, shard_state
+from .grads import GradReducer
+from .layout import Layout
 
 __all__ = ["ShardedMixedPrecisionOptimizer", "DEFAULT_BUCKET_SIZE"]
 
-logger = logging.getLogger("halfprec")
-
+_FORMAT = "halfprec.ShardedMixedPrecisionOptimizer/1"  # the rank-local state dict (same world size only)
 DEFAULT_BUCKET_SIZE = 2**23  # elements (16 MiB of 16-bit grads); Megatron uses 40M, DDP 25 MiB
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
+class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     """Shard ``optimizer``'s FP32 masters and state (stage 1) and gradients (stage 2) over the ranks of a group.
 
     Args:
@@ -68,7 +65,7 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         impl: the local step: ``"torch"`` runs the wrapped torch optimizer on this rank's pieces (exact);
             ``"triton"`` runs the fused update kernel over the flat local buffers (torch Adam, AdamW, SGD and
             Adagrad; ``_fused_step``; the fused path's tolerance); ``"auto"`` picks ``"triton"`` when
-            ``halfprec.optim.bridge.select_impl`` would (CUDA params, Triton, the inner ``foreach``/``fused``
+            ``halfprec.optim.select.select_impl`` would (CUDA params, Triton, the inner ``foreach``/``fused``
             left at their defaults). An explicit ``"triton"`` that cannot be honoured raises.
     """
 
@@ -88,7 +85,7 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         impl: str = "auto",
     ) -> None:
         check_optimizer(optimizer, loss_scaler, max_grad_norm, param_dtype)
-        from ..optim.bridge import select_impl
+        from ..select import select_impl
 
         self.impl = select_impl(optimizer, impl)
         if stage not in (1, 2) or isinstance(stage, bool):
@@ -101,19 +98,17 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
                 "torch.distributed.init_process_group() first (torchrun sets the environment)"
             )
         self.stage = stage
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.skip_nonfinite = bool(skip_nonfinite)
-        self.param_dtype = param_dtype
+        self._init_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype)
         self.reduce_dtype = reduce_dtype
         self.process_group = process_group
-        self._init_wrapper(optimizer)
+        self._init_wrapping(optimizer)
         # params of the groups left out for being frozen now: refused if unfrozen later, grads cleared
         self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
 
         names, params, group_of = named_trainable(optimizer, named_parameters)
         # layout order: reverse of the optimizer's order, the usual approximation of backward order
         self._names, self._params, self._group_of = names[::-1], params[::-1], group_of[::-1]
-        self._init_flat(param_dtype)
+        self._init_flat()
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.layout = Layout(
@@ -126,33 +121,23 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         self._build_pieces()
         self._fused = None
         if self.impl == "triton":
-            from ._fused_step import FusedLocalStep
+            from .fused_step import FusedLocalStep
 
             self._fused = FusedLocalStep(self.optimizer, self.layout, self._piece_params, self.flat_master)
 
-        self._has_fp16 = self.dtype == torch.float16
-        if loss_scaler is None:
-            loss_scaler = DynamicLossScaler() if self._has_fp16 else StaticLossScaler(1.0)
-        self.loss_scaler = loss_scaler.to(self.device)
+        self._init_scaler(loss_scaler, has_fp16=self.dtype == torch.float16, device=self.device)
         comm = torch.float32 if reduce_dtype == "fp32" else self.dtype
         self._reducer = GradReducer(
             self._params, self.layout, stage=stage, comm_dtype=comm, group=process_group
         )
-        self._unscaled = False
-        self._grad_norm: torch.Tensor | None = None
-        self._step_was_skipped = False
-        self._skipped_steps = 0
-        self._step_scale: float | None = None
         self._stepped = False  # a step() ran since zero_grad(); another needs a new backward first
-        self._warned_min_scale = False
 
     # --- construction --------------------------------------------------------------------------------
-    def _init_flat(self, param_dtype: torch.dtype | None) -> None:
-        self._originals: dict[int, torch.Tensor] = {}
-        for i, p in enumerate(self._params):
-            if param_dtype is not None and p.dtype == torch.float32:
-                self._originals[i] = p.data
-                p.data = p.data.to(param_dtype)
+    def _init_flat(self) -> None:
+        originals: dict[torch.Tensor, torch.Tensor] = {}
+        for p in self._params:
+            self._cast_to_param_dtype(p, originals)
+        self._originals = {i: originals[p] for i, p in enumerate(self._params) if p in originals}
         dtypes = {p.dtype for p in self._params}
         devices = {p.device for p in self._params}
         if len(dtypes) > 1 or len(devices) > 1:
@@ -204,29 +189,6 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
             "torch optimizer before wrapping it"
         )
 
-    # --- read-only results ---------------------------------------------------------------------------
-    @property
-    def step_was_skipped(self) -> bool:
-        return self._step_was_skipped
-
-    @property
-    def skipped_steps(self) -> int:
-        return self._skipped_steps
-
-    @property
-    def grad_norm(self) -> float | None:
-        """Global L2 norm of the unscaled, averaged grads of the last step, before clipping (syncs)."""
-        return None if self._grad_norm is None else float(self._grad_norm.item())
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
-
-    @property
-    def step_loss_scale(self) -> float | None:
-        """The loss scale the last step's gradients were scaled with (before the scaler's update)."""
-        return self._step_scale
-
     def master_params(self) -> list[torch.nn.Parameter]:
         """This rank's fp32 pieces (1-D), in inner param-group order."""
         return [p for g in self.param_groups for p in g["params"]]
@@ -243,26 +205,10 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         return self._reducer.no_sync()
 
     # --- the step ------------------------------------------------------------------------------------
-    def _scaling_is_off(self) -> bool:
-        return isinstance(self.loss_scaler, StaticLossScaler) and self.loss_scaler._init_scale == 1.0
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        if self._scaling_is_off():
-            return loss
-        return loss * self.loss_scaler.scale.to(loss.device)
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        if self._unscaled:
-            raise RuntimeError(
-                "backward() called after unscale_() and before step(): the new grads would be mixed with "
-                "unscaled ones. Call unscale_() after the last backward() of the step."
-            )
-        self.scale_loss(loss).backward(**kwargs)
-
     @torch.no_grad()
     def unscale_(self) -> None:
         """Finish the gradient reduction; the fp32 grad shard then holds the unscaled mean grad. Idempotent."""
-        if self._unscaled:
+        if self._s.unscaled:
             return
         check_unfrozen(self._frozen)
         if self._stepped and not self._reducer.fresh:
@@ -273,15 +219,15 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         shard = self._reducer.finish()
         if self.reduce_dtype == "fp32" and self.world_size > 1:
             shard.div_(self.world_size)
-        if not self._scaling_is_off():
+        if not self.loss_scaler.is_unit:
             shard.mul_(self.loss_scaler.inv_scale())
-        self._unscaled = True
+        self._s.unscaled = True
         self._reducer.frozen = True
 
     @torch.no_grad()
     def _step(self) -> None:
         self.unscale_()
-        self._unscaled = False
+        self._s.unscaled = False
         self._reducer.frozen = False
         shard = self._reducer.grad_shard
         local = torch.linalg.vector_norm(shard).double().square().reshape(1)
@@ -289,26 +235,19 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         stats = torch.cat([local, used])
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.process_group)
         norm = stats[0].sqrt().float()
-        self._grad_norm = norm
-        check = self._has_fp16 or self.skip_nonfinite
         found_inf = torch.zeros((), dtype=torch.float32, device=self.loss_scaler.device)
-        if check:
+        if self._checks_grads:
             found_inf = (~torch.isfinite(norm)).to(device=found_inf.device, dtype=torch.float32)
         head = self.loss_scaler.step_update(found_inf).double().to(self.device)
-        values = torch.cat([head, stats[1:]]).tolist()  # the one host sync
-        skipped, before, after = bool(values[0]), values[2], values[3]
-        self._step_scale = before
-        self._step_was_skipped = skipped
+        values = torch.cat([head, norm.double().reshape(1), stats[1:]]).tolist()  # the one host sync
+        self._record_step(values[:4], values[4], where=" on some rank", log=self.rank == 0)
         # the shard is unscaled (and clipped) in place: it cannot be applied again nor added to (stage 2)
         self._stepped = True
         self._reducer.fresh = False
         self._reducer.consumed = self.stage == 2
-        if skipped:
-            self._skipped_steps += 1
-            if self.rank == 0:
-                self._log_skip(before, after, bool(values[1]))
+        if self._s.step_was_skipped:
             return
-        used_anywhere = values[4:]
+        used_anywhere = values[5:]
         coef = None
         if self.max_grad_norm is not None:
             # the same arithmetic as torch.nn.utils.clip_grads_with_norm_
@@ -337,17 +276,6 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
                 "once per step) or pass impl='torch'"
             )
 
-    def _log_skip(self, before: float, after: float, was_at_min: bool) -> None:
-        logger.warning(
-            "halfprec: step skipped, non-finite gradients or gradient norm on some rank (loss scale %g -> %g, %d skipped so far)",
-            before,
-            after,
-            self._skipped_steps,
-        )
-        if was_at_min and self.loss_scaler.is_dynamic and not self._warned_min_scale:
-            self._warned_min_scale = True
-            warnings.warn(min_scale_message(before), RuntimeWarning, stacklevel=3)
-
     @torch.no_grad()
     def _publish(self) -> None:
         """Round this rank's masters into its shard of the flat params and all-gather every bucket."""
@@ -371,17 +299,57 @@ class ShardedMixedPrecisionOptimizer(WrappingOptimizer):
         for p in self._piece_params.values():
             p.grad = None
         clear_grads(self._frozen, set_to_none)
-        self._unscaled = False
+        self._s.unscaled = False
         self._stepped = False
 
     # --- rank-local checkpoint state (same world size only; see checkpoint.py for resharding) ----------
+    def _fingerprint(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "names": list(self._names),
+            "numels": list(self.layout.numels),
+            "bucket_numels": [b.numel for b in self.layout.buckets],
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: inner optimizer state over its pieces, its masters, scaler and counters."""
-        return local_state_dict(self)
+        self._run_hooks("_optimizer_state_dict_pre_hooks")
+        out = {
+            "format": _FORMAT,
+            "layout": self._fingerprint(),
+            "optimizer": self.optimizer.state_dict(),
+            "masters": self.flat_master.detach(),
+            "scaler": self.loss_scaler.state_dict(),
+            "skipped_steps": self._s.skipped_steps,
+        }
+        return self._run_hooks("_optimizer_state_dict_post_hooks", out)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict()`` of the same rank at the same world size and layout."""
-        load_local_state_dict(self, state_dict)
+        state_dict = self._run_hooks("_optimizer_load_state_dict_pre_hooks", state_dict)
+        if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
+            raise ValueError(
+                "not a ShardedMixedPrecisionOptimizer state dict; checkpoints in model space (any world size) "
+                "load with halfprec.distributed.checkpoint.load(...)"
+            )
+        if state_dict["layout"] != self._fingerprint():
+            saved = state_dict["layout"]
+            raise ValueError(
+                f"rank-local state dict saved at world size {saved['world_size']} rank {saved['rank']} does not "
+                f"match this layout (world size {self.world_size} rank {self.rank}); to change world size save "
+                "and load with halfprec.distributed.checkpoint"
+            )
+        inner = state_dict["optimizer"]
+        self.optimizer.load_state_dict(inner)
+        restore_state_dtypes(self.optimizer, inner["state"], self.master_params())
+        with torch.no_grad():
+            self.flat_master.copy_(state_dict["masters"])
+        self._publish()
+        self.loss_scaler.load_state_dict(state_dict["scaler"])
+        self._s.skipped_steps = int(state_dict["skipped_steps"])
+        self._s.unscaled = False
+        self._run_hooks("_optimizer_load_state_dict_post_hooks")
 
     # --- model-space view (used by checkpoint.py) ------------------------------------------------------
     def _model_space(self) -> Iterator[tuple[str, torch.Size, int, Any, torch.nn.Parameter | None]]:

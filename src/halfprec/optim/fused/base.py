@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
-from ..options import check_options, check_unfrozen, tell_schedulers
-from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
-from ._buffers import Chunk
-from ._checkpoint import FORMAT, CheckpointMixin
-from ._report import SkipReporter
+from ...scaler import LossScaler
+from ..base import MixedPrecisionOptimizer
+from ..checks import check_options, check_unfrozen, tell_schedulers
+from ._skip_report import SkipReporter
+from .buffers import Chunk
+from .checkpoint import CheckpointMixin
 
-__all__ = ["FusedOptimizer", "FORMAT"]
+__all__ = ["FusedOptimizer"]
 
 
 def _value(v: Any) -> Any:
@@ -44,8 +45,13 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
-    """Base class; subclasses set ``_KIND``, ``_STATE_NAMES`` and the per-algorithm hooks below."""
+class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
+    """The fused strategy of ``MixedPrecisionOptimizer``; subclasses set ``_KIND``, ``_STATE_NAMES`` and the
+    per-algorithm hooks below. It owns its param groups (``optimizer`` is None) and holds its state in flat
+    buffers, allocated at the first real update: construction allocates only the masters and the flat 16-bit
+    param buffer the params become views of."""
+
+    impl = "triton"
 
     _KIND: int = -1
     _STATE_NAMES: tuple[str, ...] = ()
@@ -60,7 +66,7 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         skip_nonfinite: bool = True,
         param_dtype: torch.dtype | None = None,
     ) -> None:
-        from ..kernels import triton_status
+        from ...kernels import triton_status
 
         ok, why = triton_status()
         if not ok:
@@ -75,21 +81,21 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
             skip_nonfinite=skip_nonfinite,
         )
         self._built = False
-        super().__init__(params, defaults)
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.skip_nonfinite = bool(skip_nonfinite)
-        self.param_dtype = param_dtype
+        self._init_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype)
+        torch.optim.Optimizer.__init__(self, params, defaults)  # owns its groups: not a wrapper's __init__
         self._build()
         self._built = True
-        has_fp16 = any(c.dtype == torch.float16 for c in self._chunks)
-        if loss_scaler is None:
-            loss_scaler = DynamicLossScaler() if has_fp16 else StaticLossScaler(1.0)
-        self._check = has_fp16 or self.skip_nonfinite
-        self.loss_scaler = loss_scaler.to(self._device)
+        self._init_scaler(
+            loss_scaler, has_fp16=any(c.dtype == torch.float16 for c in self._chunks), device=self._device
+        )
         self._reporter = SkipReporter(
-            dynamic=loss_scaler.is_dynamic, min_scale=getattr(loss_scaler, "min_scale", 1.0)
+            self._skip_log,
+            dynamic=self.loss_scaler.is_dynamic,
+            min_scale=getattr(self.loss_scaler, "min_scale", 1.0),
         )
         self._stepped = False
+        self._state_ready = False  # state buffers exist (allocated at the first step, a load or an export)
+        self._s = _DeviceResults(self)
         self._replaced: weakref.ref | None = None  # the torch optimizer this one replaced, if any
 
     # --- construction --------------------------------------------------------------------------------
@@ -99,12 +105,12 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"{type(self).__name__} lays out its flat buffers at construction: pass every "
                 "param group to the constructor"
             )
-        super().add_param_group(param_group)
+        torch.optim.Optimizer.add_param_group(self, param_group)  # the groups are this object's own
         self._validate_group(self.param_groups[-1], len(self.param_groups) - 1)
 
     def _build(self) -> None:
-        from ..kernels.norm import HP_WIDTH, PSCAL_WIDTH
-        from ..kernels.settings import settings
+        from ...kernels.norm import HP_WIDTH, PSCAL_WIDTH
+        from ...kernels.settings import settings
 
         cfg = settings()
         self._all: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
@@ -118,9 +124,7 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                     )
                 if not p.requires_grad:
                     continue
-                if self.param_dtype is not None and p.dtype == torch.float32:
-                    originals[p] = p.data
-                    p.data = p.data.to(self.param_dtype)
+                self._cast_to_param_dtype(p, originals)
                 trainable.append(p)
                 group_of.append(gi)
         devices = {p.device for p in trainable}
@@ -151,7 +155,6 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 [trainable[i] for i in idx],
                 idx,
                 originals,
-                self._state_names_for_build(),
                 norm_block=cfg.norm_block,
                 update_block=cfg.update_block,
             )
@@ -174,9 +177,8 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._marked = [False] * n_params
         # where each param's grad view starts (the views live as long as the optimizer): one int compare per
         # param in step(), which is host time on a skipped step
-        self._view_ptrs = [chunk.grad_views[local].data_ptr() for chunk, local in self._where]
+        self._view_ptrs: list[int | None] = [None] * n_params  # filled when a chunk's grad buffer is made
         self._param_ptrs = [p.data_ptr() for p in trainable]  # the params are views of the flat buffers
-        self._init_state()
         ref = weakref.ref(self)
         self._hooks = [
             p.register_post_accumulate_grad_hook(_make_hook(ref, i)) for i, p in enumerate(trainable)
@@ -209,11 +211,30 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def _prepare_step(self) -> None:
         """Lazy allocations before a step (never during capture)."""
 
+    def _ensure_state(self) -> None:
+        """Allocate the state buffers, as torch does at a param's first update (Adagrad's ``sum`` filled with its
+        initial value, as its constructor would): at the first step, or a load or export that needs them."""
+        if self._state_ready:
+            return
+        for chunk in self._chunks:
+            for name in self._state_names_for_build():
+                chunk.add_state(name)
+        self._init_state()
+        self._state_ready = True
+
+    def _grad_views(self, chunk: Chunk) -> list[torch.Tensor]:
+        """The chunk's grad views, its flat grad buffer made at the first grad it gets (not at construction)."""
+        if chunk.grad is None:
+            chunk.make_grad()
+            for local, i in enumerate(chunk.indices):
+                self._view_ptrs[i] = chunk.grad_views[local].data_ptr()
+        return chunk.grad_views
+
     # --- grads ---------------------------------------------------------------------------------------
     def _mark(self, i: int) -> None:
         p = self._trainable[i]
         chunk, local = self._where[i]
-        view = chunk.grad_views[local]
+        view = self._grad_views(chunk)[local]
         g = p.grad
         if g is not None and g.data_ptr() != view.data_ptr():
             with torch.no_grad():
@@ -250,20 +271,12 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 p.grad = None
         else:
             for chunk in self._chunks:
+                views = self._grad_views(chunk)
                 chunk.grad.zero_()
-                for p, view in zip(chunk.params, chunk.grad_views, strict=True):
+                for p, view in zip(chunk.params, views, strict=True):
                     p.grad = view
         self._flags.zero_()
         self._marked = [False] * len(self._trainable)
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        if self.loss_scaler.is_unit:
-            return loss
-        return loss * self.loss_scaler.scale.to(loss.device)
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Scale ``loss`` and run autograd backward (the grads stay scaled: the update kernel unscales)."""
-        self.scale_loss(loss).backward(**kwargs)
 
     def unscale_(self) -> None:
         raise RuntimeError(
@@ -294,18 +307,26 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One fused step (see the module docstring); no host sync."""
-        from ..kernels import norm
-        from ..kernels import scaler as scaler_kernel
+        from ...kernels import norm
+        from ...kernels import scaler as scaler_kernel
 
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         capturing = _capturing()
+        if capturing and not self._state_ready:
+            raise RuntimeError(
+                f"{type(self).__name__} allocates its state at the first step, which cannot happen during CUDA "
+                "graph capture: run one eager step before capturing"
+            )
         if not capturing:
             check_unfrozen(self._frozen)
             self._reporter.drain()
             self._adopt_grads()
+            for chunk in self._chunks:
+                self._grad_views(chunk)
+            self._ensure_state()
             self._prepare_step()
         self._upload_hyper(capturing)
         scale = self.loss_scaler.scale
@@ -331,7 +352,7 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
             self._pgroup,
             self._hp,
             self._pscal,
-            check=self._check,
+            check=self._checks_grads,
             kind=self._KIND,
             scaler=fused_scaler,
         )
@@ -347,7 +368,7 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._stepped = True
         return loss
 
-    def _adopt_scheduler_target(self, optimizer: torch.optim.Optimizer) -> None:
+    def adopt_scheduler_target(self, optimizer: torch.optim.Optimizer) -> None:
         """Remember the torch optimizer this one replaced (``bridge.fused_from_torch``): LR schedulers built on it
         write into the shared group dicts, and check that its ``step()`` ran before theirs."""
         self._replaced = weakref.ref(optimizer)
@@ -364,33 +385,9 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         return self._scalars[0]
 
     @property
-    def step_was_skipped(self) -> bool:
-        value = bool(self._scalars[0].item()) if self._stepped else False
-        self._reporter.drain()
-        return value
-
-    @property
-    def grad_norm(self) -> float | None:
-        """Global L2 norm of the unscaled grads of the last step, before clipping (syncs)."""
-        return float(self._scalars[1].item()) if self._stepped else None
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
-
-    @property
-    def step_loss_scale(self) -> float | None:
-        """The loss scale the last step's gradients were scaled with, before the scaler's update (syncs)."""
-        return float(self._scalars[4].item()) if self._stepped else None
-
-    @property
     def _model_params(self) -> list[torch.nn.Parameter]:
         """The model's params in group order, frozen ones included (what the state dict indexes)."""
         return self._all
-
-    @property
-    def skipped_steps(self) -> int:
-        return int(self._scalars[3].item())
 
     def master_params(self) -> list[torch.Tensor]:
         """Views of the fp32 masters, in param order (fp32 params are their own masters)."""
@@ -409,6 +406,37 @@ class FusedOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self._trainable)} params, loss_scaler={self.loss_scaler!r})"
+
+
+class _DeviceResults:
+    """The fused step's record (``results.StepState``'s attribute names): its values live in device memory, written
+    by the finalize program without a host sync, and reading one syncs."""
+
+    unscaled = False  # the fused step never unscales grads in place
+
+    def __init__(self, opt: FusedOptimizer) -> None:
+        self._opt = opt
+
+    def _read(self, slot: int) -> float | None:
+        return float(self._opt._scalars[slot].item()) if self._opt._stepped else None
+
+    @property
+    def step_was_skipped(self) -> bool:
+        value = bool(self._read(0))
+        self._opt._reporter.drain()
+        return value
+
+    @property
+    def grad_norm(self) -> float | None:
+        return self._read(1)
+
+    @property
+    def step_loss_scale(self) -> float | None:
+        return self._read(4)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._opt._scalars[3].item())
 
 
 def _make_hook(ref: weakref.ref, i: int):

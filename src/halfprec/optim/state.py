@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .masters import LOW_PRECISION
+from .layout import LOW_PRECISION
 
 __all__ = ["migrate_state", "restore_state_dtypes"]
 

@@ -1,0 +1,504 @@
+"""MixedPrecisionOptimizer: the contract every halfprec optimizer keeps, and its default (exact) strategy.
+
+Every optimizer halfprec builds is an instance of this class: the exact strategy is the class itself (an inner
+torch step on FP32 masters), the fused strategy (``fused/``, Triton) and the sharded one (``sharded/``, ZeRO-1/2)
+are subclasses that replace the strategy methods (construction, ``unscale_``, ``_step``, ``zero_grad``, the state
+payload). What they share lives here once: option checks, the default loss scaler, the ``param_dtype`` cast,
+frozen-param checks, ``scale_loss``/``backward`` and their order guard, the step results (``results.StepState``),
+the skip log, torch's hook registries, the state-dict envelope and ``check_state_dict``. Every guard in the
+library tests ``isinstance(x, MixedPrecisionOptimizer)``.
+
+Why subclasses of the public class rather than a dispatch inside one object (torch's ``foreach``/``fused``
+flags): the strategies hold different buffers and take different constructor arguments (``FusedAdamW(params,
+lr=...)``, ``ShardedMixedPrecisionOptimizer(opt, named_parameters=...)``), which one object would have to hold
+side by side. Calling the public class itself (``MixedPrecisionOptimizer(torch_opt, impl=...)``) goes through
+``_SelectImpl``, which builds the strategy ``select.select_impl`` picks; subclasses construct as usual.
+
+A step of the exact strategy, in order:
+
+1. ``unscale_()`` (implicit if not called): copy the 16-bit model grads into fp32 master grads and multiply by
+   the reciprocal of the loss scale (a power of two, so exact); fp32 params are their own masters and are
+   unscaled in place.
+2. The global L2 norm of the unscaled grads, as ``torch.nn.utils.get_total_norm`` computes it. It is needed
+   for clipping and is the non-finite check: the norm is finite iff every grad is finite (a finite fp32 norm
+   that overflows is not usable for clipping either). fp16 is always checked; bf16/fp32 when
+   ``skip_nonfinite``.
+3. The scaler updates on the device; then one host sync reads the overflow flag.
+4. Overflow: the inner step is skipped, nothing but the scaler and ``skipped_steps`` changes, and one log
+   record says so. Otherwise: clip with ``torch.nn.utils.clip_grads_with_norm_`` (bit-identical to
+   ``clip_grad_norm_``), run the inner optimizer on the masters, round the masters into the model params.
+
+The wrapped optimizer is never stepped on construction and its math is never changed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
+from .checks import check_options, check_params, check_saved_groups, check_torch_optimizer, check_unfrozen, clear_grads
+from .layout import LOW_PRECISION, MasterStore
+from .results import GradMarks, SkipLog, StepState
+from .state import migrate_state, restore_state_dtypes
+
+__all__ = ["FORMAT", "MixedPrecisionOptimizer"]
+
+FORMAT = "halfprec.MixedPrecisionOptimizer/1"
+
+_HOOK_REGISTRIES = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
+
+_OPTIONS = ("loss_scaler", "max_grad_norm", "skip_nonfinite", "param_dtype")
+
+
+class _SelectImpl(type(torch.optim.Optimizer)):
+    """``MixedPrecisionOptimizer(optimizer, impl=...)`` returns the strategy ``select_impl`` picks for it (the
+    class itself for the exact path, a fused optimizer for the Triton one); a subclass builds itself."""
+
+    def __call__(cls, *args: Any, **kwargs: Any):
+        if cls is MixedPrecisionOptimizer and kwargs.get("impl", "auto") != "torch" and args:
+            options = {k: v for k, v in kwargs.items() if k != "impl"}
+            _check_wrappable(args[0], {k: v for k, v in options.items() if k in _OPTIONS})
+            from .select import fused_from_torch, select_impl
+
+            if select_impl(args[0], kwargs.get("impl", "auto")) == "triton":
+                return fused_from_torch(args[0], **options)
+        return super().__call__(*args, **kwargs)
+
+
+class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
+    """Give ``optimizer`` FP32 master weights for a model held in FP16/BF16.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` over the model's params (16-bit, or fp32 with ``param_dtype``).
+        loss_scaler: a ``StaticLossScaler`` or ``DynamicLossScaler``. ``None`` means ``DynamicLossScaler()``
+            when any trainable param is fp16, else no scaling (``StaticLossScaler(1.0)``).
+        max_grad_norm: clip the global L2 norm of the unscaled grads to this value; ``None`` = no clipping.
+        skip_nonfinite: skip steps with non-finite bf16/fp32 grads. With any fp16 param every grad is
+            loss-scaled, so every grad is checked (an overflow anywhere is the scale's), whatever this says.
+        param_dtype: ``torch.bfloat16`` or ``torch.float16`` to cast the optimizer's trainable params to that
+            dtype in place (same ``Parameter`` objects), keeping their fp32 values as the masters.
+        impl: ``"torch"`` (this exact path), ``"triton"`` (the fused optimizer of ``halfprec.optim`` with the same
+            hyper-parameters; ValueError naming the fix when it cannot run) or ``"auto"`` (fused when the inner
+            optimizer is torch Adam/AdamW/SGD/Adagrad on CUDA with its ``foreach``/``fused`` left at their
+            defaults and Triton importable; see ``halfprec.optim.select``). A fused result is a
+            ``halfprec.optim.Fused*`` optimizer: a subclass of this one.
+    """
+
+    # where param_groups / state / defaults live: the wrapped torch optimizer (exact, sharded), so LR schedulers
+    # write where the inner step reads; or this object (fused, which owns its groups)
+    optimizer: torch.optim.Optimizer | None = None
+    impl = "torch"  # the strategy: "torch" (exact, inner torch step) or "triton" (fused kernels)
+    _FORMAT = FORMAT
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        loss_scaler: LossScaler | None = None,
+        max_grad_norm: float | None = None,
+        skip_nonfinite: bool = True,
+        param_dtype: torch.dtype | None = None,
+        impl: str = "auto",
+    ) -> None:
+        _check_wrappable(optimizer, dict(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype,
+                                         skip_nonfinite=skip_nonfinite))  # fmt: skip
+        self._init_wrapping(optimizer)
+        self._init_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype)
+        self._store = MasterStore()
+        self._own: list[torch.nn.Parameter] = []  # trainable params that are their own masters (fp32/fp64)
+        self._model_params: list[torch.nn.Parameter] = []  # what the caller's model holds, group order
+        self._trained: list[torch.nn.Parameter] = []  # those trainable when wrapped: a master or their own
+        self._frozen: list[torch.nn.Parameter] = []  # those frozen when wrapped: no master, never trained
+        mapping = self._build_masters(optimizer.param_groups)
+        migrate_state(optimizer, mapping)
+        for group in optimizer.param_groups:
+            group["params"] = [mapping.get(p, p) for p in group["params"]]
+
+        devices = {p.device for p in self._trained}
+        if len(devices) > 1:
+            raise ValueError(
+                f"trainable params span several devices {sorted(map(str, devices))}; halfprec keeps one loss "
+                "scale per optimizer: build one MixedPrecisionOptimizer per device"
+            )
+        self._init_scaler(
+            loss_scaler,
+            has_fp16=any(p.dtype == torch.float16 for p in self._trained),
+            device=devices.pop() if devices else torch.device("cpu"),
+        )
+
+    # --- the contract: construction pieces every strategy uses -------------------------------------------
+    def _init_wrapping(self, optimizer: torch.optim.Optimizer) -> None:
+        """Wrap ``optimizer``: its groups, state and defaults become this one's. ``Optimizer.__init__`` cannot run
+        (it would make new groups), so the hook registries it would create are made as ``__setstate__`` does, and
+        ``step`` is patched so that step hooks and torch's global hooks run."""
+        self.optimizer = optimizer
+        for name in _HOOK_REGISTRIES:
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+    def _init_options(self, *, max_grad_norm: float | None, skip_nonfinite: bool, param_dtype: torch.dtype | None) -> None:
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.param_dtype = param_dtype
+        self._s = StepState()
+        self._skip_log = SkipLog()
+
+    def _init_scaler(self, loss_scaler: LossScaler | None, *, has_fp16: bool, device: torch.device) -> None:
+        """The default scaler: dynamic when any trained param is fp16 (its grads need it), else none."""
+        if loss_scaler is None:
+            loss_scaler = DynamicLossScaler() if has_fp16 else StaticLossScaler(1.0)
+        self._has_fp16 = has_fp16
+        self.loss_scaler = loss_scaler.to(device)
+
+    def _cast_to_param_dtype(self, p: torch.nn.Parameter, originals: dict) -> None:
+        """``param_dtype``: cast an fp32 param in place (same ``Parameter``), keeping its fp32 value as the master."""
+        if self.param_dtype is not None and p.dtype == torch.float32:
+            originals[p] = p.data
+            p.data = p.data.to(self.param_dtype)
+
+    @property
+    def _checks_grads(self) -> bool:
+        """Whether a step checks its grads for non-finite values: always with fp16 (all grads are loss-scaled)."""
+        return self._has_fp16 or self.skip_nonfinite
+
+    # --- the contract: where groups, state and defaults live ----------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.__dict__["_param_groups"] if self.optimizer is None else self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        if self.optimizer is None:
+            self.__dict__["_param_groups"] = value
+        else:
+            self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.__dict__["_state"] if self.optimizer is None else self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        if self.optimizer is None:
+            self.__dict__["_state"] = value
+        else:
+            self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.__dict__["_defaults"] if self.optimizer is None else self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            self.__dict__["_defaults"] = value
+        else:
+            self.optimizer.defaults = value
+
+    def model_params(self) -> list[torch.nn.Parameter]:
+        """The model's params in param-group order, frozen ones included (what state dicts index)."""
+        return list(self._model_params)
+
+    # --- the contract: read-only results ----------------------------------------------------------------
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when the last ``step()`` skipped the update (non-finite grads)."""
+        return self._s.step_was_skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._s.skipped_steps
+
+    @property
+    def grad_norm(self) -> float | None:
+        """Global L2 norm of the unscaled grads of the last step, before clipping (None: neither checked nor
+        clipped)."""
+        return self._s.grad_norm
+
+    @property
+    def step_loss_scale(self) -> float | None:
+        """The loss scale the last step's gradients were scaled with (before the scaler's update)."""
+        return self._s.step_loss_scale
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    def _record_step(self, values: list[float], norm: float | None, *, where: str = "", log: bool = True) -> None:
+        """Keep a step's results; ``values`` is ``LossScaler.step_update``'s (skipped, at min, before, after)."""
+        skipped, at_min, before, after = values[:4]
+        self._s.grad_norm = norm
+        self._s.step_loss_scale = before
+        self._s.step_was_skipped = bool(skipped)
+        if skipped:
+            self._s.skipped_steps += 1
+            if log:
+                self._skip_log.report(
+                    before=before,
+                    after=after,
+                    skipped_so_far=self._s.skipped_steps,
+                    at_min_scale=bool(at_min) and self.loss_scaler.is_dynamic,
+                    where=where,
+                )
+
+    # --- the contract: loss scaling and the step ---------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` multiplied by the current loss scale (the same tensor when no scaling is configured)."""
+        if self.loss_scaler.is_unit:
+            return loss
+        return loss * self.loss_scaler.scale.to(loss.device)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Scale ``loss`` and run autograd backward; ``kwargs`` go to ``Tensor.backward``."""
+        if self._s.unscaled:
+            raise RuntimeError(
+                "backward() called after unscale_() and before step(): the new grads would be mixed with "
+                "unscaled ones. Call unscale_() after the last backward() of the step."
+            )
+        self.scale_loss(loss).backward(**kwargs)
+
+    def step(self, closure=None):
+        """Run ``closure`` (with grad enabled) if given, then the strategy's ``_step()``; return the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
+    def _run_hooks(self, registry: str, state_dict: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Run one of torch's state-dict hook registries; hooks given a state dict may return a new one."""
+        for hook in getattr(self, registry).values():
+            if state_dict is None:
+                hook(self)
+            else:
+                state_dict = hook(self, state_dict) or state_dict
+        return state_dict
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # --- the contract: the state-dict envelope ------------------------------------------------------------
+    def _param_entries(self) -> list[dict[str, Any]]:
+        """Per model param, in group order: shape, model dtype and whether it has an fp32 master."""
+        masters = set(self._store.master_params())
+        params = self._index_params()
+        return [
+            {"shape": list(p.shape), "dtype": str(m.dtype), "master": p in masters}
+            for p, m in zip(params, self._model_params, strict=True)
+        ]
+
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise ValueError unless ``state_dict`` is this optimizer's kind and of this model (changes nothing)."""
+        if not isinstance(state_dict, dict) or state_dict.get("format") != self._FORMAT:
+            found = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                f"not a MixedPrecisionOptimizer state dict (format {found!r}); if it is not a halfprec optimizer "
+                "state dict but a plain torch one, it goes to mp.optimizer.load_state_dict(...) of a "
+                "MixedPrecisionOptimizer(..., impl='torch'), followed by mp.refresh_masters()"
+            )
+        self._check_compatible(state_dict["params"])
+        check_saved_groups(state_dict, self.param_groups, self.loss_scaler)
+
+    def _check_compatible(self, saved: list[dict[str, Any]]) -> None:
+        mine = self._param_entries()
+        for i, (entry, here) in enumerate(zip(saved, mine, strict=False)):
+            if entry != here:
+                raise ValueError(
+                    f"state dict does not match this model at param {i}: saved shape {entry['shape']} dtype "
+                    f"{entry['dtype']}{_role(entry)}, this model shape {here['shape']} dtype {here['dtype']}"
+                    f"{_role(here)}"
+                )
+        if len(saved) != len(mine):
+            i = min(len(saved), len(mine))
+            extra = saved[i] if len(saved) > len(mine) else mine[i]
+            where = "the state dict" if len(saved) > len(mine) else "this model"
+            raise ValueError(
+                f"state dict holds {len(saved)} params, this optimizer {len(mine)}: param {i} (shape "
+                f"{extra['shape']} dtype {extra['dtype']}) is only in {where}"
+            )
+
+    # --- construction --------------------------------------------------------------------------------
+    def _build_masters(self, groups: list[dict[str, Any]]) -> dict:
+        originals: dict[torch.Tensor, torch.Tensor] = {}
+        low: list[torch.nn.Parameter] = []
+        for group in groups:
+            for p in group["params"]:
+                self._model_params.append(p)
+                if not p.requires_grad:
+                    self._frozen.append(p)
+                    continue
+                self._trained.append(p)
+                self._cast_to_param_dtype(p, originals)
+                if p.dtype in LOW_PRECISION:
+                    low.append(p)
+                else:
+                    self._own.append(p)
+        return self._store.add(low, originals)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if torch.is_tensor(params) else list(params)
+        check_params(params, known=set(self._model_params))
+        if group.get("differentiable", False):
+            raise ValueError(
+                "add_param_group got differentiable=True; halfprec's step runs under no_grad: leave it False"
+            )
+        if self.loss_scaler.is_unit and not self._has_fp16:
+            new_fp16 = [p for p in params if p.requires_grad and p.dtype == torch.float16]
+            if new_fp16:
+                raise ValueError(
+                    f"add_param_group adds fp16 params (first of shape {tuple(new_fp16[0].shape)}) to an optimizer "
+                    "built without loss scaling; pass loss_scaler=halfprec.DynamicLossScaler() when building it"
+                )
+        devices = {p.device for p in params if p.requires_grad} | {self.loss_scaler.device}
+        if len(devices) > 1:
+            raise ValueError(
+                f"add_param_group adds params on {sorted(map(str, devices))}; one MixedPrecisionOptimizer keeps "
+                "one device: build another optimizer for the other device"
+            )
+        mapping = self._build_masters([{"params": params}])
+        group["params"] = [mapping.get(p, p) for p in params]
+        self.optimizer.add_param_group(group)
+        self._has_fp16 = self._has_fp16 or any(p.dtype == torch.float16 for p in self._trained)
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 tensors the inner optimizer updates (masters, and fp32 params that are their own)."""
+        own = set(self._own)
+        masters = set(self._store.master_params())
+        return [p for g in self.param_groups for p in g["params"] if p in masters or p in own]
+
+    def refresh_masters(self) -> None:
+        """Copy the model's current weights into the masters (after an external weights-only load)."""
+        self._store.refresh_from_params()
+
+    # --- the exact strategy's step ---------------------------------------------------------------------
+    @torch.no_grad()
+    def unscale_(self) -> None:
+        """Fill the fp32 master grads from the model grads and divide by the loss scale. Idempotent."""
+        if self._s.unscaled:
+            return
+        check_unfrozen(self._frozen)
+        self._store.check_devices()
+        stepped = self._s.stepped_grads
+        if stepped is not None and stepped.marks and stepped.same(self._trained):
+            raise RuntimeError(
+                "step() called again without a new backward(): these grads were already applied (and fp32 grads "
+                "unscaled in place); call zero_grad() and backward() before the next step()"
+            )
+        filled = self._store.copy_grads_in()
+        own = [p.grad for p in self._own if p.grad is not None]
+        if filled + own and not self.loss_scaler.is_unit:
+            torch._foreach_mul_(filled + own, self.loss_scaler.inv_scale())
+        # param-group order, as clip_grad_norm_(mp.master_params()) sums them: the norm's bits depend on it
+        self._s.grads = [m.grad for m in self.master_params() if m.grad is not None]
+        self._s.unscaled_grads = GradMarks(self._store.model_params())
+        self._s.unscaled = True
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        if self._s.unscaled and not self._s.unscaled_grads.same(self._store.model_params()):
+            self._s.unscaled = False
+            raise RuntimeError(
+                "the model's gradients changed after unscale_() (another backward() or zero_grad() ran); "
+                "call unscale_() after the last backward() of the step, right before step()"
+            )
+        self.unscale_()
+        grads, self._s.unscaled = self._s.grads, False
+        check = self._checks_grads
+        norm = None
+        if grads and (check or self.max_grad_norm is not None):
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, False, None)
+        device = self.loss_scaler.device
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        if check and norm is not None:
+            found_inf = (~torch.isfinite(norm)).to(device=device, dtype=torch.float32)
+        values = self.loss_scaler.step_update(found_inf)
+        if norm is not None:
+            values = torch.cat([values, norm.to(device=device, dtype=torch.float32).reshape(1)])
+        values = values.tolist()  # the one host sync of the step
+        self._record_step(values, values[4] if norm is not None else None)
+        self._s.stepped_grads = GradMarks(self._trained)
+        if self._s.step_was_skipped:
+            return
+        if self.max_grad_norm is not None:
+            params = [m for m in self.master_params() if m.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, None)
+        self.optimizer.step()
+        self._store.copy_params_out()
+        self._s.stepped_grads = GradMarks(self._trained)  # fp32 own grads changed in place
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the grads of every param of the groups, frozen ones included (as torch does)."""
+        clear_grads(self._model_params, set_to_none)
+        self._store.clear_grads()
+        self._s.unscaled = False
+        self._s.stepped_grads = None
+
+    # --- checkpoint state ------------------------------------------------------------------------------
+    def _index_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        self._run_hooks("_optimizer_state_dict_pre_hooks")
+        masters = set(self._store.master_params())
+        params = self._index_params()
+        out = {
+            "format": self._FORMAT,
+            "optimizer": self.optimizer.state_dict(),
+            "masters": {i: p.detach() for i, p in enumerate(params) if p in masters},
+            "params": self._param_entries(),
+            "scaler": self.loss_scaler.state_dict(),
+            "skipped_steps": self._s.skipped_steps,
+        }
+        return self._run_hooks("_optimizer_state_dict_post_hooks", out)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = self._run_hooks("_optimizer_load_state_dict_pre_hooks", state_dict)
+        self.check_state_dict(state_dict)
+        inner = state_dict["optimizer"]
+        self.optimizer.load_state_dict(inner)
+        params = self._index_params()
+        restore_state_dtypes(self.optimizer, inner["state"], params)
+        with torch.no_grad():
+            for index, value in state_dict["masters"].items():
+                params[int(index)].copy_(value)
+        self._store.copy_params_out()
+        self.loss_scaler.load_state_dict(state_dict["scaler"])
+        self._s.skipped_steps = int(state_dict["skipped_steps"])
+        self._s.unscaled = False
+        self._run_hooks("_optimizer_load_state_dict_post_hooks")
+
+    def __repr__(self) -> str:
+        return f"MixedPrecisionOptimizer({self.optimizer!r}, loss_scaler={self.loss_scaler!r})"
+
+
+def _role(entry: dict[str, Any]) -> str:
+    return " (trained, fp32 master)" if entry["master"] else ""
+
+
+def _check_wrappable(optimizer: Any, options: dict[str, Any]) -> None:
+    """What every strategy that wraps a torch optimizer refuses: a halfprec optimizer (wrapping one again would
+    scale its grads twice and hand its step fp32 masters of masters), a non-optimizer, LBFGS, bad options."""
+    if isinstance(optimizer, MixedPrecisionOptimizer):
+        raise ValueError(
+            f"optimizer is already a MixedPrecisionOptimizer ({type(optimizer).__name__}); use it as it is, or "
+            "wrap the plain torch optimizer once"
+        )
+    check_torch_optimizer(optimizer)
+    check_options(**options)

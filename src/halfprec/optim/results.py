@@ -1,0 +1,75 @@
+"""What a step leaves behind, for every strategy: the step record, the grad marks, and the skip log.
+
+``StepState`` holds everything a step changes in one object: wrappers that copy an optimizer's ``__dict__``
+(Lightning's and Fabric's) share it, so a call made through such a wrapper updates the real optimizer. The fused
+strategy keeps its results in device memory (no host sync in ``step()``); its record reads them on demand and
+has the same attribute names, so the contract's properties read ``optimizer._s`` the same way on every strategy.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["GradMarks", "SkipLog", "StepState"]
+
+logger = logging.getLogger("halfprec")
+
+
+class GradMarks:
+    """Which grad tensors a step saw, and their in-place versions: what tells a new backward from grads already
+    consumed. Weak references: a grad freed by ``zero_grad``/``model.zero_grad()`` is not kept alive, and a new
+    grad allocated at the freed one's address is not mistaken for it (``id()`` would be)."""
+
+    def __init__(self, params) -> None:
+        self.marks = [(weakref.ref(p.grad), p.grad._version) for p in params if p.grad is not None]
+
+    def same(self, params) -> bool:
+        grads = [p.grad for p in params if p.grad is not None]
+        return len(grads) == len(self.marks) and all(
+            ref() is g and g._version == version for (ref, version), g in zip(self.marks, grads, strict=True)
+        )
+
+
+@dataclass
+class StepState:
+    """The last step's results and the order guards' state (see the module docstring)."""
+
+    unscaled: bool = False  # unscale_() ran and step() has not consumed its grads yet
+    grads: list[torch.Tensor] = field(default_factory=list)  # exact strategy: the unscaled master grads
+    unscaled_grads: GradMarks | None = None
+    stepped_grads: GradMarks | None = None
+    grad_norm: float | None = None
+    step_loss_scale: float | None = None
+    step_was_skipped: bool = False
+    skipped_steps: int = 0
+
+
+class SkipLog:
+    """The one record of a skipped step (a log line) and the one warning when the scale cannot go lower."""
+
+    def __init__(self) -> None:
+        self.warned_min_scale = False
+
+    def report(self, *, before: float, after: float, skipped_so_far: int, at_min_scale: bool, where: str = "") -> None:
+        """Log a skipped step; ``at_min_scale``: a dynamic scaler was at its minimum scale when it overflowed."""
+        logger.warning(
+            "halfprec: step skipped, non-finite gradients or gradient norm%s (loss scale %g -> %g, %d skipped so far)",
+            where,
+            before,
+            after,
+            skipped_so_far,
+            stacklevel=2,  # the record names the strategy that skipped, not this helper
+        )
+        if at_min_scale and not self.warned_min_scale:
+            self.warned_min_scale = True
+            warnings.warn(
+                f"halfprec: gradients overflowed at the minimum loss scale {before:g}; the scale cannot go lower, "
+                "so every such step is skipped. Lower min_scale, lower the learning rate, or train in bf16.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
