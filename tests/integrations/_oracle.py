@@ -145,7 +145,7 @@ def _clip_reference(mp, max_grad_norm):
     """fp32 copies of the unscaled master grads, clipped by ``torch.nn.utils.clip_grad_norm_`` (the oracle of
     halfprec's clipping): ``(total norm, clipped grads)``, or None without clipping or on the fused path (whose
     grads are never unscaled in place; tests/optim checks its clipping)."""
-    if max_grad_norm is None or not isinstance(mp, halfprec.MixedPrecisionOptimizer):
+    if max_grad_norm is None or mp.impl != "torch":
         return None
     mp.unscale_()
     copies = [torch.nn.Parameter(m.detach().clone()) for m in mp.master_params() if m.grad is not None]
