@@ -11,6 +11,8 @@ from ..optim.helpers import DEVICE
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_param_store_rounds_to_nearest_even(dtype):
     from halfprec.kernels.settings import settings
+    from halfprec.kernels.slots import ADAM_PSCAL as S
+    from halfprec.kernels.slots import PSCAL_WIDTH
     from halfprec.kernels.update import adam_update
     from halfprec.optim.fused.buffers import build_table
 
@@ -24,8 +26,12 @@ def test_param_store_rounds_to_nearest_even(dtype):
     grad = torch.zeros(n, dtype=dtype)
     m, v = torch.zeros(n), torch.zeros(n)
     table = build_table([0], [n], [0], settings().update_block, master.device)
-    pscal = torch.zeros(1, 16)
-    pscal[0, :9] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.1, 0.9, 0.1, 1.0])  # step_size 0: p unchanged
+    pscal = torch.zeros(1, PSCAL_WIDTH)
+    slots = dict(
+        ACTIVE=1.0, STEP_SIZE=0.0, BC2_SQRT=1.0, DECAY=1.0, WD=0.0, OMB1=0.1, BETA2=0.9, OMB2=0.1, EPS=1.0
+    )
+    for name, value in slots.items():  # STEP_SIZE 0: p unchanged
+        pscal[0, getattr(S, name)] = value
     scalars = torch.zeros(8)
     scalars[2] = 1.0
     expected = master.to(dtype)
@@ -38,14 +44,16 @@ def test_param_store_rounds_to_nearest_even(dtype):
 
 
 def test_inactive_param_is_not_touched():
+    from halfprec.kernels.slots import PSCAL_WIDTH
+    from halfprec.kernels.slots import SGD_PSCAL as S
     from halfprec.kernels.update import sgd_update
 
     n = 128
     param = torch.full((n,), 7.0, dtype=torch.float16)
     master = torch.full((n,), 7.0)
     grad = torch.ones(n, dtype=torch.float16)
-    pscal = torch.zeros(1, 16)  # active = 0
-    pscal[0, 1] = 1.0
+    pscal = torch.zeros(1, PSCAL_WIDTH)  # ACTIVE = 0
+    pscal[0, S.LR] = 1.0
     param, master, grad, pscal = (t.to(DEVICE) for t in (param, master, grad, pscal))
     table = torch.tensor([[0, n, 0]], device=DEVICE)
     sgd_update(param, grad, master, None, table, pscal, torch.ones(8, device=DEVICE))

@@ -1,12 +1,12 @@
 """LAMB's update passes: the per-param trust ratio needs each param's whole update before any element moves.
 
-After the shared norm and finalize passes (``KIND_LAMB`` scalars: 1/bias_correction1, sqrt(bias_correction2),
-1-beta1, beta2, 1-beta2, eps, lr, weight_decay):
+After the shared norm and finalize passes (``Kind.LAMB`` writes the ``AdamScalars`` slots of ``slots.py``, with
+``STEP_SIZE`` = 1/bias_correction1: lr is applied after the trust ratio):
 
 1. ``_lamb_stage_kernel`` (per block): new moments ``m``, ``v`` (stored), the update
    ``u = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) + wd * p`` and per-block partial sums of ``p*p`` and ``u*u``;
 2. ``_lamb_trust_kernel`` (one program per param): sums its blocks' partials in a fixed order and stores the trust
-   ratio ``||p|| / ||u||`` (1 when either norm is 0) in the param's scalars (slot 11);
+   ratio ``||p|| / ||u||`` (1 when either norm is 0) in the param's ``TRUST`` slot;
 3. ``_lamb_apply_kernel`` (per block): recomputes ``u`` from the stored moments and writes
    ``p - lr * trust * u`` to the master and the 16-bit param.
 
@@ -20,39 +20,34 @@ import triton
 import triton.language as tl
 
 from .settings import settings
-from .update import _param_arg, _store_param
+from .slots import ADAM_PSCAL
+from .update import _adam_moments, _grad_and_master, _loads, _param_arg, _pscal_row, _row, _store_param
 
 __all__ = ["lamb_update", "trust_table"]
 
 
 @triton.jit
+def _lamb_u(m, v, p, inv_bc1, bc2_sqrt, eps, wd):
+    return (m * inv_bc1) / (tl.sqrt(v) / bc2_sqrt + eps) + wd * p
+
+
+@triton.jit
 def _lamb_stage_kernel(
-    grad_ptr, master_ptr, m_ptr, v_ptr, table_ptr, pscal_ptr, scalars_ptr, part_ptr, BLOCK: tl.constexpr
-):
+    grad_ptr, master_ptr, m_ptr, v_ptr, table_ptr, pscal_ptr, scalars_ptr, part_ptr,
+    S: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
-    start = tl.multiple_of(tl.load(table_ptr + pid * 3), 16)
-    end = tl.multiple_of(tl.load(table_ptr + pid * 3 + 1), 16)
-    ps = pscal_ptr + tl.load(table_ptr + pid * 3 + 2) * 16
-    active = tl.load(ps)
+    start, end, ps = _row(table_ptr, pscal_ptr, pid, True)
+    active = tl.load(ps + S.ACTIVE)
     if active != 0.0:
-        inv_bc1 = tl.load(ps + 1)
-        bc2_sqrt = tl.load(ps + 2)
-        omb1 = tl.load(ps + 5)
-        b2 = tl.load(ps + 6)
-        omb2 = tl.load(ps + 7)
-        eps = tl.load(ps + 8)
-        wd = tl.load(ps + 10)
-        coef = tl.load(scalars_ptr + 2)
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < end
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * coef
-        p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+        inv_bc1, bc2_sqrt, omb1, b2, omb2, eps, wd = _loads(
+            ps, (S.STEP_SIZE, S.BC2_SQRT, S.OMB1, S.BETA2, S.OMB2, S.EPS, S.WD_RAW)
+        )
+        offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        m = tl.where(omb1 < 0.5, m + omb1 * (g - m), g - (g - m) * (1.0 - omb1))
-        v = v * b2
-        v = v + (omb2 * g) * g
-        u = (m * inv_bc1) / (tl.sqrt(v) / bc2_sqrt + eps) + wd * p
+        m, v = _adam_moments(m, v, g, omb1, b2, omb2)
+        u = _lamb_u(m, v, p, inv_bc1, bc2_sqrt, eps, wd)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         tl.store(part_ptr + pid * 2, tl.sum(p * p, axis=0))
@@ -60,12 +55,12 @@ def _lamb_stage_kernel(
 
 
 @triton.jit
-def _lamb_trust_kernel(part_ptr, rows_ptr, pscal_ptr, BLOCK: tl.constexpr):
+def _lamb_trust_kernel(part_ptr, rows_ptr, pscal_ptr, S: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     first = tl.load(rows_ptr + pid * 3)
     last = tl.load(rows_ptr + pid * 3 + 1)
-    ps = pscal_ptr + tl.load(rows_ptr + pid * 3 + 2) * 16
-    active = tl.load(ps)
+    ps = _pscal_row(pscal_ptr, tl.load(rows_ptr + pid * 3 + 2))
+    active = tl.load(ps + S.ACTIVE)
     if active != 0.0:
         offs = tl.arange(0, BLOCK)
         pp = tl.zeros([BLOCK], dtype=tl.float32)
@@ -78,31 +73,26 @@ def _lamb_trust_kernel(part_ptr, rows_ptr, pscal_ptr, BLOCK: tl.constexpr):
         w_norm = tl.sqrt(tl.sum(pp, axis=0))
         u_norm = tl.sqrt(tl.sum(uu, axis=0))
         trust = tl.where((w_norm > 0.0) & (u_norm > 0.0), w_norm / u_norm, 1.0)
-        tl.store(ps + 11, trust)
+        tl.store(ps + S.TRUST, trust)
 
 
 @triton.jit
 def _lamb_apply_kernel(
-    param_ptr, master_ptr, m_ptr, v_ptr, table_ptr, pscal_ptr, PARAM: tl.constexpr, BLOCK: tl.constexpr
-):
-    pid = tl.program_id(0)
-    start = tl.multiple_of(tl.load(table_ptr + pid * 3), 16)
-    end = tl.multiple_of(tl.load(table_ptr + pid * 3 + 1), 16)
-    ps = pscal_ptr + tl.load(table_ptr + pid * 3 + 2) * 16
-    active = tl.load(ps)
+    param_ptr, master_ptr, m_ptr, v_ptr, table_ptr, pscal_ptr,
+    S: tl.constexpr, PARAM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    start, end, ps = _row(table_ptr, pscal_ptr, tl.program_id(0), True)
+    active = tl.load(ps + S.ACTIVE)
     if active != 0.0:
-        inv_bc1 = tl.load(ps + 1)
-        bc2_sqrt = tl.load(ps + 2)
-        eps = tl.load(ps + 8)
-        lr = tl.load(ps + 9)
-        wd = tl.load(ps + 10)
-        trust = tl.load(ps + 11)
+        inv_bc1, bc2_sqrt, eps, lr, wd, trust = _loads(
+            ps, (S.STEP_SIZE, S.BC2_SQRT, S.EPS, S.LR, S.WD_RAW, S.TRUST)
+        )
         offs = start + tl.arange(0, BLOCK)
         mask = offs < end
         p = tl.load(master_ptr + offs, mask=mask, other=0.0)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        u = (m * inv_bc1) / (tl.sqrt(v) / bc2_sqrt + eps) + wd * p
+        u = _lamb_u(m, v, p, inv_bc1, bc2_sqrt, eps, wd)
         p = p - (lr * trust) * u
         tl.store(master_ptr + offs, p, mask=mask)
         _store_param(param_ptr, offs, p, mask, PARAM)
@@ -131,28 +121,13 @@ def lamb_update(
     cfg = settings()
     p, code = _param_arg(param, master)
     _lamb_stage_kernel[(n,)](
-        grad,
-        master,
-        exp_avg,
-        exp_avg_sq,
-        table,
-        pscal,
-        scalars,
-        partials,
-        BLOCK=cfg.update_block,
-        num_warps=cfg.update_warps,
-    )
+        grad, master, exp_avg, exp_avg_sq, table, pscal, scalars, partials,
+        S=ADAM_PSCAL, BLOCK=cfg.update_block, num_warps=cfg.update_warps,
+    )  # fmt: skip
     _lamb_trust_kernel[(trust_rows.shape[0],)](
-        partials, trust_rows, pscal, BLOCK=cfg.final_block, num_warps=cfg.final_warps
+        partials, trust_rows, pscal, S=ADAM_PSCAL, BLOCK=cfg.final_block, num_warps=cfg.final_warps
     )
     _lamb_apply_kernel[(n,)](
-        p,
-        master,
-        exp_avg,
-        exp_avg_sq,
-        table,
-        pscal,
-        PARAM=code,
-        BLOCK=cfg.update_block,
-        num_warps=cfg.update_warps,
-    )
+        p, master, exp_avg, exp_avg_sq, table, pscal,
+        S=ADAM_PSCAL, PARAM=code, BLOCK=cfg.update_block, num_warps=cfg.update_warps,
+    )  # fmt: skip

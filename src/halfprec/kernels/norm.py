@@ -12,8 +12,10 @@ given a dynamic loss scaler, runs the scaler's update (``scaler.py``): on a skip
 pass are the only work besides early-exiting update programs, and the scaler costs no launch of its own.
 
 Layout legend: ``table`` int64 [programs, 3] = (start, end, param index) into a flat buffer; ``hp`` fp64
-[groups, 8] hyper-parameters; ``pscal`` fp32 [params, 16] per-param scalars; ``scalars`` fp32 [8] =
-(found_inf, grad_norm, grad coefficient = inv_scale * clip, skipped_steps, loss scale used, loss scale after).
+[groups, HP_WIDTH] hyper-parameters and ``pscal`` fp32 [params, PSCAL_WIDTH] per-param scalars, whose slots
+``slots.py`` names per algorithm (``H`` and ``S`` in the finalize program: the tables of its ``KIND``);
+``scalars`` fp32 [8] = (found_inf, grad_norm, grad coefficient = inv_scale * clip, skipped_steps, loss scale used,
+loss scale after).
 """
 
 from __future__ import annotations
@@ -26,35 +28,28 @@ import triton.language as tl
 
 from .scaler import _dynamic_step, scaler_args
 from .settings import settings
+from .slots import HP_SLOTS, HP_WIDTH, PSCAL_SLOTS, PSCAL_WIDTH, Kind
+from .update import _ALIGN, _pscal_row
 
 if TYPE_CHECKING:
     from ..scaler import DynamicLossScaler
 
-__all__ = [
-    "KIND_ADAM",
-    "KIND_SGD",
-    "KIND_ADAGRAD",
-    "KIND_LAMB",
-    "PSCAL_WIDTH",
-    "HP_WIDTH",
-    "sumsq",
-    "finalize",
-]
+__all__ = ["PSCAL_WIDTH", "HP_WIDTH", "sumsq", "finalize"]
 
-KIND_ADAM, KIND_SGD, KIND_ADAGRAD, KIND_LAMB = 0, 1, 2, 3
-PSCAL_WIDTH = 16
-HP_WIDTH = 8
+# Kernels may read only constexpr globals; Triton folds them and keys its cache on their values.
+_HP_WIDTH = tl.constexpr(HP_WIDTH)
+_ADAM, _SGD, _LAMB = tl.constexpr(int(Kind.ADAM)), tl.constexpr(int(Kind.SGD)), tl.constexpr(int(Kind.LAMB))
 
 
 @triton.jit
 def _sumsq_kernel(grad_ptr, table_ptr, flags_ptr, scale_ptr, sq_ptr, bad_ptr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    start = tl.multiple_of(tl.load(table_ptr + pid * 3), 16)
+    start = tl.multiple_of(tl.load(table_ptr + pid * 3), _ALIGN)
     end = tl.load(table_ptr + pid * 3 + 1)
     pidx = tl.load(table_ptr + pid * 3 + 2)
     got = tl.load(flags_ptr + pidx)
     inv = 1.0 / tl.load(scale_ptr)
-    end = tl.multiple_of(tl.where(got != 0, end, start), 16)  # no grad this step: read nothing
+    end = tl.multiple_of(tl.where(got != 0, end, start), _ALIGN)  # no grad this step: read nothing
     offs = start + tl.arange(0, BLOCK)
     mask = offs < end
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv
@@ -69,7 +64,8 @@ def _finalize_kernel(
     sq_ptr, bad_ptr, n_partials, scale_ptr, scalars_ptr, max_norm,
     flags_ptr, steps_ptr, pgroup_ptr, hp_ptr, pscal_ptr, n_params,
     tracker_ptr, left_ptr, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
-    CHECK: tl.constexpr, CLIP: tl.constexpr, KIND: tl.constexpr, SCALER: tl.constexpr, BLOCK: tl.constexpr,
+    CHECK: tl.constexpr, CLIP: tl.constexpr, KIND: tl.constexpr, H: tl.constexpr, S: tl.constexpr,
+    SCALER: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -115,56 +111,56 @@ def _finalize_kernel(
         tl.store(flags_ptr + o, tl.zeros_like(o).to(tl.int32), mask=m)  # the grad marks are consumed
         s = tl.load(steps_ptr + o, mask=m, other=0.0) + act
         tl.store(steps_ptr + o, s, mask=m)
-        hp = hp_ptr + tl.load(pgroup_ptr + o, mask=m, other=0).to(tl.int64) * 8
-        ps = pscal_ptr + o.to(tl.int64) * 16
+        hp = hp_ptr + tl.load(pgroup_ptr + o, mask=m, other=0).to(tl.int64) * _HP_WIDTH
+        ps = _pscal_row(pscal_ptr, o.to(tl.int64))
         s64 = s.to(tl.float64)
-        tl.store(ps, act, mask=m)
-        if KIND == 0 or KIND == 3:  # Adam / AdamW / LAMB: lr, beta1, beta2, eps, weight_decay, decoupled
-            lr = tl.load(hp, mask=m, other=0.0)
-            b1 = tl.load(hp + 1, mask=m, other=0.5)
-            b2 = tl.load(hp + 2, mask=m, other=0.5)
-            eps = tl.load(hp + 3, mask=m, other=0.0)
-            wd = tl.load(hp + 4, mask=m, other=0.0)
-            dec = tl.load(hp + 5, mask=m, other=0.0)
+        tl.store(ps + S.ACTIVE, act, mask=m)
+        if KIND == _ADAM or KIND == _LAMB:  # noqa: SIM109 (@triton.jit compiles no `in`)
+            lr = tl.load(hp + H.LR, mask=m, other=0.0)
+            b1 = tl.load(hp + H.BETA1, mask=m, other=0.5)
+            b2 = tl.load(hp + H.BETA2, mask=m, other=0.5)
+            eps = tl.load(hp + H.EPS, mask=m, other=0.0)
+            wd = tl.load(hp + H.WEIGHT_DECAY, mask=m, other=0.0)
+            dec = tl.load(hp + H.DECOUPLED, mask=m, other=0.0)
             # counters at 0 (params never stepped) would divide 0 by 0; their scalars are not read
             s64 = tl.where(s64 > 0.0, s64, 1.0)
             bc1 = 1.0 - tl.exp(s64 * tl.log(b1))
             bc2 = 1.0 - tl.exp(s64 * tl.log(b2))
-            if KIND == 0:
-                tl.store(ps + 1, (lr / bc1).to(tl.float32), mask=m)
+            if KIND == _ADAM:
+                tl.store(ps + S.STEP_SIZE, (lr / bc1).to(tl.float32), mask=m)
             else:  # LAMB applies lr after the trust ratio
-                tl.store(ps + 1, (1.0 / bc1).to(tl.float32), mask=m)
-            tl.store(ps + 2, tl.sqrt(bc2).to(tl.float32), mask=m)
-            tl.store(ps + 3, tl.where(dec != 0.0, 1.0 - lr * wd, 1.0).to(tl.float32), mask=m)
-            tl.store(ps + 4, tl.where(dec != 0.0, 0.0, wd).to(tl.float32), mask=m)
-            tl.store(ps + 5, (1.0 - b1).to(tl.float32), mask=m)
-            tl.store(ps + 6, b2.to(tl.float32), mask=m)
-            tl.store(ps + 7, (1.0 - b2).to(tl.float32), mask=m)
-            tl.store(ps + 8, eps.to(tl.float32), mask=m)
-            tl.store(ps + 9, lr.to(tl.float32), mask=m)
-            tl.store(ps + 10, wd.to(tl.float32), mask=m)
-        elif KIND == 1:  # SGD: lr, momentum, dampening, weight_decay, nesterov
-            lr = tl.load(hp, mask=m, other=0.0)
-            mom = tl.load(hp + 1, mask=m, other=0.0)
-            damp = tl.load(hp + 2, mask=m, other=0.0)
-            wd = tl.load(hp + 3, mask=m, other=0.0)
-            nest = tl.load(hp + 4, mask=m, other=0.0)
-            tl.store(ps + 1, lr.to(tl.float32), mask=m)
-            tl.store(ps + 2, mom.to(tl.float32), mask=m)
-            tl.store(ps + 3, (1.0 - damp).to(tl.float32), mask=m)
-            tl.store(ps + 4, wd.to(tl.float32), mask=m)
-            tl.store(ps + 5, tl.where(s == 1.0, 1.0, 0.0), mask=m)
-            tl.store(ps + 6, nest.to(tl.float32), mask=m)
-            tl.store(ps + 7, tl.where(mom != 0.0, 1.0, 0.0), mask=m)
-        else:  # Adagrad: lr, lr_decay, weight_decay, eps
-            lr = tl.load(hp, mask=m, other=0.0)
-            lr_decay = tl.load(hp + 1, mask=m, other=0.0)
-            wd = tl.load(hp + 2, mask=m, other=0.0)
-            eps = tl.load(hp + 3, mask=m, other=0.0)
+                tl.store(ps + S.STEP_SIZE, (1.0 / bc1).to(tl.float32), mask=m)
+            tl.store(ps + S.BC2_SQRT, tl.sqrt(bc2).to(tl.float32), mask=m)
+            tl.store(ps + S.DECAY, tl.where(dec != 0.0, 1.0 - lr * wd, 1.0).to(tl.float32), mask=m)
+            tl.store(ps + S.WD, tl.where(dec != 0.0, 0.0, wd).to(tl.float32), mask=m)
+            tl.store(ps + S.OMB1, (1.0 - b1).to(tl.float32), mask=m)
+            tl.store(ps + S.BETA2, b2.to(tl.float32), mask=m)
+            tl.store(ps + S.OMB2, (1.0 - b2).to(tl.float32), mask=m)
+            tl.store(ps + S.EPS, eps.to(tl.float32), mask=m)
+            tl.store(ps + S.LR, lr.to(tl.float32), mask=m)
+            tl.store(ps + S.WD_RAW, wd.to(tl.float32), mask=m)
+        elif KIND == _SGD:
+            lr = tl.load(hp + H.LR, mask=m, other=0.0)
+            mom = tl.load(hp + H.MOMENTUM, mask=m, other=0.0)
+            damp = tl.load(hp + H.DAMPENING, mask=m, other=0.0)
+            wd = tl.load(hp + H.WEIGHT_DECAY, mask=m, other=0.0)
+            nest = tl.load(hp + H.NESTEROV, mask=m, other=0.0)
+            tl.store(ps + S.LR, lr.to(tl.float32), mask=m)
+            tl.store(ps + S.MOMENTUM, mom.to(tl.float32), mask=m)
+            tl.store(ps + S.OMD, (1.0 - damp).to(tl.float32), mask=m)
+            tl.store(ps + S.WD, wd.to(tl.float32), mask=m)
+            tl.store(ps + S.FIRST, tl.where(s == 1.0, 1.0, 0.0), mask=m)
+            tl.store(ps + S.NESTEROV, nest.to(tl.float32), mask=m)
+            tl.store(ps + S.HAS_MOMENTUM, tl.where(mom != 0.0, 1.0, 0.0), mask=m)
+        else:  # Adagrad
+            lr = tl.load(hp + H.LR, mask=m, other=0.0)
+            lr_decay = tl.load(hp + H.LR_DECAY, mask=m, other=0.0)
+            wd = tl.load(hp + H.WEIGHT_DECAY, mask=m, other=0.0)
+            eps = tl.load(hp + H.EPS, mask=m, other=0.0)
             s64 = tl.where(s64 > 0.0, s64, 1.0)
-            tl.store(ps + 1, (lr / (1.0 + (s64 - 1.0) * lr_decay)).to(tl.float32), mask=m)
-            tl.store(ps + 2, wd.to(tl.float32), mask=m)
-            tl.store(ps + 3, eps.to(tl.float32), mask=m)
+            tl.store(ps + S.CLR, (lr / (1.0 + (s64 - 1.0) * lr_decay)).to(tl.float32), mask=m)
+            tl.store(ps + S.WD, wd.to(tl.float32), mask=m)
+            tl.store(ps + S.EPS, eps.to(tl.float32), mask=m)
 
 
 def sumsq(
@@ -196,7 +192,7 @@ def finalize(
     pscal: torch.Tensor,
     *,
     check: bool,
-    kind: int,
+    kind: Kind,
     scaler: DynamicLossScaler | None = None,
 ) -> None:
     """Skip decision, clip coefficient, step counters and per-param scalars (one program); clears ``flags``.
@@ -215,6 +211,7 @@ def finalize(
     _finalize_kernel[(1,)](
         sq, bad, sq.numel(), scale, scalars, 0.0 if max_norm is None else float(max_norm),
         flags, steps, pgroup, hp, pscal, steps.numel(), *sargs,
-        CHECK=bool(check), CLIP=max_norm is not None, KIND=kind, SCALER=scaler is not None,
+        CHECK=bool(check), CLIP=max_norm is not None, KIND=int(kind), H=HP_SLOTS[kind], S=PSCAL_SLOTS[kind],
+        SCALER=scaler is not None,
         BLOCK=cfg.final_block, num_warps=cfg.final_warps,
     )  # fmt: skip

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ...kernels.slots import ADAGRAD_HP, Kind, hp_row
 from .base import FusedOptimizer
 from .adam import _check_number
 
@@ -25,7 +26,7 @@ __all__ = ["FusedAdagrad"]
 class FusedAdagrad(FusedOptimizer):
     """Adagrad with built-in FP32 masters for fp16/bf16 params (``maximize`` is not supported)."""
 
-    _KIND = 2
+    _KIND = Kind.ADAGRAD
     _STATE_NAMES = ("sum",)
 
     def __init__(
@@ -84,7 +85,13 @@ class FusedAdagrad(FusedOptimizer):
 
     @classmethod
     def _hp_row(cls, group: dict[str, Any]) -> list[Any]:
-        return [group["lr"], group["lr_decay"], group["weight_decay"], group["eps"], 0.0, 0.0, 0.0, 0.0]
+        return hp_row(
+            ADAGRAD_HP,
+            LR=group["lr"],
+            LR_DECAY=group["lr_decay"],
+            WEIGHT_DECAY=group["weight_decay"],
+            EPS=group["eps"],
+        )
 
     def _launch_update(self, chunk) -> None:
         from ...kernels.update import adagrad_update

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ...kernels.slots import ADAM_HP, Kind, hp_row
 from .base import FusedOptimizer
 
 __all__ = ["FusedAdam", "FusedAdamW"]
@@ -39,7 +40,7 @@ class FusedAdam(FusedOptimizer):
     ``halfprec.optim.fused.base`` for the step, the grad marking and the loss-scaling arguments.
     """
 
-    _KIND = 0
+    _KIND = Kind.ADAM
     _STATE_NAMES = ("exp_avg", "exp_avg_sq")
     _DECOUPLED = False
 
@@ -100,7 +101,10 @@ class FusedAdam(FusedOptimizer):
     def _hp_row(cls, group: dict[str, Any]) -> list[Any]:
         b1, b2 = group["betas"]
         dec = 1.0 if group.get("decoupled_weight_decay", cls._DECOUPLED) else 0.0
-        return [group["lr"], b1, b2, group["eps"], group["weight_decay"], dec, 0.0, 0.0]
+        return hp_row(
+            ADAM_HP, LR=group["lr"], BETA1=b1, BETA2=b2, EPS=group["eps"], WEIGHT_DECAY=group["weight_decay"],
+            DECOUPLED=dec,
+        )  # fmt: skip
 
     def _launch_update(self, chunk) -> None:
         from ...kernels.update import adam_update

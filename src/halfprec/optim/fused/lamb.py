@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ...kernels.slots import ADAM_HP, Kind, hp_row
 from .adam import FusedAdam
 
 __all__ = ["FusedLamb"]
@@ -25,7 +26,7 @@ __all__ = ["FusedLamb"]
 class FusedLamb(FusedAdam):
     """LAMB over fp16/bf16 params with FP32 masters (see the module docstring for the math)."""
 
-    _KIND = 3
+    _KIND = Kind.LAMB
 
     def __init__(
         self,
@@ -48,7 +49,10 @@ class FusedLamb(FusedAdam):
     @classmethod
     def _hp_row(cls, group: dict[str, Any]) -> list[Any]:
         b1, b2 = group["betas"]
-        return [group["lr"], b1, b2, group["eps"], group["weight_decay"], 0.0, 0.0, 0.0]
+        # L2-style decay: LAMB adds wd * p to its update itself (DECOUPLED stays 0)
+        return hp_row(
+            ADAM_HP, LR=group["lr"], BETA1=b1, BETA2=b2, EPS=group["eps"], WEIGHT_DECAY=group["weight_decay"]
+        )
 
     def _launch_update(self, chunk) -> None:
         from ...kernels.lamb import lamb_update

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ...kernels.slots import SGD_HP, Kind, hp_row
 from .base import FusedOptimizer
 from .adam import _check_number
 
@@ -27,7 +28,7 @@ __all__ = ["FusedSGD"]
 class FusedSGD(FusedOptimizer):
     """SGD with built-in FP32 masters for fp16/bf16 params (``maximize`` is not supported)."""
 
-    _KIND = 1
+    _KIND = Kind.SGD
 
     def __init__(
         self,
@@ -109,16 +110,10 @@ class FusedSGD(FusedOptimizer):
 
     @classmethod
     def _hp_row(cls, group: dict[str, Any]) -> list[Any]:
-        return [
-            group["lr"],
-            group["momentum"],
-            group["dampening"],
-            group["weight_decay"],
-            1.0 if group["nesterov"] else 0.0,
-            0.0,
-            0.0,
-            0.0,
-        ]
+        return hp_row(
+            SGD_HP, LR=group["lr"], MOMENTUM=group["momentum"], DAMPENING=group["dampening"],
+            WEIGHT_DECAY=group["weight_decay"], NESTEROV=1.0 if group["nesterov"] else 0.0,
+        )  # fmt: skip
 
     def _launch_update(self, chunk) -> None:
         from ...kernels.update import sgd_update

@@ -139,6 +139,7 @@ class FusedLocalStep:
         """Update every piece whose param got a grad on some rank (``used_anywhere[layout index] > 0``);
         ``coef``: the clip coefficient as a device scalar, or None."""
         from ...kernels.norm import finalize
+        from ...kernels.slots import Kind
         from ...kernels.update import adagrad_update, adam_update, sgd_update
         from ..select import unsupported_flag
 
@@ -182,11 +183,11 @@ class FusedLocalStep:
         for table, aligned in ((self.aligned, True), (self.loose, False)):
             args = (self.master, grad_shard, self.master)
             tail = (table, self.pscal, self.scalars)
-            if self.kind == 0:
+            if self.kind == Kind.ADAM:
                 adam_update(
                     *args, self.buffers["exp_avg"], self.buffers["exp_avg_sq"], *tail, aligned=aligned
                 )
-            elif self.kind == 2:
+            elif self.kind == Kind.ADAGRAD:
                 adagrad_update(*args, self.buffers["sum"], *tail, aligned=aligned)
             else:
                 sgd_update(*args, self.buffers.get("momentum_buffer"), *tail, aligned=aligned)
