@@ -207,7 +207,7 @@ def train(model, opt, cfg: dict, steps: range, trace: dict | None = None, sched=
 def pieces(opt: ShardedMixedPrecisionOptimizer) -> dict:
     """This rank's share of masters and state in model space: name -> (lo, hi, master, {key: value})."""
     out = {}
-    for name, _shape, _g, piece, param in opt._model_space():
+    for name, _shape, _g, piece, param in opt.model_space():
         if piece is None:
             continue
         st = {k: v.clone() for k, v in opt.state.get(param, {}).items()}
@@ -304,7 +304,7 @@ def scenario_ckpt_reshard(
         checkpoint.load(opt, Path(out) / f"{source}{i}")
         complete = all(
             set(opt.state.get(p, {})) == {"step", "exp_avg", "exp_avg_sq"} or cfg["opt"] != "adamw"
-            for n, _s, _g, piece, p in opt._model_space()
+            for n, _s, _g, piece, p in opt.model_space()
             if piece is not None and n != "unused"
         )
         checkpoint.save(opt, Path(out) / f"{target}{i}")
@@ -491,7 +491,7 @@ def scenario_misc(out: str) -> dict:
     opt.refresh_masters()
     res["refreshed"] = all(
         torch.equal(param, model.get_parameter(n).detach().reshape(-1)[piece.lo : piece.hi].float())
-        for n, _s, _g, piece, param in opt._model_space()
+        for n, _s, _g, piece, param in opt.model_space()
         if piece is not None
     )
     # rank-local state dict: same world size round trip

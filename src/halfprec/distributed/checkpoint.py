@@ -71,7 +71,7 @@ def _entries(optimizer, named_parameters) -> list[tuple[str, torch.Size, int, in
     """``(name, shape, group, lo, fp32 tensor to save/load, writes_scalars)`` per param this rank holds."""
     if isinstance(optimizer, ShardedMixedPrecisionOptimizer):
         out = []
-        for name, shape, group, piece, param in optimizer._model_space():
+        for name, shape, group, piece, param in optimizer.model_space():
             if piece is not None:
                 out.append((name, shape, group, piece.lo, param, piece.lo == 0))
         return out
@@ -133,7 +133,7 @@ def _hparam_tensor(value: Any) -> torch.Tensor | None:
 
 def _all_names(optimizer, named_parameters) -> list[tuple[str, torch.Size, int]]:
     if isinstance(optimizer, ShardedMixedPrecisionOptimizer):
-        return [(n, s, g) for n, s, g, _, _ in optimizer._model_space()]
+        return [(n, s, g) for n, s, g, _, _ in optimizer.model_space()]
     return [(n, s, g) for n, s, g, *_ in _entries(optimizer, named_parameters)]
 
 
@@ -318,9 +318,7 @@ def _apply(optimizer, loaded: dict[str, torch.Tensor], plans: list, chunked: set
             scaler_sd[key] = type(value)(loaded[f"scaler/{key}"].item())
     skipped = int(loaded["counters/skipped_steps"])
     if sharded:
-        optimizer.loss_scaler.load_state_dict(scaler_sd)
-        optimizer._skipped_steps = skipped
-        optimizer._publish()
+        optimizer.restore_counters(scaler_sd, skipped)
     else:
         # masters, state and groups are in place: the optimizer's own load_state_dict sets its counters and
         # scaler and rounds the masters into the model

@@ -351,8 +351,15 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._s.unscaled = False
         self._run_hooks("_optimizer_load_state_dict_post_hooks")
 
-    # --- model-space view (used by checkpoint.py) ------------------------------------------------------
-    def _model_space(self) -> Iterator[tuple[str, torch.Size, int, Any, torch.nn.Parameter | None]]:
+    def restore_counters(self, scaler_state: dict[str, Any], skipped_steps: int) -> None:
+        """After a model-space checkpoint load put masters, state and groups in place: the scaler and counters,
+        then the masters rounded into the model on every rank."""
+        self.loss_scaler.load_state_dict(scaler_state)
+        self._s.skipped_steps = int(skipped_steps)
+        self._publish()
+
+    # --- model-space view (used by halfprec.distributed.checkpoint) ---------------------------------------
+    def model_space(self) -> Iterator[tuple[str, torch.Size, int, Any, torch.nn.Parameter | None]]:
         """``(name, shape, group index, piece or None, piece param or None)`` for every trainable param."""
         for i, name in enumerate(self._names):
             piece = self.layout.piece_of.get(i)
