@@ -65,7 +65,9 @@ def test_a_halfprec_optimizer_is_never_wrapped_again(dtype):
     for inner in (FusedAdamW(model.parameters(), lr=1e-2), halfprec.MixedPrecisionOptimizer(
         torch.optim.AdamW(_model(dtype).parameters()), impl="torch"
     )):  # fmt: skip
-        with pytest.raises(ValueError, match=rf"already a MixedPrecisionOptimizer \({type(inner).__name__}\)"):
+        with pytest.raises(
+            ValueError, match=rf"already a MixedPrecisionOptimizer \({type(inner).__name__}\)"
+        ):
             halfprec.MixedPrecisionOptimizer(inner)
         with pytest.raises(ValueError, match=r"initialize\(\) wraps it itself"):
             halfprec.initialize(model, inner, precision="bf16" if dtype == torch.bfloat16 else "fp16")
@@ -104,7 +106,9 @@ def test_construction_allocates_only_the_masters(impl, torch_cls):
     overhead = 4096 * len(list(model.parameters()))  # per-param bookkeeping: tables, counters, alignment
     assert per_param * n <= counter.total <= per_param * n + overhead, counter.total / n
     state = mp.state_dict()["optimizer"]["state"]
-    if torch_cls is torch.optim.Adagrad:  # eager state: re-created exactly in fp32, as torch's constructor would
+    if (
+        torch_cls is torch.optim.Adagrad
+    ):  # eager state: re-created exactly in fp32, as torch's constructor would
         assert all(s["sum"].dtype == torch.float32 and float(s["step"]) == 0 for s in state.values())
     else:
         assert state == {}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..config import Config
-from ..scaler import LossScaler
 from ..optim.sharded import ShardedMixedPrecisionOptimizer
+from ..scaler import LossScaler
 
 __all__ = ["sharded_engine_optimizer"]
 

@@ -35,9 +35,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from ..optim.base import MixedPrecisionOptimizer
-from ._safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, read_metadata, refuse_bytes
-from ..optim.sharded.checks import is_elementwise, named_trainable
 from ..optim.sharded import ShardedMixedPrecisionOptimizer
+from ..optim.sharded.checks import named_trainable
+from ..optim.state import is_elementwise
+from ._safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, read_metadata, refuse_bytes
 
 __all__ = ["save", "load", "FORMAT_VERSION"]
 

@@ -39,10 +39,17 @@ from typing import Any
 import torch
 
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
-from .checks import check_options, check_params, check_saved_groups, check_torch_optimizer, check_unfrozen, clear_grads
+from .checks import (
+    check_options,
+    check_params,
+    check_saved_groups,
+    check_torch_optimizer,
+    check_unfrozen,
+    clear_grads,
+)
 from .layout import LOW_PRECISION, MasterStore
 from .results import GradMarks, SkipLog, StepState
-from .state import migrate_state, restore_state_dtypes
+from .state import Target, move_state, restore_state_dtypes
 
 __all__ = ["FORMAT", "MixedPrecisionOptimizer"]
 
@@ -114,14 +121,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         _check_wrappable(optimizer, dict(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype,
                                          skip_nonfinite=skip_nonfinite))  # fmt: skip
         self._init_wrapping(optimizer)
-        self._init_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype)
+        self._init_options(
+            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype
+        )
         self._store = MasterStore()
         self._own: list[torch.nn.Parameter] = []  # trainable params that are their own masters (fp32/fp64)
         self._model_params: list[torch.nn.Parameter] = []  # what the caller's model holds, group order
         self._trained: list[torch.nn.Parameter] = []  # those trainable when wrapped: a master or their own
         self._frozen: list[torch.nn.Parameter] = []  # those frozen when wrapped: no master, never trained
         mapping = self._build_masters(optimizer.param_groups)
-        migrate_state(optimizer, mapping)
+        move_state(optimizer, {p: Target(m, 0, p.numel()) for p, m in mapping.items()})
         for group in optimizer.param_groups:
             group["params"] = [mapping.get(p, p) for p in group["params"]]
 
@@ -147,7 +156,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             setattr(self, name, OrderedDict())
         self._patch_step_function()
 
-    def _init_options(self, *, max_grad_norm: float | None, skip_nonfinite: bool, param_dtype: torch.dtype | None) -> None:
+    def _init_options(
+        self, *, max_grad_norm: float | None, skip_nonfinite: bool, param_dtype: torch.dtype | None
+    ) -> None:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.skip_nonfinite = bool(skip_nonfinite)
         self.param_dtype = param_dtype
@@ -235,7 +246,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale
 
-    def _record_step(self, values: list[float], norm: float | None, *, where: str = "", log: bool = True) -> None:
+    def _record_step(
+        self, values: list[float], norm: float | None, *, where: str = "", log: bool = True
+    ) -> None:
         """Keep a step's results; ``values`` is ``LossScaler.step_update``'s (skipped, at min, before, after)."""
         skipped, at_min, before, after = values[:4]
         self._s.grad_norm = norm

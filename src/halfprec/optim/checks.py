@@ -26,7 +26,11 @@ __all__ = [
 
 
 def check_options(
-    *, loss_scaler: Any = None, max_grad_norm: Any = None, param_dtype: torch.dtype | None = None, skip_nonfinite: Any = True
+    *,
+    loss_scaler: Any = None,
+    max_grad_norm: Any = None,
+    param_dtype: torch.dtype | None = None,
+    skip_nonfinite: Any = True,
 ) -> None:
     """Raise ValueError naming the value and the fix for a bad ``loss_scaler``, ``max_grad_norm`` or ``param_dtype``."""
     if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):

@@ -55,7 +55,9 @@ class SkipLog:
     def __init__(self) -> None:
         self.warned_min_scale = False
 
-    def report(self, *, before: float, after: float, skipped_so_far: int, at_min_scale: bool, where: str = "") -> None:
+    def report(
+        self, *, before: float, after: float, skipped_so_far: int, at_min_scale: bool, where: str = ""
+    ) -> None:
         """Log a skipped step; ``at_min_scale``: a dynamic scaler was at its minimum scale when it overflowed."""
         logger.warning(
             "halfprec: step skipped, non-finite gradients or gradient norm%s (loss scale %g -> %g, %d skipped so far)",

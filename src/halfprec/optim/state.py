@@ -1,36 +1,56 @@
-"""Moving a wrapped optimizer's existing state onto the FP32 masters, exactly.
+"""Moving a wrapped optimizer's existing state onto the FP32 masters, or onto this rank's pieces of them, exactly.
 
-Policy (design invariant 5):
+One policy for every strategy (design invariant 5):
 
 * state that the optimizer's own constructor created (torch Adagrad's ``sum``) is re-created in fp32 by
-  constructing the same class over the masters with the same groups and ``defaults`` and taking its fresh
+  constructing the same class over the targets with the same groups and ``defaults`` and taking its fresh
   state; a 16-bit copy upcast later is not the fp32 value (``0.1`` is ``0.0999755859375`` in fp16);
 * a 16-bit state tensor that differs from what the constructor would have made was populated by the user and
   is upcast;
 * every other value (fp32 tensors, integer counters, bool masks, non-tensors) is kept as it is;
 * a constructor that cannot be re-run falls back to upcasting, with one warning.
+
+A target may hold a whole param (the exact strategy's master, same shape) or a piece of it (the sharded
+strategy: elements ``[lo, hi)`` of the flattened param, 1-D): elementwise state is then sliced to the piece.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .layout import LOW_PRECISION
 
-__all__ = ["migrate_state", "restore_state_dtypes"]
+__all__ = ["SCALAR_KEYS", "Target", "is_elementwise", "move_state", "restore_state_dtypes"]
+
+# 0-d state entries of the elementwise torch optimizers; every other state tensor has the param's shape. The
+# names matter only for 0-d params, whose per-element state is 0-d as well.
+SCALAR_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
 
 
-def _fresh_state(optimizer: torch.optim.Optimizer, mapping: dict) -> dict | None:
+def is_elementwise(key: str, value: torch.Tensor, shape: torch.Size) -> bool:
+    """True when state ``key`` holds one value per element of a param of ``shape`` (else it is a scalar)."""
+    return value.shape == shape and (value.dim() > 0 or key not in SCALAR_KEYS)
+
+
+class Target(NamedTuple):
+    """Where a param's state goes: ``tensor`` (an fp32 master or piece) holds elements ``[lo, hi)`` of it."""
+
+    tensor: torch.Tensor
+    lo: int
+    hi: int
+
+
+def _fresh_state(optimizer: torch.optim.Optimizer, targets: dict) -> dict | None:
     groups = []
     for group in optimizer.param_groups:
-        masters = [mapping[p] for p in group["params"] if p in mapping]
-        if masters:
+        mine = [targets[p].tensor for p in group["params"] if targets.get(p) is not None]
+        if mine:
             keys = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-            groups.append({**keys, "params": masters})
+            groups.append({**keys, "params": mine})
     if not groups:
         return {}
     cls = type(optimizer)
@@ -47,7 +67,7 @@ def _fresh_state(optimizer: torch.optim.Optimizer, mapping: dict) -> dict | None
         "created 16-bit state is upcast to fp32, which is not the exact fp32 value. Build the optimizer over "
         "an fp32 model and pass param_dtype= to wrap it exactly.",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
     return None
 
@@ -56,22 +76,36 @@ def _is_low_precision(value: Any, param: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.dtype in LOW_PRECISION and value.dtype == param.dtype
 
 
-def migrate_state(optimizer: torch.optim.Optimizer, mapping: dict) -> None:
-    """Re-key ``optimizer.state`` from the model params in ``mapping`` to their masters, in place."""
+def move_state(optimizer: torch.optim.Optimizer, targets: dict) -> None:
+    """Re-key ``optimizer.state`` in place: ``targets[param]`` is a ``Target`` (the state moves there) or None
+    (another rank holds it: dropped); params not in ``targets`` keep their state (fp32 params that are their
+    own masters, frozen ones)."""
     old = optimizer.state
     needs_fresh = any(
-        p in mapping and any(_is_low_precision(v, p) for v in st.values()) for p, st in old.items()
+        targets.get(p) is not None and any(_is_low_precision(v, p) for v in st.values())
+        for p, st in old.items()
     )
-    fresh = _fresh_state(optimizer, mapping) if needs_fresh else {}
+    fresh = _fresh_state(optimizer, targets) if needs_fresh else {}
     new: defaultdict = defaultdict(dict)
     for param, st in old.items():
-        master = mapping.get(param)
-        if master is None:
+        if param not in targets:
             new[param] = st
             continue
-        made = (fresh or {}).get(master, {})
+        target = targets[param]
+        if target is None or not st:
+            continue
+        whole = target.lo == 0 and target.hi == param.numel() and target.tensor.shape == param.shape
+        made = (fresh or {}).get(target.tensor, {})
         out = {}
         for key, value in st.items():
+            if torch.is_tensor(value) and not whole:
+                value = value.detach()
+                value = (
+                    value.reshape(-1)[target.lo : target.hi]
+                    if is_elementwise(key, value, param.shape)
+                    else value
+                )
+                value = value.clone()
             if not _is_low_precision(value, param):
                 out[key] = value
                 continue
@@ -85,7 +119,7 @@ def migrate_state(optimizer: torch.optim.Optimizer, mapping: dict) -> None:
                 out[key] = candidate
             else:
                 out[key] = value.to(torch.float32)
-        new[master] = out
+        new[target.tensor] = out
     optimizer.state = new
 
 

@@ -81,7 +81,9 @@ class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
             skip_nonfinite=skip_nonfinite,
         )
         self._built = False
-        self._init_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype)
+        self._init_options(
+            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype
+        )
         torch.optim.Optimizer.__init__(self, params, defaults)  # owns its groups: not a wrapper's __init__
         self._build()
         self._built = True

@@ -50,7 +50,11 @@ class CheckpointMixin:
 
     def _param_entries(self) -> list[dict[str, Any]]:
         return [
-            {"shape": list(p.shape), "dtype": str(p.dtype), "master": p in self._index and p.dtype != torch.float32}
+            {
+                "shape": list(p.shape),
+                "dtype": str(p.dtype),
+                "master": p in self._index and p.dtype != torch.float32,
+            }
             for p in self._all
         ]
 

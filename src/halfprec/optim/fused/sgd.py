@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ...kernels.slots import SGD_HP, Kind, hp_row
-from .base import FusedOptimizer
 from .adam import _check_number
+from .base import FusedOptimizer
 
 __all__ = ["FusedSGD"]
 

@@ -1,34 +1,19 @@
-"""Checks on what a sharded optimizer wraps, param naming, and moving existing state onto the pieces."""
+"""Checks on what a sharded optimizer wraps, and the param names that key its checkpoints."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from ..layout import LOW_PRECISION
 from ..checks import check_options
 
 __all__ = [
     "ELEMENTWISE",
-    "SCALAR_KEYS",
     "check_optimizer",
-    "is_elementwise",
     "named_trainable",
-    "shard_state",
 ]
-
-# 0-d state entries of the elementwise torch optimizers; every other state tensor has the param's shape. The
-# names matter only for 0-d params, whose per-element state is 0-d as well.
-SCALAR_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
-
-
-def is_elementwise(key: str, value: torch.Tensor, shape: torch.Size) -> bool:
-    """True when state ``key`` holds one value per element of a param of ``shape`` (else it is a scalar)."""
-    return value.shape == shape and (value.dim() > 0 or key not in SCALAR_KEYS)
-
 
 # Optimizers whose update of an element depends only on that element's grad, state and the group's scalars:
 # stepping a piece of a param is then exactly stepping the param. LAMB, LARS, Adafactor, Muon, Shampoo and
@@ -112,59 +97,3 @@ def named_trainable(
             params.append(p)
             groups.append(gi)
     return names, params, groups
-
-
-def _fresh_state(optimizer: torch.optim.Optimizer, pieces: list[torch.nn.Parameter]) -> dict:
-    """State the optimizer's constructor creates eagerly (Adagrad's ``sum``), made over the fp32 pieces."""
-    groups = []
-    wanted = {id(p) for p in pieces}
-    for group in optimizer.param_groups:
-        mine = [p for p in group["params"] if id(p) in wanted]
-        if mine:
-            groups.append(
-                {**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": mine}
-            )
-    if not groups:
-        return {}
-    try:
-        return dict(type(optimizer)(groups, **optimizer.defaults).state)
-    except Exception:  # noqa: BLE001 - cannot re-run the constructor: fall back to slicing and upcasting
-        return {}
-
-
-def shard_state(optimizer: torch.optim.Optimizer, mapping: dict) -> None:
-    """Re-key ``optimizer.state`` from whole params to this rank's pieces (``mapping[param] = (piece, Piece)``).
-
-    Elementwise tensors are sliced (constructor-made 16-bit state is re-created in fp32, as in ``migrate``);
-    other values are copied. State of params with no piece here is dropped: other ranks hold it.
-    """
-    old = optimizer.state
-    fresh = _fresh_state(optimizer, [m for m, _ in mapping.values()]) if old else {}
-    new: defaultdict = defaultdict(dict)
-    for param, (master, piece) in mapping.items():
-        st = old.get(param)
-        if not st:
-            continue
-        made = fresh.get(master, {})
-        out = {}
-        for key, value in st.items():
-            if not torch.is_tensor(value):
-                out[key] = value
-            elif is_elementwise(key, value, param.shape):
-                part = value.detach().reshape(-1)[piece.lo : piece.hi]
-                candidate = made.get(key)
-                if (
-                    value.dtype in LOW_PRECISION
-                    and torch.is_tensor(candidate)
-                    and candidate.shape == part.shape
-                    and torch.equal(candidate.to(value.dtype), part)
-                ):
-                    out[key] = candidate
-                elif value.dtype in LOW_PRECISION:
-                    out[key] = part.to(torch.float32)
-                else:
-                    out[key] = part.clone()
-            else:
-                out[key] = value.detach().clone()
-        new[master] = out
-    optimizer.state = new

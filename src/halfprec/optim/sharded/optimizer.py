@@ -37,8 +37,8 @@ import torch.distributed as dist
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_unfrozen, clear_grads
-from ..state import restore_state_dtypes
-from .checks import check_optimizer, named_trainable, shard_state
+from ..state import Target, move_state, restore_state_dtypes
+from .checks import check_optimizer, named_trainable
 from .grads import GradReducer
 from .layout import Layout
 
@@ -98,7 +98,9 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 "torch.distributed.init_process_group() first (torchrun sets the environment)"
             )
         self.stage = stage
-        self._init_options(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype)
+        self._init_options(
+            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype
+        )
         self.reduce_dtype = reduce_dtype
         self.process_group = process_group
         self._init_wrapping(optimizer)
@@ -170,18 +172,25 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             view = self.flat_master[piece.local : piece.local + piece.numel]
             self._piece_params[piece.param] = torch.nn.Parameter(view, requires_grad=True)
         index_of = {id(p): i for i, p in enumerate(self._params)}
-        mapping = {}
-        for group in self.optimizer.param_groups:
-            order = [
+        orders = [
+            [
                 index_of[id(p)]
-                for p in group["params"]
+                for p in g["params"]
                 if id(p) in index_of and index_of[id(p)] in self._piece_params
             ]
-            mapping.update({self._params[i]: (self._piece_params[i], self.layout.piece_of[i]) for i in order})
+            for g in self.optimizer.param_groups
+        ]
+        # state of params held by no piece here (other ranks' pieces, frozen params) is dropped; moved while the
+        # groups still hold the params, so eager state is re-created over the pieces in the same groups
+        targets: dict = {p: None for g in self.optimizer.param_groups for p in g["params"]}
+        for i in (i for order in orders for i in order):
+            piece = self.layout.piece_of[i]
+            targets[self._params[i]] = Target(self._piece_params[i], piece.lo, piece.hi)
+        move_state(self.optimizer, targets)
+        for group, order in zip(self.optimizer.param_groups, orders, strict=True):
             group["params"] = [self._piece_params[i] for i in order]
             if "param_names" in group:
                 group["param_names"] = [self._names[i] for i in order]
-        shard_state(self.optimizer, mapping)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise RuntimeError(
