@@ -19,12 +19,11 @@ import torch
 from . import checkpoint as ckpt
 from .config import Config, check_fields
 from .optimizer import MixedPrecisionOptimizer
+from .precision import DTYPES
 from .resume import check_scaler_kind, keep_scaler_settings
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
 __all__ = ["Engine", "StepRecord", "initialize"]
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ def initialize(
 
         mp = sharded_engine_optimizer(model, optimizer, config, _scaler_for(config))
         return Engine(model, mp, config, lr_scheduler)
-    dtype = _DTYPES[config.precision]
+    dtype = DTYPES[config.precision]
     trained = {p for g in optimizer.param_groups for p in g["params"]}
     for name, p in model.named_parameters():
         if p in trained and p.is_floating_point() and p.dtype not in (torch.float32, dtype):
