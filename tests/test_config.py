@@ -6,8 +6,10 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
-from halfprec.config import Config
+from halfprec import precision
+from halfprec.config import OLD_NAMES, Config, config_name, dynamic_scaling
 from halfprec.deepspeed_config import DEEPSPEED_KEYS, DeepSpeedConfigWarning, render_deepspeed_table
 
 DATA = Path(__file__).parent / "data" / "deepspeed"
@@ -81,6 +83,87 @@ INVALID = [
 def test_invalid_configs_raise(kwargs, regex):
     with pytest.raises(ValueError, match=regex):
         Config(**kwargs)
+
+
+# Values the checks above pass by type but that the loss scaler could not use (issue 16 item 7): refused when the
+# Config is built, under the name the caller wrote, not at the first (skipped) step.
+UNUSABLE = [
+    ({"initial_scale": 2.0**200}, ValueError, r"initial_scale=.* \(2\*\*200\) is inf in fp32.*2\.0\*\*127"),
+    ({"init_scale": 2.0**128}, ValueError, r"init_scale=.* \(2\*\*128\) is inf in fp32"),
+    ({"precision": "fp16", "static_loss_scale": 2.0**200}, ValueError, r"static_loss_scale=.*is inf in fp32"),
+    ({"init_scale": 1.0, "min_scale": 2.0**-150}, ValueError, r"min_scale=.* \(2\*\*-150\) is 0 in fp32"),
+    ({"growth_interval": 2**70}, ValueError, r"growth_interval=1180591620717411303424 is too large.*int64"),
+    ({"hysteresis": 2**64}, ValueError, r"hysteresis=18446744073709551616 is too large"),
+    ({"init_scale": 3.0}, ValueError, r"init_scale must be a power of two.*got 3\.0; use 4\.0 or 2\.0"),
+    (
+        {"init_scale": 4.0, "initial_scale": 8.0},
+        ValueError,
+        r"initial_scale is the old name of init_scale; pass only",
+    ),
+    ({"precision": "float16"}, ValueError, r"precision must be one of .*got 'float16'; use 'fp16'"),
+    ({"initial_scal": 8.0}, TypeError, r"unexpected keyword argument 'initial_scal'"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "regex"), UNUSABLE)
+def test_unusable_scaler_settings_raise_when_built(kwargs, error, regex):
+    with pytest.raises(error, match=regex):
+        Config(**kwargs)
+
+
+def test_old_field_name_is_an_alias():
+    assert dict(OLD_NAMES) == {"initial_scale": "init_scale"}
+    old = Config(precision="fp16", initial_scale=2.0**10)
+    assert old == Config(precision="fp16", init_scale=2.0**10) and old.initial_scale == 2.0**10
+    assert "initial_scale" not in repr(old)  # one field, shown under its name
+    assert Config(init_scale=2.0**3).replace(initial_scale=2.0**5).init_scale == 2.0**5
+    assert Config(initial_scale=2.0**3).replace(growth_interval=7).init_scale == 2.0**3
+    with pytest.raises(ValueError, match=r"initial_scale \(1\.0\) must be >= min_scale"):
+        Config(min_scale=2.0).replace(initial_scale=1.0)
+
+
+def test_config_builds_the_scaler_its_fields_name():
+    dynamic = Config(precision="fp16", init_scale=2.0**8, growth_interval=5, hysteresis=3, min_scale=2.0)
+    assert dynamic.loss_scaler().settings() == {
+        "init_scale": 256.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 5,
+        "hysteresis": 3,
+        "min_scale": 2.0,
+    }
+    static = Config(precision="fp16", static_loss_scale=8.0).loss_scaler()
+    assert static.settings() == {"scale": 8.0} and config_name(static, "scale") == "static_loss_scale"
+    assert config_name(dynamic.loss_scaler(), "min_scale") == "min_scale"
+    assert Config(precision="bf16").loss_scaler().is_unit
+    assert (
+        dynamic_scaling("fp16", None)
+        and not dynamic_scaling("fp16", 8.0)
+        and not dynamic_scaling("bf16", None)
+    )
+
+
+def test_precision_vocabulary():
+    assert precision.PRECISIONS == ("bf16", "fp16", "fp32")
+    assert precision.to_dtype("bf16") is torch.bfloat16 and precision.precision_of(torch.float16) == "fp16"
+    assert set(precision.LOW_PRECISION) == {torch.float16, torch.bfloat16}
+    with pytest.raises(ValueError, match=r"got 'half'; use 'fp16'"):
+        precision.to_dtype("half")
+    with pytest.raises(ValueError, match=r"torch.float64 has no halfprec precision name"):
+        precision.precision_of(torch.float64)
+    with pytest.raises(TypeError):
+        precision.DTYPES["fp8"] = torch.float32  # read-only: one map for every module
+
+
+def test_deepspeed_reader_does_not_import_config():
+    """The config <-> deepspeed_config cycle stays open: the reader is handed the Config class."""
+    import ast
+
+    import halfprec.deepspeed_config as ds
+
+    tree = ast.parse(Path(ds.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "config" not in imported and not any(m and m.endswith(".config") for m in imported)
 
 
 def test_replace_validates():

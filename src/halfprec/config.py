@@ -1,61 +1,51 @@
-"""Training configuration: one frozen dataclass, and a reader for DeepSpeed JSON configs.
+"""Training configuration: one frozen dataclass, validated when it is built.
 
 ``Config`` validates every field when it is built, so a bad value fails where it was written, not steps later.
-``Config.from_deepspeed`` reads the parts of a DeepSpeed config that halfprec owns; ``DEEPSPEED_KEYS`` says, for
-every DeepSpeed key inside those parts, whether it is mapped, accepted with a warning, or an error
-(rendered in ``docs/deepspeed-config.md`` by ``render_deepspeed_table``). Nothing is silently dropped.
+The loss-scaler fields carry the scalers' own names and are checked by the checks the scalers run
+(``_checks.check_power_of_two``, ``_checks.check_dynamic_settings``); precision names come from
+``halfprec.precision``. ``Config.from_deepspeed`` delegates to ``deepspeed_config.read_deepspeed``, which
+builds a Config from the class it is given and imports nothing from here, so the two modules import in one
+direction only (config -> deepspeed_config -> _checks).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any, Literal
 
-from .scaler import _check_power_of_two
-
-__all__ = ["Config", "check_fields"]
-
-_FSDP2_HINT = (
-    "halfprec does not shard parameters (ZeRO-3); use torch FSDP2 (torch.distributed.fsdp.fully_shard with "
-    "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), or ZeRO stage 1/2"
+from ._checks import (
+    FSDP2_HINT,
+    check_dynamic_settings,
+    check_max_grad_norm,
+    check_power_of_two,
+    choice,
+    int_at_least_one,
+    is_int,
 )
-_PRECISION_ALIASES = {
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "float32": "fp32",
-    "float": "fp32",
-}
+from .deepspeed_config import read_deepspeed
+from .precision import Precision, check_precision
+from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
+
+__all__ = ["OLD_NAMES", "Config", "check_fields", "config_name", "dynamic_scaling"]
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+class _NotGiven:
+    """Default of an old field name: tells "not passed" apart from any value, None included."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+_NOT_GIVEN: Any = _NotGiven()
 
-
-def _choice(name: str, value: Any, allowed: tuple[Any, ...], hint: str = "") -> None:
-    if any(type(value) is type(a) and value == a for a in allowed):
-        return
-    raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}{hint}")
-
-
-def _power_of_two(name: str, value: Any) -> float:
-    if not _is_number(value):
-        raise ValueError(f"{name} must be a number (a power of two), got {value!r}")
-    return _check_power_of_two(name, value)
-
-
-def _int_at_least_one(name: str, value: Any) -> None:
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+OLD_NAMES: Mapping[str, str] = {"initial_scale": "init_scale"}
+"""Field names ``Config`` still accepts (as keyword arguments and attributes) -> the field's name now.
+``initial_scale`` is spelled in the README, docs/deepspeed-config.md and user code written before the loss-scaler
+fields took ``DynamicLossScaler``'s names. Passing both names is an error (unless the new one is at its default)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,14 +57,19 @@ class Config:
     but unused, so one config can switch precision without edits.
     """
 
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    precision: Precision = "bf16"
     """dtype the model's weights are held in; the masters are always fp32."""
 
     static_loss_scale: float | None = None
-    """A fixed loss scale (a power of two; 1.0 = no scaling). ``None``: dynamic scaling for fp16, none otherwise."""
+    """A fixed loss scale: ``StaticLossScaler(scale=static_loss_scale)`` (a power of two; 1.0 = no scaling).
+    ``None``: dynamic scaling for fp16, none otherwise. The one loss-scaler field not named as its scaler names
+    it: in a config that also holds the dynamic scaler's settings, a bare ``scale`` would not say which."""
 
-    initial_scale: float = 2.0**16
-    """Dynamic scaling: the starting scale (power of two)."""
+    init_scale: float = 2.0**16
+    """Dynamic scaling: the starting scale (power of two). The old name ``initial_scale`` is accepted too."""
+
+    initial_scale: InitVar[float] = _NOT_GIVEN
+    """Old name of ``init_scale``: accepted when building a Config and read back as an attribute."""
 
     growth_factor: float = 2.0
     """Dynamic scaling: factor applied after ``growth_interval`` clean steps (power of two, > 1)."""
@@ -109,51 +104,65 @@ class Config:
     impl: Literal["auto", "torch", "triton"] = "auto"
     """Optimizer step implementation: the exact torch path, the fused Triton kernels, or pick automatically."""
 
-    def __post_init__(self) -> None:
-        alias = _PRECISION_ALIASES.get(self.precision) if isinstance(self.precision, str) else None
-        _choice("precision", self.precision, ("bf16", "fp16", "fp32"), f"; use {alias!r}" if alias else "")
+    def __post_init__(self, initial_scale: Any) -> None:
+        spelled = {}  # setting -> the name it was given under, so that an error names what the user wrote
+        if initial_scale is not _NOT_GIVEN:
+            if self.init_scale != _DEFAULTS["init_scale"]:  # both passed (the default cannot be told apart)
+                raise ValueError(
+                    f"init_scale={self.init_scale!r} and initial_scale={initial_scale!r}: initial_scale is the old "
+                    "name of init_scale; pass only init_scale"
+                )
+            object.__setattr__(self, "init_scale", initial_scale)
+            spelled["init_scale"] = "initial_scale"
+        check_precision(self.precision)
         if self.static_loss_scale is not None:
-            scale = _power_of_two("static_loss_scale", self.static_loss_scale)
+            scale = check_power_of_two("static_loss_scale", self.static_loss_scale)
             if self.precision != "fp16" and scale != 1.0:
                 raise ValueError(
                     f"static_loss_scale={self.static_loss_scale!r} with precision={self.precision!r}: loss scaling "
                     "is only for fp16 (bf16 and fp32 have fp32's exponent range); use static_loss_scale=None, "
                     "or precision='fp16'"
                 )
-        initial = _power_of_two("initial_scale", self.initial_scale)
-        growth = _power_of_two("growth_factor", self.growth_factor)
-        backoff = _power_of_two("backoff_factor", self.backoff_factor)
-        minimum = _power_of_two("min_scale", self.min_scale)
-        if growth <= 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}; use 2.0")
-        if backoff >= 1.0:
-            raise ValueError(f"backoff_factor must be < 1, got {self.backoff_factor!r}; use 0.5")
-        if initial < minimum:
-            raise ValueError(
-                f"initial_scale ({self.initial_scale!r}) must be >= min_scale ({self.min_scale!r}); "
-                "raise initial_scale or lower min_scale"
-            )
-        _int_at_least_one("growth_interval", self.growth_interval)
-        _int_at_least_one("hysteresis", self.hysteresis)
-        _int_at_least_one("gradient_accumulation_steps", self.gradient_accumulation_steps)
-        if self.max_grad_norm is not None and (
-            not _is_number(self.max_grad_norm)
-            or not math.isfinite(self.max_grad_norm)
-            or self.max_grad_norm <= 0
-        ):
-            raise ValueError(
-                f"max_grad_norm must be a finite number > 0, or None for no clipping, got {self.max_grad_norm!r}"
-            )
-        _choice("skip_nonfinite", self.skip_nonfinite, (True, False))
-        if _is_int(self.zero_stage) and self.zero_stage == 3:
-            raise ValueError(f"zero_stage=3 is not supported: {_FSDP2_HINT}")
-        _choice("zero_stage", self.zero_stage, (0, 1, 2))
-        _choice("reduce_dtype", self.reduce_dtype, ("fp32", "param"))
-        _choice("impl", self.impl, ("auto", "torch", "triton"))
+        # checked for every precision (unused unless fp16), so one config can switch precision without edits
+        check_dynamic_settings(self._dynamic_settings(), spelled)
+        int_at_least_one("gradient_accumulation_steps", self.gradient_accumulation_steps)
+        check_max_grad_norm(self.max_grad_norm)
+        choice("skip_nonfinite", self.skip_nonfinite, (True, False))
+        if is_int(self.zero_stage) and self.zero_stage == 3:
+            raise ValueError(f"zero_stage=3 is not supported: {FSDP2_HINT}")
+        choice("zero_stage", self.zero_stage, (0, 1, 2))
+        choice("reduce_dtype", self.reduce_dtype, ("fp32", "param"))
+        choice("impl", self.impl, ("auto", "torch", "triton"))
+
+    def _dynamic_settings(self) -> dict[str, Any]:
+        return {
+            "init_scale": self.init_scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "hysteresis": self.hysteresis,
+            "min_scale": self.min_scale,
+        }
+
+    def loss_scaler(self) -> LossScaler:
+        """A new loss scaler with these settings: ``StaticLossScaler(static_loss_scale)`` when set, else a
+        ``DynamicLossScaler`` for fp16 and no scaling (``StaticLossScaler(1.0)``) for bf16 and fp32."""
+        if self.static_loss_scale is not None:
+            return StaticLossScaler(self.static_loss_scale)
+        if not dynamic_scaling(self.precision, self.static_loss_scale):
+            return StaticLossScaler(1.0)
+        return DynamicLossScaler(**self._dynamic_settings())
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied (validated); an unknown field is a TypeError naming close matches."""
         check_fields(changes)
+        changes = dict(changes)
+        # dataclasses.replace passes every field, and an InitVar left out as its attribute (here the property
+        # that reads the new name): spell out both, so that only an old name the caller passed counts
+        for old, new in OLD_NAMES.items():
+            if old in changes and new not in changes:
+                changes[new] = _DEFAULTS[new]
+            changes.setdefault(old, _NOT_GIVEN)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -168,8 +177,6 @@ class Config:
         ``DeepSpeedConfigWarning`` per call. Absent keys take halfprec's defaults, which equal DeepSpeed's for the
         fp16 block; ``gradient_clipping`` absent means no clipping (recent DeepSpeed defaults it to 1.0).
         """
-        from .deepspeed_config import read_deepspeed
-
         return read_deepspeed(cls, cfg)
 
 
@@ -180,7 +187,7 @@ def check_fields(changes: Mapping[str, Any], what: str = "Config field") -> None
     "unexpected keyword argument", which neither says what the field is called nor lists the choices.
     """
     fields = [f.name for f in dataclasses.fields(Config)]
-    unknown = [key for key in changes if key not in fields]
+    unknown = [key for key in changes if key not in fields and key not in OLD_NAMES]
     if not unknown:
         return
     hints = []
@@ -191,3 +198,19 @@ def check_fields(changes: Mapping[str, Any], what: str = "Config field") -> None
         f"unknown {what}{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; Config's fields are: "
         f"{', '.join(fields)}"
     )
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
+# read access under the old name (the InitVar above only covers building)
+Config.initial_scale = property(lambda self: self.init_scale, doc="Old name of ``init_scale``.")  # type: ignore[assignment]
+
+
+def dynamic_scaling(precision: str, static_loss_scale: float | None) -> bool:
+    """Whether a config with these values (also a saved one, read back as a dict) scales dynamically."""
+    return precision == "fp16" and static_loss_scale is None
+
+
+def config_name(scaler: LossScaler, setting: str) -> str:
+    """Config's name for a setting of ``scaler`` (``settings()``'s keys): the scaler's own name, except the
+    static scaler's ``scale``, which Config calls ``static_loss_scale``."""
+    return "static_loss_scale" if isinstance(scaler, StaticLossScaler) and setting == "scale" else setting

@@ -3,11 +3,15 @@
 ``DEEPSPEED_KEYS`` says, for every DeepSpeed key inside the blocks halfprec owns, whether it is mapped,
 accepted with a warning, or an error (rendered in ``docs/deepspeed-config.md`` by ``render_deepspeed_table``).
 Nothing is silently dropped.
+
+This module imports nothing from ``config``: ``read_deepspeed`` is handed the Config class (by
+``Config.from_deepspeed``) and builds it by keyword, so it knows Config only by its field names, which the table
+spells out anyway. Importing ``Config`` here instead would make a cycle, since ``Config.from_deepspeed`` has to
+reach this reader.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import math
@@ -15,9 +19,9 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from .config import _FSDP2_HINT, Config, _is_int, _is_number
+from ._checks import FSDP2_HINT, is_int, is_number
 
 __all__ = [
     "DEEPSPEED_KEYS",
@@ -55,6 +59,9 @@ def _no_offload(value: Any) -> bool:
     return value is None or (isinstance(value, Mapping) and value.get("device", "none") in ("none", None))
 
 
+# the Config field that fp16.initial_scale_power sets, under the name docs/deepspeed-config.md still uses (Config
+# accepts it as the old name of init_scale); switch to "init_scale" together with the docs' table
+_INIT_SCALE = "initial_scale"
 _OFF = "false"
 _PERF = "performance knob without effect in halfprec"
 _Z3 = "ZeRO-3 only: no effect at stage 0-2"
@@ -70,7 +77,7 @@ DEEPSPEED_KEYS: tuple[DeepSpeedKey, ...] = (
     ),
     _K("fp16.enabled", "mapped", "precision='fp16'"),
     _K("fp16.loss_scale", "mapped", "static_loss_scale (0 = dynamic = None; else a power of two)"),
-    _K("fp16.initial_scale_power", "mapped", "initial_scale = 2**p"),
+    _K("fp16.initial_scale_power", "mapped", f"{_INIT_SCALE} = 2**p"),
     _K("fp16.loss_scale_window", "mapped", "growth_interval"),
     _K(
         "fp16.hysteresis",
@@ -219,10 +226,12 @@ _OWNED_TOP = (
     "zero_optimization",
 )
 _OWNED_TOP += ("communication_data_type",)
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
+_C = TypeVar("_C")
 
 
-def read_deepspeed(cls: type[Config], cfg: Mapping[str, Any] | str | os.PathLike) -> Config:
+def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) -> _C:
+    """``cls(**fields)`` from a DeepSpeed config; ``cls`` is ``halfprec.Config`` (see ``Config.from_deepspeed``)."""
+    defaults = cls()  # halfprec's defaults, named in the notes about 'auto'
     if isinstance(cfg, (str, os.PathLike)):
         cfg = _load_json(cfg)
     if not isinstance(cfg, Mapping):
@@ -273,8 +282,8 @@ def read_deepspeed(cls: type[Config], cfg: Mapping[str, Any] | str | os.PathLike
         else:
             refused.append(f"{key}={value!r} ({row.target}; remove it or set it to {row.quiet_text})")
     stage = flat.get("zero_optimization.stage")
-    if _is_int(stage) and stage == 3:
-        refused.insert(0, f"zero_optimization.stage=3 ({_FSDP2_HINT})")
+    if is_int(stage) and stage == 3:
+        refused.insert(0, f"zero_optimization.stage=3 ({FSDP2_HINT})")
     if refused:
         raise ValueError("DeepSpeed config asks for what halfprec does not do: " + "; ".join(refused))
 
@@ -286,7 +295,7 @@ def read_deepspeed(cls: type[Config], cfg: Mapping[str, Any] | str | os.PathLike
 
     def auto(key: str, field: str) -> bool:
         if flat.get(key) == "auto":
-            notes.append(f"{key}='auto': halfprec's default {field}={_DEFAULTS[field]!r}")
+            notes.append(f"{key}='auto': halfprec's default {field}={getattr(defaults, field)!r}")
             return True
         return key not in flat
 
@@ -300,20 +309,20 @@ def read_deepspeed(cls: type[Config], cfg: Mapping[str, Any] | str | os.PathLike
     if precision == "fp16":
         if not auto("fp16.loss_scale", "static_loss_scale"):
             value = flat["fp16.loss_scale"]
-            if not _is_number(value) or not math.isfinite(value) or value < 0:
+            if not is_number(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"fp16.loss_scale must be 0 (dynamic) or a power of two > 0, got {value!r}")
             put("static_loss_scale", "fp16.loss_scale", None if value == 0 else float(value))
-        if not auto("fp16.initial_scale_power", "initial_scale"):
+        if not auto("fp16.initial_scale_power", _INIT_SCALE):
             power = flat["fp16.initial_scale_power"]
-            if not _is_int(power) or not -126 <= power <= 127:
+            if not is_int(power) or not -126 <= power <= 127:
                 raise ValueError(f"fp16.initial_scale_power must be an integer in [-126, 127], got {power!r}")
-            put("initial_scale", "fp16.initial_scale_power", 2.0**power)
+            put(_INIT_SCALE, "fp16.initial_scale_power", 2.0**power)
         for key, field in (("fp16.loss_scale_window", "growth_interval"), ("fp16.hysteresis", "hysteresis")):
             if not auto(key, field):
                 put(field, key, flat[key])
         if not auto("fp16.min_loss_scale", "min_scale"):
             value = flat["fp16.min_loss_scale"]
-            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+            if not is_number(value) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"fp16.min_loss_scale must be a finite number > 0, got {value!r}")
             rounded = 2.0 ** math.ceil(math.log2(value))
             if rounded < value:  # log2 rounding at the edge
@@ -328,7 +337,7 @@ def read_deepspeed(cls: type[Config], cfg: Mapping[str, Any] | str | os.PathLike
 
     if not auto("gradient_clipping", "max_grad_norm"):
         value = flat["gradient_clipping"]
-        if not _is_number(value) or not math.isfinite(value) or value < 0:
+        if not is_number(value) or not math.isfinite(value) or value < 0:
             raise ValueError(
                 f"gradient_clipping must be a finite number >= 0 (0 = no clipping), got {value!r}"
             )

@@ -19,12 +19,10 @@ import torch
 from . import checkpoint as ckpt
 from .config import Config, check_fields
 from .optim.base import MixedPrecisionOptimizer
+from .precision import DTYPES
 from .resume import check_scaler_kind, keep_scaler_settings
-from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
 __all__ = ["Engine", "StepRecord", "initialize"]
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -39,21 +37,6 @@ class StepRecord:
     """Global L2 norm of the unscaled gradients, before clipping (None when neither checked nor clipped)."""
     skipped: bool
     """True when the update was skipped (non-finite gradients)."""
-
-
-def _scaler_for(config: Config) -> LossScaler:
-    if config.static_loss_scale is not None:
-        return StaticLossScaler(config.static_loss_scale)
-    if config.precision != "fp16":
-        return StaticLossScaler(1.0)
-    return DynamicLossScaler(
-        init_scale=config.initial_scale,
-        growth_factor=config.growth_factor,
-        backoff_factor=config.backoff_factor,
-        growth_interval=config.growth_interval,
-        hysteresis=config.hysteresis,
-        min_scale=config.min_scale,
-    )
 
 
 def _cast_rest(module: torch.nn.Module, dtype: torch.dtype, handled: set) -> None:
@@ -96,9 +79,9 @@ def initialize(
     if config.zero_stage in (1, 2):
         from .distributed import sharded_engine_optimizer  # noqa: PLC0415 - optional, torch.distributed
 
-        mp = sharded_engine_optimizer(model, optimizer, config, _scaler_for(config))
+        mp = sharded_engine_optimizer(model, optimizer, config, config.loss_scaler())
         return Engine(model, mp, config, lr_scheduler)
-    dtype = _DTYPES[config.precision]
+    dtype = DTYPES[config.precision]
     trained = {p for g in optimizer.param_groups for p in g["params"]}
     for name, p in model.named_parameters():
         if p in trained and p.is_floating_point() and p.dtype not in (torch.float32, dtype):
@@ -109,7 +92,7 @@ def initialize(
     param_dtype = None if dtype == torch.float32 else dtype
     mp = MixedPrecisionOptimizer(
         optimizer,
-        loss_scaler=_scaler_for(config),
+        loss_scaler=config.loss_scaler(),
         max_grad_norm=config.max_grad_norm,
         skip_nonfinite=config.skip_nonfinite,
         param_dtype=param_dtype,

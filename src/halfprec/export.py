@@ -9,10 +9,9 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
+from .precision import DTYPES
 
 __all__ = ["consolidated_weights", "export", "inspect"]
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dict[str, torch.Tensor]:
@@ -20,9 +19,9 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
 
     Tied weights appear under each of their names as separate tensors, so a strict ``load_state_dict`` works.
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    target = _DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    target = DTYPES[dtype]
     path = Path(path)
     if (path / ".metadata").exists():
         from .distributed import consolidate  # noqa: PLC0415 - sharded (DCP) checkpoints

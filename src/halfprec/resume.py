@@ -1,5 +1,10 @@
-"""Resuming the engine's loss scaler: refuse another scaler kind before anything is loaded, and keep the
-config's scaler settings over the checkpoint's (its dynamic state comes from the checkpoint)."""
+"""The engine's two checks around loading a loss scaler from a checkpoint, in the config's words.
+
+The policies themselves belong to the scaler: ``LossScaler.check_state_dict`` refuses another kind, and
+``LossScaler.load_state_dict(..., keep_settings=True)`` keeps the settings while taking the state. What is left
+here is what only the engine knows: the saved config (sharded files do not store the scaler's kind) and the
+warning, which names settings as ``Config`` does.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointError
-from .config import Config
+from .config import Config, config_name, dynamic_scaling
 from .scaler import LossScaler
 
 __all__ = ["check_scaler_kind", "keep_scaler_settings"]
@@ -28,7 +33,7 @@ def check_scaler_kind(
     if isinstance(optim_state, dict) and isinstance(optim_state.get("scaler"), dict):
         saved = optim_state["scaler"].get("type")
     elif "precision" in saved_config:
-        dynamic = saved_config["precision"] == "fp16" and saved_config.get("static_loss_scale") is None
+        dynamic = dynamic_scaling(saved_config["precision"], saved_config.get("static_loss_scale"))
         saved = "DynamicLossScaler" if dynamic else "StaticLossScaler"
     mine = type(scaler).__name__
     if saved is None or saved == mine:
@@ -46,36 +51,20 @@ def check_scaler_kind(
 
 
 def keep_scaler_settings(path: Path, scaler: LossScaler, configured: dict[str, Any]) -> None:
-    """After a load, put back the scaler settings the engine was built with (its config wins); the dynamic
-    state (scale, growth tracker, hysteresis budget left) stays the checkpoint's. One warning lists what
+    """After a load, put back the scaler settings the engine was built with (``configured``, the scaler's
+    ``state_dict()`` taken before the load); the state stays the checkpoint's. One warning lists what
     differed, with both values.
 
-    The scaler's own ``load_state_dict`` takes the saved settings too, which would leave ``engine.config``
-    saying one thing (say ``min_scale=1`` after a min-scale warning) while the scaler does another.
+    The optimizer's load has already given the scaler the saved settings, so they are read back and loaded
+    again with ``keep_settings=True`` onto the configured ones.
     """
     loaded = scaler.state_dict()
-    dynamic = scaler.is_dynamic
-    state_keys = ("type", "scale", "growth_tracker", "hysteresis_left") if dynamic else ("type",)
-    wanted = dict(loaded)
-    wanted.update({k: v for k, v in configured.items() if k not in state_keys})
-    if wanted == loaded:
-        return
-    # init_scale is where a fresh scaler starts (no effect on a resumed one; a static one's equals its scale)
-    names = {"scale": "static_loss_scale"}
+    scaler.load_state_dict(configured)
+    kept = scaler.load_state_dict(loaded, keep_settings=True)
     changes = [
-        f"{names.get(k, k)} {loaded.get(k)!r} -> {v!r}"
-        for k, v in wanted.items()
-        if k not in state_keys and k != "init_scale" and loaded.get(k) != v
+        f"{config_name(scaler, k)} {saved!r} -> {mine!r}" for k, (saved, mine) in kept.differed.items()
     ]
-    if dynamic and wanted["scale"] < wanted["min_scale"]:
-        changes.append(f"the checkpoint's scale {wanted['scale']:g} raised to min_scale")
-        wanted["scale"] = wanted["min_scale"]
-    if dynamic and wanted["hysteresis_left"] > wanted["hysteresis"]:
-        changes.append(
-            f"the hysteresis budget left lowered from {wanted['hysteresis_left']} to {wanted['hysteresis']}"
-        )
-        wanted["hysteresis_left"] = wanted["hysteresis"]
-    scaler.load_state_dict(wanted)
+    changes += kept.adjusted
     if changes:
         warnings.warn(
             f"{path}: the checkpoint's loss-scaler settings differ from this engine's config, which wins (the "

@@ -3,29 +3,29 @@
 Both keep their state in 0-d tensors on the params' device and update it with tensor ops only, so an update
 never syncs with the host; the fused optimizers share the same objects. Every scale is a power of two, which
 makes scaling and unscaling exact in binary floating point.
+
+The settings are checked by ``_checks.check_power_of_two`` and ``_checks.check_dynamic_settings`` only: the
+constructors, ``load_state_dict`` and ``halfprec.Config`` all call them, so each rule has one wording.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["LossScaler", "StaticLossScaler", "DynamicLossScaler"]
+from ._checks import DYNAMIC_SETTINGS, check_dynamic_settings, check_power_of_two
+
+__all__ = ["DynamicLossScaler", "KeptSettings", "LossScaler", "StaticLossScaler"]
 
 
-def _check_power_of_two(name: str, value: float) -> float:
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive, finite power of two, got {value!r}")
-    mantissa, _ = math.frexp(value)
-    if mantissa != 0.5:
-        raise ValueError(
-            f"{name} must be a power of two so that scaling is exact, got {value!r}; "
-            f"use {2.0 ** math.ceil(math.log2(value))!r} or {2.0 ** math.floor(math.log2(value))!r}"
-        )
-    return value
+class KeptSettings(NamedTuple):
+    """What ``load_state_dict(..., keep_settings=True)`` did not take from the state dict."""
+
+    differed: dict[str, tuple[Any, Any]]
+    """setting -> (saved, kept), for each saved setting that differed from this scaler's (constructor names)."""
+    adjusted: list[str]
+    """The loaded state moved into the kept settings' range, in words."""
 
 
 class LossScaler:
@@ -125,17 +125,55 @@ class LossScaler:
                 "precision and loss scaling settings), or load only the weights"
             )
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, keep_settings: bool = False) -> KeptSettings:
+        """Load what ``state_dict()`` returned: settings and state, or with ``keep_settings=True`` the state only.
+
+        ``keep_settings=True`` is the engine's resume policy: the settings this scaler was built with win over
+        the saved ones, while the dynamic state (scale, growth tracker, hysteresis budget) comes from
+        ``state_dict``, moved into the kept settings' range (a scale below ``min_scale`` is raised to it, a
+        budget above ``hysteresis`` is lowered to it). Loading the saved settings too would leave the config the
+        scaler was built from saying one thing while the scaler does another. The result lists what differed,
+        for the caller's warning (empty without ``keep_settings``). A ValueError changes nothing.
+        """
         self.check_state_dict(state_dict)
         self._check_values(state_dict)
+        kept = KeptSettings({}, [])
+        if keep_settings:
+            state_dict, kept = self._with_own_settings(state_dict)
         if self._device is None:
             # Not placed yet: keep the values until the optimizer places the state on its device.
             self._pending = dict(state_dict)
             self._load_config(state_dict)
-            return
+            return kept
         self._load_config(state_dict)
         for key, tensor in self._ensure().items():
             tensor.fill_(state_dict[key])
+        return kept
+
+    def settings(self) -> dict[str, Any]:
+        """The constructor's keyword arguments for a scaler with these settings (no state)."""
+        raise NotImplementedError
+
+    def _saved_settings(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The settings a state dict holds, under the constructor's names (None where one is missing)."""
+        raise NotImplementedError
+
+    def _with_own_settings(self, saved: dict[str, Any]) -> tuple[dict[str, Any], KeptSettings]:
+        mine, theirs = self.settings(), self._saved_settings(saved)
+        differed = {
+            k: (theirs[k], v)
+            for k, v in mine.items()
+            if k not in self._NO_EFFECT_ON_RESUME and theirs[k] != v
+        }
+        wanted = {**saved, **self._config()}
+        return wanted, KeptSettings(differed, self._fit_state(wanted))
+
+    # Settings a resumed scaler does not use (a dynamic one's init_scale: only where a fresh one starts)
+    _NO_EFFECT_ON_RESUME: tuple[str, ...] = ()
+
+    def _fit_state(self, wanted: dict[str, Any]) -> list[str]:
+        """Move the state in ``wanted`` (saved state, own settings) into the settings' range; say what moved."""
+        return []
 
     def _config(self) -> dict[str, Any]:
         return {}
@@ -152,7 +190,7 @@ class LossScaler:
         except (TypeError, ValueError) as e:
             raise ValueError(f"loss-scaler state dict holds invalid settings: {e}") from e
         if "scale" in state_dict:
-            _check_power_of_two("scale", state_dict["scale"])
+            check_power_of_two("scale", state_dict["scale"])
 
     def _load_config(self, state_dict: dict[str, Any]) -> None:
         if "init_scale" in state_dict:
@@ -167,10 +205,21 @@ class StaticLossScaler(LossScaler):
     """A fixed loss scale. ``StaticLossScaler(1.0)`` turns scaling off."""
 
     def __init__(self, scale: float = 1.0) -> None:
-        super().__init__(_check_power_of_two("scale", scale))
+        super().__init__(check_power_of_two("scale", scale))
 
     def _config(self) -> dict[str, Any]:
         return {"init_scale": self._init_scale}
+
+    def settings(self) -> dict[str, Any]:
+        return {"scale": self._init_scale}
+
+    def _saved_settings(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # the state dict holds the scale twice (scale, init_scale); scale is the one the steps used
+        return {"scale": state_dict.get("scale")}
+
+    def _fit_state(self, wanted: dict[str, Any]) -> list[str]:
+        wanted["scale"] = self._init_scale  # a static scaler's scale is its setting, not state
+        return []
 
     @classmethod
     def _from_config(cls, config: dict[str, Any]) -> LossScaler:
@@ -205,25 +254,22 @@ class DynamicLossScaler(LossScaler):
         hysteresis: int = 2,
         min_scale: float = 1.0,
     ) -> None:
-        init_scale = _check_power_of_two("init_scale", init_scale)
-        growth_factor = _check_power_of_two("growth_factor", growth_factor)
-        backoff_factor = _check_power_of_two("backoff_factor", backoff_factor)
-        min_scale = _check_power_of_two("min_scale", min_scale)
-        if growth_factor <= 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
-        if backoff_factor >= 1.0:
-            raise ValueError(f"backoff_factor must be < 1, got {backoff_factor!r}")
-        for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if init_scale < min_scale:
-            raise ValueError(f"init_scale ({init_scale!r}) must be >= min_scale ({min_scale!r})")
-        super().__init__(init_scale)
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.growth_interval = growth_interval
-        self.hysteresis = hysteresis
-        self.min_scale = min_scale
+        checked = check_dynamic_settings(
+            {
+                "init_scale": init_scale,
+                "growth_factor": growth_factor,
+                "backoff_factor": backoff_factor,
+                "growth_interval": growth_interval,
+                "hysteresis": hysteresis,
+                "min_scale": min_scale,
+            }
+        )
+        super().__init__(checked["init_scale"])
+        self.growth_factor = checked["growth_factor"]
+        self.backoff_factor = checked["backoff_factor"]
+        self.growth_interval = checked["growth_interval"]
+        self.hysteresis = checked["hysteresis"]
+        self.min_scale = checked["min_scale"]
 
     @property
     def is_dynamic(self) -> bool:
@@ -272,6 +318,26 @@ class DynamicLossScaler(LossScaler):
             "hysteresis": self.hysteresis,
             "min_scale": self.min_scale,
         }
+
+    def settings(self) -> dict[str, Any]:
+        return self._config()
+
+    def _saved_settings(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {key: state_dict.get(key) for key in DYNAMIC_SETTINGS}
+
+    _NO_EFFECT_ON_RESUME = ("init_scale",)
+
+    def _fit_state(self, wanted: dict[str, Any]) -> list[str]:
+        adjusted = []
+        if wanted["scale"] < self.min_scale:
+            adjusted.append(f"the checkpoint's scale {wanted['scale']:g} raised to min_scale")
+            wanted["scale"] = self.min_scale
+        if wanted["hysteresis_left"] > self.hysteresis:
+            adjusted.append(
+                f"the hysteresis budget left lowered from {wanted['hysteresis_left']} to {self.hysteresis}"
+            )
+            wanted["hysteresis_left"] = self.hysteresis
+        return adjusted
 
     def _load_config(self, state_dict: dict[str, Any]) -> None:
         for key in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale"):

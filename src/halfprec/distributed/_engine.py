@@ -6,11 +6,10 @@ import torch
 
 from ..config import Config
 from ..optim.sharded import ShardedMixedPrecisionOptimizer
+from ..precision import DTYPES
 from ..scaler import LossScaler
 
 __all__ = ["sharded_engine_optimizer"]
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def sharded_engine_optimizer(
@@ -18,7 +17,7 @@ def sharded_engine_optimizer(
 ) -> ShardedMixedPrecisionOptimizer:
     """Wrap ``optimizer`` for ``config.zero_stage``; an fp32 model is cast to ``config.precision`` (masters keep
     its fp32 weights), as the unsharded engine path does; buffers and untrained params are cast too."""
-    dtype = _DTYPES[config.precision]
+    dtype = DTYPES[config.precision]
     trained = {p for g in optimizer.param_groups for p in g["params"]}
     for name, p in model.named_parameters():
         if p in trained and p.requires_grad and p.dtype not in (torch.float32, dtype):

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ..optim.base import MixedPrecisionOptimizer
+from ..precision import DTYPES
 from ..scaler import LossScaler
 
 try:
@@ -59,7 +60,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 __all__ = ["HalfprecFabricPrecision", "HalfprecPrecision", "setup_fabric"]
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _LIGHTNING_NAME = {"bf16": "bf16-true", "fp16": "16-true"}
 
 
@@ -74,7 +74,7 @@ class _Common:
     """Dtype handling, wrapping and clipping shared by the Trainer and the Fabric flavours."""
 
     def _init_halfprec(self, precision: str, loss_scaler: LossScaler | None, skip_nonfinite: bool) -> None:
-        if precision not in _DTYPES:
+        if precision not in _LIGHTNING_NAME:  # the 16-bit ones: fp32 weights need no plugin
             raise ValueError(
                 f"HalfprecPrecision precision must be 'bf16' or 'fp16', got {precision!r} (Lightning's own "
                 "'bf16-mixed'/'16-mixed' are autocast over fp32 weights: pass precision= to the Trainer instead)"
@@ -82,7 +82,7 @@ class _Common:
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise ValueError(f"loss_scaler must be a halfprec loss scaler, got {type(loss_scaler).__name__}")
         self.precision = _LIGHTNING_NAME[precision]
-        self.dtype = _DTYPES[precision]
+        self.dtype = DTYPES[precision]
         self.loss_scaler = loss_scaler
         self.skip_nonfinite = skip_nonfinite
         self._fp32: dict[torch.Tensor, torch.Tensor] = {}  # param -> its fp32 tensor, until connect/setup

@@ -1,25 +1,68 @@
-"""FP32 master storage: one flat fp32 buffer per (device, model dtype), with a per-param view of it.
+"""The flat-buffer layout every strategy uses: one alignment, per-param offsets, and the sharded coordinates.
 
-A ``MasterChunk`` owns the flat master data (allocated at construction), a flat fp32 gradient buffer
-(allocated on the first gradient copy, never at construction) and the ``nn.Parameter`` views that the wrapped
-optimizer sees. Offsets are padded to ``ALIGN`` elements so that the fused kernels can treat a chunk as one
-vector; padding stays zero.
+* ``ALIGN`` (the kernels' vector width, ``kernels/slots.py``) pads every param's slot in a flat buffer, so a
+  kernel block never straddles two params unaligned; padding stays zero in every buffer;
+* ``aligned_offsets``: where each param of a chunk starts: the exact strategy's FP32 master chunks
+  (``MasterChunk``, below) and the fused strategy's buffers (``fused/buffers.py``) lay params out this way;
+* ``Layout``: the sharded strategy's coordinates (buckets split into one shard per rank, and the *pieces* of
+  params a rank holds). Its params sit back to back inside a bucket (a shard boundary cuts through params
+  anyway); buckets are padded to ``world_size * ALIGN``.
+
+Exact-path masters: a ``MasterChunk`` owns the flat master data of one (device, model dtype) (allocated at
+construction), a flat fp32 gradient buffer (allocated on the first gradient copy, never at construction) and the
+``nn.Parameter`` views that the wrapped optimizer sees.
+
+Sharded coordinates (all in elements):
+
+* global flat: the 16-bit param buffer that every rank holds whole; params sit back to back in layout order
+  (the reverse of the optimizer's param order, which approximates the order backward produces grads);
+* a bucket is a contiguous run of whole params, padded at its end to a multiple of ``world_size * PAD``
+  so it splits into ``world_size`` equal shards; rank ``r`` owns shard ``r`` of every bucket;
+* local: a rank's shards of all buckets, back to back: the index space of its fp32 masters, fp32 grads and
+  optimizer state. A shard may cut through params: the part of a param inside one rank's shard is a *piece*.
+  World size 1 is the unsharded case: one shard per bucket, every param one whole piece.
+
+Pure Python index math apart from the master chunks: the unit tests build layouts for any world size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ALIGN", "MasterChunk", "MasterStore", "LOW_PRECISION"]
+from ..kernels.slots import ALIGN
+from ..precision import LOW_PRECISION
 
-ALIGN = 16  # elements (64 bytes of fp32)
-LOW_PRECISION = (torch.float16, torch.bfloat16)
+__all__ = [
+    "ALIGN",
+    "LOW_PRECISION",
+    "PAD",
+    "Bucket",
+    "Layout",
+    "MasterChunk",
+    "MasterStore",
+    "Piece",
+    "aligned",
+    "aligned_offsets",
+]
+
+PAD = ALIGN  # elements per rank a sharded bucket is padded to (64 bytes of fp32 per shard boundary)
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of ``ALIGN``."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def aligned_offsets(numels: Iterable[int]) -> tuple[list[int], int]:
+    """Offsets of params laid out at ``ALIGN``-padded slots, and the total padded size."""
+    offsets, total = [], 0
+    for n in numels:
+        offsets.append(total)
+        total += aligned(n)
+    return offsets, total
 
 
 class MasterChunk:
@@ -29,11 +72,7 @@ class MasterChunk:
         self.params = list(params)
         self.device = self.params[0].device
         self.model_dtype = self.params[0].dtype
-        self.offsets: list[int] = []
-        total = 0
-        for p in self.params:
-            self.offsets.append(total)
-            total += _aligned(p.numel())
+        self.offsets, total = aligned_offsets(p.numel() for p in self.params)
         self.numel = total
         self.data = torch.zeros(total, dtype=torch.float32, device=self.device)
         self.grad: torch.Tensor | None = None
@@ -134,3 +173,86 @@ class MasterStore:
         params, masters = self.model_params(), self.master_params()
         if params:
             torch._foreach_copy_(masters, [p.data for p in params])
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    start: int  # global offset of the bucket
+    numel: int  # padded size, a multiple of world_size * PAD
+    params: tuple[int, ...]  # layout indices of the params inside, in layout order
+    shard: int  # numel // world_size
+    local: int  # offset of this rank's shard in the local buffers
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        begin = self.start + rank * self.shard
+        return begin, begin + self.shard
+
+
+@dataclass(frozen=True)
+class Piece:
+    param: int  # layout index of the param
+    bucket: int
+    lo: int  # first element of the param (flattened) held here
+    hi: int  # one past the last
+    local: int  # offset of element ``lo`` in the local buffers
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+class Layout:
+    """Where every param lives in the global flat buffer, and which pieces ``rank`` owns."""
+
+    def __init__(self, numels: list[int], *, world_size: int, rank: int, bucket_size: int) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(f"bucket_size must be a positive number of elements, got {bucket_size!r}")
+        self.numels = list(numels)
+        self.world_size = world_size
+        self.rank = rank
+        self.offsets: list[int] = []
+        self.bucket_of: list[int] = []
+        self.buckets: list[Bucket] = []
+        unit = world_size * PAD
+        start, local, members, filled = 0, 0, [], 0
+
+        def close() -> None:
+            nonlocal start, local, members, filled
+            numel = max(unit, (filled + unit - 1) // unit * unit)
+            shard = numel // world_size
+            self.buckets.append(Bucket(len(self.buckets), start, numel, tuple(members), shard, local))
+            start, local, members, filled = start + numel, local + shard, [], 0
+
+        for i, n in enumerate(self.numels):
+            if members and filled + n > bucket_size:
+                close()
+            self.offsets.append(start + filled)
+            self.bucket_of.append(len(self.buckets))
+            members.append(i)
+            filled += n
+        if members:
+            close()
+        self.total = start
+        self.local_numel = local
+        self.pieces: list[Piece] = []
+        self.piece_of: dict[int, Piece] = {}
+        for i, n in enumerate(self.numels):
+            bucket = self.buckets[self.bucket_of[i]]
+            lo_g, hi_g = bucket.shard_range(rank)
+            begin, end = max(self.offsets[i], lo_g), min(self.offsets[i] + n, hi_g)
+            if begin < end:
+                piece = Piece(
+                    i,
+                    bucket.index,
+                    begin - self.offsets[i],
+                    end - self.offsets[i],
+                    bucket.local + begin - lo_g,
+                )
+                self.pieces.append(piece)
+                self.piece_of[i] = piece
+
+    def offset_in_bucket(self, i: int) -> int:
+        return self.offsets[i] - self.buckets[self.bucket_of[i]].start

@@ -21,13 +21,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..layout import ALIGN
+from ..layout import aligned, aligned_offsets
 
 __all__ = ["Chunk", "build_table"]
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def build_table(
@@ -35,7 +31,7 @@ def build_table(
 ) -> torch.Tensor:
     rows: list[tuple[int, int, int]] = []
     for off, n, gi in zip(offsets, sizes, indices, strict=True):
-        end = off + _aligned(n)
+        end = off + aligned(n)
         rows.extend((s, min(s + block, end), gi) for s in range(off, end, block))
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(device)
 
@@ -56,11 +52,7 @@ class Chunk:
         self.indices = list(indices)
         self.device = self.params[0].device
         self.dtype = self.params[0].dtype
-        self.offsets: list[int] = []
-        total = 0
-        for p in self.params:
-            self.offsets.append(total)
-            total += _aligned(p.numel())
+        self.offsets, total = aligned_offsets(p.numel() for p in self.params)
         self.numel = total
         sizes = [p.numel() for p in self.params]
         dev = self.device

@@ -24,17 +24,15 @@ from typing import Any
 import torch
 
 from ..checks import tell_schedulers
-from .layout import Layout
+from ..layout import ALIGN, Layout
 
 __all__ = ["FusedLocalStep"]
-
-_ALIGN = 16
 
 
 def _rows(lo: int, hi: int, index: int, block: int) -> tuple[list[tuple], list[tuple]]:
     """(aligned rows, unaligned rows) covering ``[lo, hi)`` for piece ``index``."""
-    a0 = -(-lo // _ALIGN) * _ALIGN
-    a1 = hi // _ALIGN * _ALIGN
+    a0 = -(-lo // ALIGN) * ALIGN
+    a1 = hi // ALIGN * ALIGN
     if a0 >= a1:
         return [], [(lo, hi, index)]
     aligned = [(s, min(s + block, a1), index) for s in range(a0, a1, block)]

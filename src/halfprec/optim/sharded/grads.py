@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from .layout import Layout
+from ..layout import Layout
 
 __all__ = ["GradReducer"]
 

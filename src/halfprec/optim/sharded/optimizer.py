@@ -37,10 +37,10 @@ import torch.distributed as dist
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_unfrozen, clear_grads
+from ..layout import Layout
 from ..state import Target, move_state, restore_state_dtypes
 from .checks import check_optimizer, named_trainable
 from .grads import GradReducer
-from .layout import Layout
 
 __all__ = ["ShardedMixedPrecisionOptimizer", "DEFAULT_BUCKET_SIZE"]
 

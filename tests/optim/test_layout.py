@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from halfprec.optim.sharded.layout import PAD, Layout
+from halfprec.optim.layout import PAD, Layout
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])

@@ -1,0 +1,64 @@
+"""The precision vocabulary: the names ``"bf16"``, ``"fp16"``, ``"fp32"`` and the one map from them to dtypes.
+
+Every module that turns a precision name into a dtype (the engine, export, the Lightning plugin, the sharded
+engine path) reads ``DTYPES`` here, so a name means the same dtype everywhere and an alias such as
+``"bfloat16"`` is refused with the same hint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Literal, get_args
+
+import torch
+
+__all__ = [
+    "DTYPES",
+    "LOW_PRECISION",
+    "PRECISIONS",
+    "Precision",
+    "check_precision",
+    "precision_of",
+    "to_dtype",
+]
+
+Precision = Literal["bf16", "fp16", "fp32"]
+"""The dtype a model's weights are held in; the fp32 masters do not depend on it."""
+
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+
+# read-only: a caller that added a name here would change what every other module accepts
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+)
+
+LOW_PRECISION: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+"""The 16-bit dtypes halfprec keeps fp32 masters for (same order as ``masters.LOW_PRECISION``)."""
+
+# torch's and numpy's spellings, which users reach for first: refused, with the name to use instead
+_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+
+def check_precision(value: object, name: str = "precision", allowed: tuple[str, ...] = PRECISIONS) -> str:
+    """Return ``value`` when it is one of ``allowed``; else ValueError naming the value and what to write."""
+    if type(value) is str and value in allowed:  # a str subclass or enum member is not a precision name
+        return value
+    alias = _ALIASES.get(value) if isinstance(value, str) else None
+    hint = f"; use {alias!r}" if alias in allowed else ""
+    raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}{hint}")
+
+
+def to_dtype(precision: object) -> torch.dtype:
+    """The dtype of a precision name (ValueError naming the value and the fix for anything else)."""
+    return DTYPES[check_precision(precision)]
+
+
+def precision_of(dtype: torch.dtype) -> Precision:
+    """The precision name of ``dtype`` (ValueError for a dtype without one, e.g. torch.float64)."""
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name  # type: ignore[return-value]
+    raise ValueError(
+        f"{dtype} has no halfprec precision name; use one of {', '.join(map(str, DTYPES.values()))}"
+    )
