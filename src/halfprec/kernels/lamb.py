@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .settings import settings
 from .slots import ADAM_PSCAL
-from .update import _adam_moments, _grad_and_master, _loads, _param_arg, _pscal_row, _row, _store_param
+from .update import _adam_moments, _grad_and_master, _param_arg, _pscal_row, _row, _store_param
 
 __all__ = ["lamb_update", "trust_table"]
 
@@ -40,9 +40,13 @@ def _lamb_stage_kernel(
     start, end, ps = _row(table_ptr, pscal_ptr, pid, True)
     active = tl.load(ps + S.ACTIVE)
     if active != 0.0:
-        inv_bc1, bc2_sqrt, omb1, b2, omb2, eps, wd = _loads(
-            ps, (S.STEP_SIZE, S.BC2_SQRT, S.OMB1, S.BETA2, S.OMB2, S.EPS, S.WD_RAW)
-        )
+        inv_bc1 = tl.load(ps + S.STEP_SIZE)
+        bc2_sqrt = tl.load(ps + S.BC2_SQRT)
+        omb1 = tl.load(ps + S.OMB1)
+        b2 = tl.load(ps + S.BETA2)
+        omb2 = tl.load(ps + S.OMB2)
+        eps = tl.load(ps + S.EPS)
+        wd = tl.load(ps + S.WD_RAW)
         offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
@@ -84,9 +88,12 @@ def _lamb_apply_kernel(
     start, end, ps = _row(table_ptr, pscal_ptr, tl.program_id(0), True)
     active = tl.load(ps + S.ACTIVE)
     if active != 0.0:
-        inv_bc1, bc2_sqrt, eps, lr, wd, trust = _loads(
-            ps, (S.STEP_SIZE, S.BC2_SQRT, S.EPS, S.LR, S.WD_RAW, S.TRUST)
-        )
+        inv_bc1 = tl.load(ps + S.STEP_SIZE)
+        bc2_sqrt = tl.load(ps + S.BC2_SQRT)
+        eps = tl.load(ps + S.EPS)
+        lr = tl.load(ps + S.LR)
+        wd = tl.load(ps + S.WD_RAW)
+        trust = tl.load(ps + S.TRUST)
         offs = start + tl.arange(0, BLOCK)
         mask = offs < end
         p = tl.load(master_ptr + offs, mask=mask, other=0.0)

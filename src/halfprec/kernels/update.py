@@ -61,15 +61,6 @@ def _row(table_ptr, pscal_ptr, pid, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _loads(ps, SLOTS: tl.constexpr):
-    # one scalar per slot, in the order given
-    out = ()
-    for i in tl.static_range(len(SLOTS)):
-        out = out + (tl.load(ps + SLOTS[i]),)
-    return out
-
-
-@triton.jit
 def _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK: tl.constexpr):
     coef = tl.load(scalars_ptr + 2)
     offs = start + tl.arange(0, BLOCK)
@@ -101,9 +92,14 @@ def _adam_kernel(
     start, end, ps = _row(table_ptr, pscal_ptr, tl.program_id(0), ALIGNED)
     active = tl.load(ps + S.ACTIVE)
     if active != 0.0:
-        step_size, bc2_sqrt, decay, wd, omb1, b2, omb2, eps = _loads(
-            ps, (S.STEP_SIZE, S.BC2_SQRT, S.DECAY, S.WD, S.OMB1, S.BETA2, S.OMB2, S.EPS)
-        )
+        step_size = tl.load(ps + S.STEP_SIZE)
+        bc2_sqrt = tl.load(ps + S.BC2_SQRT)
+        decay = tl.load(ps + S.DECAY)
+        wd = tl.load(ps + S.WD)
+        omb1 = tl.load(ps + S.OMB1)
+        b2 = tl.load(ps + S.BETA2)
+        omb2 = tl.load(ps + S.OMB2)
+        eps = tl.load(ps + S.EPS)
         offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
@@ -126,9 +122,13 @@ def _sgd_kernel(
     start, end, ps = _row(table_ptr, pscal_ptr, tl.program_id(0), ALIGNED)
     active = tl.load(ps + S.ACTIVE)
     if active != 0.0:
-        lr, mom, omd, wd, first, nesterov, has_mom = _loads(
-            ps, (S.LR, S.MOMENTUM, S.OMD, S.WD, S.FIRST, S.NESTEROV, S.HAS_MOMENTUM)
-        )
+        lr = tl.load(ps + S.LR)
+        mom = tl.load(ps + S.MOMENTUM)
+        omd = tl.load(ps + S.OMD)
+        wd = tl.load(ps + S.WD)
+        first = tl.load(ps + S.FIRST)
+        nesterov = tl.load(ps + S.NESTEROV)
+        has_mom = tl.load(ps + S.HAS_MOMENTUM)
         offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
         g = g + p * wd
         if has_mom != 0.0:
@@ -149,7 +149,9 @@ def _adagrad_kernel(
     start, end, ps = _row(table_ptr, pscal_ptr, tl.program_id(0), ALIGNED)
     active = tl.load(ps + S.ACTIVE)
     if active != 0.0:
-        clr, wd, eps = _loads(ps, (S.CLR, S.WD, S.EPS))
+        clr = tl.load(ps + S.CLR)
+        wd = tl.load(ps + S.WD)
+        eps = tl.load(ps + S.EPS)
         offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
         s = tl.load(sum_ptr + offs, mask=mask, other=0.0)
         g = g + p * wd
