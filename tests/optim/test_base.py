@@ -116,3 +116,23 @@ def test_construction_allocates_only_the_masters(impl, torch_cls):
     mp.step()
     state = mp.state_dict()["optimizer"]["state"]
     assert len(state) == 4 and all(float(s["step"]) == 1 for s in state.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_construction_peak_on_the_gpu(impl):
+    """The same on the device, as the issue measured it: 1,048,576 fp16 params, AdamW; the construction peak
+    above what the model already held is the masters (4 MiB), plus the fused flat 16-bit params (2 MiB): the
+    fused path's peak was 16.0 MiB (master, grad and moment buffers made at construction)."""
+    n = 1 << 20
+    param = torch.nn.Parameter(torch.full((n,), 0.5, dtype=torch.float16, device="cuda"))
+    inner = torch.optim.AdamW([param], lr=0.01, weight_decay=0.1)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    mp = halfprec.MixedPrecisionOptimizer(inner, impl=impl)
+    torch.cuda.synchronize()
+    peak_mib = (torch.cuda.max_memory_allocated() - before) / 2**20
+    budget = {"torch": 4.0, "triton": 6.0}[impl]
+    assert budget <= peak_mib <= budget + 0.5, peak_mib
+    assert float(param[0]) == 0.5 and mp.state_dict()["optimizer"]["state"] == {}  # inert: no synthetic step
