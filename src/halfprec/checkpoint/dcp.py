@@ -1,5 +1,8 @@
 """Reshardable optimizer checkpoints through ``torch.distributed.checkpoint``, keyed by parameter name.
 
+Public as ``halfprec.distributed.checkpoint`` (``save``/``load``); lives here, next to the engine's format, so that
+both share one atomic commit and one record of the layout.
+
 Layout of a checkpoint directory (model space: nothing depends on the world size that wrote it):
 
 =============================  =====================================================================
@@ -8,23 +11,27 @@ Layout of a checkpoint directory (model space: nothing depends on the world size
 ``shape/{name}``               int64 shape of the param; ``group/{name}``: its param-group index
 ``hparam/{group}/{key}``       numeric group hyper-parameters (lr, betas, weight_decay, ...), fp64
 ``scaler/{key}``               loss-scaler state and settings; ``counters/skipped_steps``; ``format/version``
+``manifest.json``              written by rank 0 last: ``{"format": "halfprec-dcp/1"}`` (``formats.layout_of``)
 =============================  =====================================================================
 
 Every item is a tensor, so loading never unpickles anything but ``.metadata``, and that through an allow-list
 (``_safe_dcp``). State is allocated from the checkpoint's own metadata before DCP loads into it, so no state
 key can be silently left out (DCP loads in place and skips what the destination does not hold).
 
-A save is atomic: every rank writes into ``{path}.tmp``; after a barrier rank 0 renames it to ``path`` (moving
-an existing ``path`` aside first and deleting it after). A rank that dies mid-save leaves only ``.tmp``
-behind, and the previous checkpoint untouched.
+A save is atomic: every rank writes into ``{path}.tmp`` (held by rank 0, see ``atomic.held``); after a barrier
+rank 0 commits it to ``path`` with ``atomic.commit``, which replaces an existing ``path`` crash-safely. A rank
+that dies mid-save leaves only ``.tmp`` behind, removed by the next save, and the previous checkpoint untouched.
+
+Every branch on the optimizer's type and every read of its private attributes is in the two functions of the
+section "optimizer access" (:func:`_model_space`, :func:`_set_counters`), to become optimizer methods.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,10 +41,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from ..distributed._validate import is_elementwise, named_trainable
+from ..distributed.sharded import ShardedMixedPrecisionOptimizer
 from ..optimizer import MixedPrecisionOptimizer
-from ._safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, read_metadata, refuse_bytes
-from ._validate import is_elementwise, named_trainable
-from .sharded import ShardedMixedPrecisionOptimizer
+from .atomic import commit, fsync_path, held, located, remove_if_dead
+from .formats import DCP_FORMAT, MANIFEST
+from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, read_metadata, refuse_bytes
 
 __all__ = ["save", "load", "FORMAT_VERSION"]
 
@@ -66,15 +75,17 @@ def _rank(group) -> int:
     return dist.get_rank(group) if _distributed() else 0
 
 
-# --- what a checkpoint holds ------------------------------------------------------------------------------
-def _entries(optimizer, named_parameters) -> list[tuple[str, torch.Size, int, int, torch.Tensor, bool]]:
-    """``(name, shape, group, lo, fp32 tensor to save/load, writes_scalars)`` per param this rank holds."""
+# --- optimizer access: the only type branches and private reads (to become optimizer methods) ------------
+def _model_space(optimizer, named_parameters) -> tuple[list, list, bool]:
+    """``(held, every, sharded)``: ``held`` is ``(name, shape, group, lo, fp32 tensor to save/load,
+    writes_scalars)`` per param this rank holds, ``every`` is ``(name, shape, group)`` per param of the model.
+
+    Reads ``ShardedMixedPrecisionOptimizer._model_space()`` and ``MixedPrecisionOptimizer._model_params``.
+    """
     if isinstance(optimizer, ShardedMixedPrecisionOptimizer):
-        out = []
-        for name, shape, group, piece, param in optimizer._model_space():
-            if piece is not None:
-                out.append((name, shape, group, piece.lo, param, piece.lo == 0))
-        return out
+        space = list(optimizer._model_space())
+        held = [(n, s, g, piece.lo, p, piece.lo == 0) for n, s, g, piece, p in space if piece is not None]
+        return held, [(n, s, g) for n, s, g, _, _ in space], True
     if not isinstance(optimizer, MixedPrecisionOptimizer):
         raise ValueError(
             f"expected a ShardedMixedPrecisionOptimizer or MixedPrecisionOptimizer, got {type(optimizer).__name__}"
@@ -86,9 +97,27 @@ def _entries(optimizer, named_parameters) -> list[tuple[str, torch.Size, int, in
     model = optimizer._model_params
     names, params, groups = named_trainable(_Groups(model, optimizer.param_groups), named_parameters)
     master_of = {id(m): i for m, i in zip(model, inner, strict=True)}
-    return [(n, p.shape, g, 0, master_of[id(p)], True) for n, p, g in zip(names, params, groups, strict=True)]
+    held = [(n, p.shape, g, 0, master_of[id(p)], True) for n, p, g in zip(names, params, groups, strict=True)]
+    return held, [(n, s, g) for n, s, g, *_ in held], False
 
 
+def _set_counters(optimizer, sharded: bool, scaler_state: dict, skipped: int) -> None:
+    """Set the loss scaler's state and the skipped-step counter, once masters, state and groups are in place.
+
+    Sharded: writes ``_skipped_steps`` and calls ``_publish()``. Unsharded: the optimizer's own
+    ``load_state_dict`` sets its counters and scaler and rounds the masters into the model.
+    """
+    if sharded:
+        optimizer.loss_scaler.load_state_dict(scaler_state)
+        optimizer._skipped_steps = skipped
+        optimizer._publish()
+    else:
+        full = optimizer.state_dict()
+        full["scaler"], full["skipped_steps"] = scaler_state, skipped
+        optimizer.load_state_dict(full)
+
+
+# --- what a checkpoint holds ------------------------------------------------------------------------------
 class _Groups:
     """The model's params arranged in the inner optimizer's groups (what ``named_trainable`` walks)."""
 
@@ -131,12 +160,6 @@ def _hparam_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _all_names(optimizer, named_parameters) -> list[tuple[str, torch.Size, int]]:
-    if isinstance(optimizer, ShardedMixedPrecisionOptimizer):
-        return [(n, s, g) for n, s, g, _, _ in optimizer._model_space()]
-    return [(n, s, g) for n, s, g, *_ in _entries(optimizer, named_parameters)]
-
-
 # --- save -------------------------------------------------------------------------------------------------
 def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None) -> Path:
     """Write ``optimizer`` (sharded or not) to the directory ``path``, atomically. Collective when distributed.
@@ -146,8 +169,7 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
     path = Path(path)
     group = getattr(optimizer, "process_group", process_group)
     rank = _rank(group)
-    sharded = isinstance(optimizer, ShardedMixedPrecisionOptimizer)
-    entries = _entries(optimizer, named_parameters)
+    entries, every, sharded = _model_space(optimizer, named_parameters)
     state_dict: dict[str, torch.Tensor] = {}
     chunks: dict[str, tuple[int, int]] = {}
     writes_replicated = rank == 0 or sharded  # unsharded: every rank holds the same; rank 0 writes it
@@ -176,45 +198,52 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
                     f"optimizer state {skey!r} of {name!r} has shape {tuple(value.shape)}: not elementwise"
                 )
     if rank == 0:
-        state_dict.update(_global_items(optimizer, _all_names(optimizer, named_parameters)))
+        state_dict.update(_global_items(optimizer, every))
     tmp = path.with_name(path.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier(group)
-    with _quiet_single_process():
-        dcp.save(
-            state_dict,
-            storage_writer=FileSystemWriter(str(tmp)),
-            planner=ChunkSavePlanner(chunks),
-            process_group=group,
-            no_dist=not _distributed(),
-        )
-    _barrier(group)
-    if rank == 0:
-        _commit(tmp, path)
+    with contextlib.ExitStack() as hold:
+        if rank == 0:
+            _fresh_tmp(tmp, path)
+            hold.enter_context(held(tmp))  # until committed: no other save takes it for a leftover
+        _barrier(group)
+        with _quiet_single_process():
+            dcp.save(
+                state_dict,
+                storage_writer=FileSystemWriter(str(tmp)),
+                planner=ChunkSavePlanner(chunks),
+                process_group=group,
+                no_dist=not _distributed(),
+            )
+        _barrier(group)
+        if rank == 0:
+            _write_manifest(tmp)
+            commit(tmp, path)
     _barrier(group)
     return path
 
 
-def _commit(tmp: Path, path: Path) -> None:
-    old = path.with_name(path.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    shutil.rmtree(old, ignore_errors=True)
+def _fresh_tmp(tmp: Path, path: Path) -> None:
+    """Create ``tmp``, removing the one a killed save left; refuse the one of a save still running."""
+    if (tmp.exists() or tmp.is_symlink()) and not remove_if_dead(tmp):
+        raise FileExistsError(
+            f"{tmp} is being written by another save of {path} that is still running; wait for it to finish or "
+            "save to another path"
+        )
+    tmp.mkdir(parents=True)
+
+
+def _write_manifest(tmp: Path) -> None:
+    """Record the layout (``formats.layout_of`` reads it), after every rank's files are in; fsync the directory."""
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump({"format": DCP_FORMAT, "format_version": FORMAT_VERSION}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(tmp)
 
 
 # --- load -------------------------------------------------------------------------------------------------
 def load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None) -> None:
     """Load a checkpoint written at any world size into ``optimizer`` (sharded or not). Collective when distributed."""
-    path = Path(path)
+    path = located(Path(path))  # a replace that died midway left the previous checkpoint aside
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(
             f"{path} is not a complete checkpoint (no .metadata); was the save interrupted?"
@@ -226,8 +255,8 @@ def load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
     version = saved.get("format/version")
     if version is None:
         raise ValueError(f"{path} is not a halfprec optimizer checkpoint (no format/version item)")
-    entries = _entries(optimizer, named_parameters)
-    _check_names(path, saved, _all_names(optimizer, named_parameters))
+    entries, every, sharded = _model_space(optimizer, named_parameters)
+    _check_names(path, saved, every)
 
     state_dict: dict[str, torch.Tensor] = {}
     chunks: dict[str, int] = {}
@@ -263,7 +292,7 @@ def load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
             process_group=group,
             no_dist=not _distributed(),
         )
-    _apply(optimizer, state_dict, plans, set(chunks), path)
+    _apply(optimizer, sharded, state_dict, plans, set(chunks), path)
 
 
 def _check_names(path: Path, saved: dict, names: list) -> None:
@@ -282,8 +311,9 @@ def _check_names(path: Path, saved: dict, names: list) -> None:
 
 
 @torch.no_grad()
-def _apply(optimizer, loaded: dict[str, torch.Tensor], plans: list, chunked: set, path: Path) -> None:
-    sharded = isinstance(optimizer, ShardedMixedPrecisionOptimizer)
+def _apply(
+    optimizer, sharded: bool, loaded: dict[str, torch.Tensor], plans: list, chunked: set, path: Path
+) -> None:
     for name, shape, tensor, wanted in plans:
         if tuple(loaded[f"shape/{name}"].tolist()) != tuple(shape):
             raise ValueError(
@@ -315,23 +345,23 @@ def _apply(optimizer, loaded: dict[str, torch.Tensor], plans: list, chunked: set
     scaler_sd = optimizer.loss_scaler.state_dict()
     for key, value in scaler_sd.items():
         if f"scaler/{key}" in loaded:
-            scaler_sd[key] = type(value)(loaded[f"scaler/{key}"].item())
-    skipped = int(loaded["counters/skipped_steps"])
-    if sharded:
-        optimizer.loss_scaler.load_state_dict(scaler_sd)
-        optimizer._skipped_steps = skipped
-        optimizer._publish()
-    else:
-        # masters, state and groups are in place: the optimizer's own load_state_dict sets its counters and
-        # scaler and rounds the masters into the model
-        full = optimizer.state_dict()
-        full["scaler"], full["skipped_steps"] = scaler_sd, skipped
-        optimizer.load_state_dict(full)
+            scaler_sd[key] = _number(value, loaded[f"scaler/{key}"].item())
+    _set_counters(optimizer, sharded, scaler_sd, int(loaded["counters/skipped_steps"]))
 
 
 def _restore_hparam(live: Any, saved: torch.Tensor) -> Any:
     if torch.is_tensor(live):
         return saved.to(device=live.device, dtype=live.dtype)
     if isinstance(live, tuple):
-        return tuple(type(v)(x) for v, x in zip(live, saved.tolist(), strict=True))
-    return type(live)(saved.item())
+        return tuple(_number(v, x) for v, x in zip(live, saved.tolist(), strict=True))
+    return _number(live, saved.item())
+
+
+def _number(live: Any, saved: float | int) -> Any:
+    """The saved value, in the live value's type when that loses nothing: an optimizer built with ``lr=1`` (an
+    int) and scheduled to 0.25 resumes at 0.25, not ``int(0.25) == 0``; an int setting stays an int."""
+    if isinstance(live, int) and not isinstance(live, bool) and float(saved).is_integer():
+        return int(saved)
+    if isinstance(live, (int, float)) and not isinstance(live, bool):
+        return float(saved)
+    return type(live)(saved)
