@@ -253,6 +253,7 @@ class Engine:
             "skipped_steps": self.skipped_steps,
             "precision": self.config.precision,
             "loss_scale": self.optimizer.loss_scale,
+            "layout": ckpt.ENGINE_SHARDED if self._sharded else ckpt.ENGINE,
         }
         ckpt.check_plain(engine_state["lr_scheduler"], "lr_scheduler.state_dict()")
         if self._sharded:
@@ -275,32 +276,37 @@ class Engine:
     def _save_sharded(self, directory, tag, engine_state, info, overwrite, keep_last) -> Path:
         """Every rank writes its optimizer shard (DCP) and RNG state into one temporary directory; rank 0 adds
         weights and counters, seals it and renames it. Assumes a filesystem that every rank sees."""
+        import contextlib
+
         import torch.distributed as dist
 
         from .distributed import checkpoint as dckpt
 
         group = self.optimizer.process_group
         rank = dist.get_rank(group)
-        outcome: list[Any] = [None]
-        if rank == 0:  # one rank checks and cleans; the others raise the same error, so none is left waiting
-            try:
-                root, final = ckpt.prepare(directory, tag, overwrite=overwrite, keep_last=keep_last)
-                (root / f".{tag}.tmp-sharded").mkdir()
-            except (OSError, ValueError) as e:
-                outcome = [f"{type(e).__name__}: {e}"]
-        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        if outcome[0] is not None:
-            raise RuntimeError(f"save_checkpoint failed on rank 0: {outcome[0]}")
         root = Path(directory)
         final, tmp = root / tag, root / f".{tag}.tmp-sharded"
-        dckpt.save(self.optimizer, tmp / "optimizer")
-        torch.save(ckpt.rng_state(), tmp / f"rng-{rank}.pt")
-        dist.barrier(group)
-        if rank == 0:
-            ckpt.stage(tmp, weights=self.module.state_dict(), files={"engine": engine_state})
-            ckpt.seal(tmp, tag, info)
-            ckpt.commit(tmp, final)
-            ckpt.publish(root, tag, keep_last)
+        with contextlib.ExitStack() as saving:
+            outcome: list[Any] = [None]
+            # one rank checks and cleans; the others raise the same error, so none is left waiting. Rank 0
+            # commits and publishes when the block ends (ckpt.saving)
+            if rank == 0:
+                try:
+                    saving.enter_context(
+                        ckpt.saving(root, tag, overwrite=overwrite, keep_last=keep_last, tmp_name=tmp.name)
+                    )
+                except (OSError, ValueError) as e:
+                    outcome = [f"{type(e).__name__}: {e}"]
+            src = dist.get_global_rank(group, 0) if group else 0
+            dist.broadcast_object_list(outcome, src=src, group=group)
+            if outcome[0] is not None:
+                raise RuntimeError(f"save_checkpoint failed on rank 0: {outcome[0]}")
+            dckpt.save(self.optimizer, tmp / "optimizer")
+            torch.save(ckpt.rng_state(), tmp / f"rng-{rank}.pt")
+            dist.barrier(group)
+            if rank == 0:
+                ckpt.stage(tmp, weights=self.module.state_dict(), files={"engine": engine_state})
+                ckpt.seal(tmp, tag, info)
         dist.barrier(group)
         return final
 
@@ -325,7 +331,7 @@ class Engine:
         weights = ckpt.load_weights(path, manifest)
         _check_weights(self.module, weights, path)
         engine_state = ckpt.load_pt(path, "engine")
-        sharded_files = (path / "optimizer" / ".metadata").exists()
+        sharded_files = ckpt.layout_of(path, manifest) == ckpt.ENGINE_SHARDED
         optim_state = None
         # everything is checked before anything changes: a failed load leaves model and optimizer as they were
         if load_optimizer_states and self._sharded and not sharded_files:

@@ -107,7 +107,7 @@ def test_export_writes_the_consolidated_fp32_weights(runs, tmp_path):
     from safetensors.torch import load_file
 
     import halfprec.distributed
-    from halfprec.export import export
+    from halfprec.checkpoint.export import export
 
     runs.two()
     assert callable(halfprec.distributed.consolidate)  # not shadowed by a submodule of the same name

@@ -136,3 +136,14 @@ def test_construction_peak_on_the_gpu(impl):
     budget = {"torch": 4.0, "triton": 6.0}[impl]
     assert budget <= peak_mib <= budget + 0.5, peak_mib
     assert float(param[0]) == 0.5 and mp.state_dict()["optimizer"]["state"] == {}  # inert: no synthetic step
+
+
+def test_distributed_checkpoint_refuses_the_fused_strategy_by_name(tmp_path):
+    """It takes ``isinstance(opt, MixedPrecisionOptimizer)`` now, and the fused strategy keeps its state in flat
+    buffers: a clear refusal, never a checkpoint of 16-bit params saved as masters."""
+    from halfprec.distributed import checkpoint
+
+    model = _model()
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), impl="triton")
+    with pytest.raises(ValueError, match=r"does not take the fused FusedAdamW yet; save it with Engine"):
+        checkpoint.save(mp, tmp_path / "c", named_parameters=model)

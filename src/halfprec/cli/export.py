@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from .. import checkpoint as ckpt
-from ..export import export, inspect
+from ..checkpoint.export import describe, export
 
 __all__ = ["add_export_arguments", "add_inspect_arguments", "run_export", "run_inspect"]
 
@@ -20,8 +20,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "checkpoint", help="a checkpoint directory (a tag, or its parent with a 'latest' pointer)"
     )
-    parser.add_argument("--out", required=True, help="output .safetensors file")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument("--out", required=True, help="output .safetensors file (not a directory)")
+    parser.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="dtype of the written floating-point tensors, cast from the fp32 masters (default: fp32)",
+    )
     parser.add_argument(
         "--tag", default=None, help="tag inside the directory (default: the 'latest' pointer)"
     )
@@ -37,14 +42,12 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _path(args: argparse.Namespace) -> Path:
-    path = Path(args.checkpoint)
-    if args.tag is None and (path / ".metadata").exists():
-        return path
-    return ckpt.resolve(path, args.tag, tag_option="--tag")
+    return ckpt.resolve(Path(args.checkpoint), args.tag, tag_option="--tag")
 
 
 def _fail(command: str, error: Exception) -> int:
-    print(f"halfprec {command}: error: {error}", file=sys.stderr)
+    message = " ".join(str(error).split())  # one line, whatever the exception's text holds
+    print(f"halfprec {command}: error: {message}", file=sys.stderr)
     return 2
 
 
@@ -59,7 +62,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_inspect(args: argparse.Namespace) -> int:
     try:
-        rows = inspect(_path(args))
+        rows = describe(_path(args))
     except (ckpt.CheckpointError, ValueError, OSError) as e:
         return _fail("inspect", e)
     width = max(len(k) for k, _ in rows)

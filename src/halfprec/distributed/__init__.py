@@ -31,8 +31,7 @@ def __getattr__(name: str) -> Any:
 
         return sharded_engine_optimizer
     if name in ("consolidate", "read_checkpoint"):
-        # the module is _consolidate: a submodule named like the function would replace it on the package
-        from . import _consolidate
+        from ..checkpoint import consolidate
 
-        return getattr(_consolidate, name)
+        return getattr(consolidate, name)
     raise AttributeError(f"module 'halfprec.distributed' has no attribute {name!r}")

@@ -4,55 +4,50 @@ Layout of ``<dir>/<tag>/``::
 
     model.safetensors   the model's state dict, each shared tensor stored once (ties listed in the manifest)
     optimizer.pt        MixedPrecisionOptimizer.state_dict(): torch-format inner state, fp32 masters, scaler
+      (or optimizer/)   a ZeRO-1/2 engine's optimizer, a DCP directory (``checkpoint.dcp``)
     engine.pt           counters, param names, LR scheduler, RNG states, client_state
-    manifest.json       written last: format, counters, ties, each file's size and SHA-256, and its own SHA-256
+    manifest.json       written last: format, layout, counters, ties, each file's size and SHA-256, its own SHA-256
 
-A save writes everything into a hidden temporary sibling, fsyncs the files and the directory, renames it to
-``<tag>`` and only then replaces ``<dir>/latest`` (itself written to a temporary file and renamed). A process
-killed at any point leaves the previous checkpoint and pointer intact. ``<dir>/.published`` logs every tag
-``latest`` has named: a tag is immutable once published, and ``keep_last`` keeps the most recently published.
-``*.pt`` files are read with ``torch.load(weights_only=True)``; the manifest's digests catch truncated or flipped
-bytes, which neither ``torch.load`` nor safetensors notices.
+A save (:func:`saving`) writes everything into a hidden temporary sibling, fsyncs the files and the directory,
+renames it to ``<tag>`` (``atomic.commit``, which also replaces a tag crash-safely) and only then replaces
+``<dir>/latest`` (itself written to a temporary file and renamed). A process killed at any point leaves the previous
+checkpoint and pointer intact. ``<dir>/.published`` logs every tag ``latest`` has named: a tag is immutable once
+published, and ``keep_last`` keeps the most recently published. Each save removes the leftovers of earlier killed
+saves that no live process holds. ``*.pt`` files are read with ``torch.load(weights_only=True)``; the manifest's
+digests catch truncated or flipped bytes, which neither ``torch.load`` nor safetensors notices. Every file gets
+the mode a new file gets under the umask (safetensors alone would write the weights 0600).
 """
 
 from __future__ import annotations
 
-import glob
+import contextlib
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
-import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .atomic import commit, file_mode, fsync_path, held, recover, remove_leftovers, unique_suffix
+from .formats import ENGINE, FORMAT, LEGACY_FORMATS, MANIFEST
+
 __all__ = [
     "CheckpointError",
-    "FORMAT",
+    "LATEST",
     "check_tag",
-    "read_manifest",
-    "resolve",
     "write_checkpoint",
+    "saving",
     "prepare",
     "stage",
     "seal",
-    "commit",
     "publish",
-    "load_weights",
-    "load_pt",
-    "rng_state",
-    "set_rng_state",
-    "check_plain",
 ]
 
-FORMAT = "halfprec-checkpoint/2"  # /2: the manifest carries its own SHA-256
-_LEGACY_FORMATS = ("halfprec-checkpoint/1",)  # still loaded (without the manifest's self-digest)
-MANIFEST = "manifest.json"
 LATEST = "latest"
 PUBLISHED = ".published"  # the tags ``latest`` has named, oldest first, one per line (hidden: not a tag)
 
@@ -62,14 +57,6 @@ class CheckpointError(RuntimeError):
 
 
 # --- writing ---------------------------------------------------------------------------------------------
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _manifest_digest(manifest: dict[str, Any]) -> str:
     """SHA-256 of the manifest's canonical JSON, its own digest field left out."""
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
@@ -151,21 +138,42 @@ def write_checkpoint(
     """Write ``<directory>/<tag>`` atomically and point ``latest`` at it; returns the checkpoint's path.
 
     ``weights`` go to model.safetensors; each item of ``files`` to ``<name>.pt`` with ``torch.save``; ``info``
-    (plain JSON values) into the manifest. ``overwrite=True`` replaces an existing tag: that removal and
-    rename is not atomic, since a directory cannot be renamed onto a non-empty one.
+    (plain JSON values) into the manifest. ``overwrite=True`` replaces an existing tag in two renames (a
+    directory cannot be renamed onto a non-empty one); a crash between them leaves the old checkpoint whole at
+    ``.<tag>.replaced``, where readers find it and the next save restores it (``atomic.commit``).
     """
-    root, final = prepare(directory, tag, overwrite=overwrite, keep_last=keep_last)
-    tmp = root / f".{tag}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with saving(directory, tag, overwrite=overwrite, keep_last=keep_last) as tmp:
         stage(tmp, weights=weights, files=files)
         seal(tmp, tag, info)
-        commit(tmp, final)
+    return Path(directory) / tag
+
+
+@contextlib.contextmanager
+def saving(
+    directory: str | os.PathLike,
+    tag: str,
+    *,
+    overwrite: bool,
+    keep_last: int | None,
+    tmp_name: str | None = None,
+) -> Iterator[Path]:
+    """:func:`prepare`, then yield a new temporary directory to :func:`stage` and :func:`seal`; on success commit
+    it to ``<directory>/<tag>`` and :func:`publish` it, on error remove it.
+
+    The temporary directory is held (``atomic.held``) until it is committed, so that no other save takes it for a
+    leftover. ``tmp_name`` is a fixed name for it, for a save whose other ranks must know where to write.
+    """
+    root, final = prepare(directory, tag, overwrite=overwrite, keep_last=keep_last)
+    tmp = root / (tmp_name or f".{tag}.tmp-{unique_suffix()}")
+    tmp.mkdir()
+    try:
+        with held(tmp):
+            yield tmp
+            commit(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     publish(root, tag, keep_last)
-    return final
 
 
 def prepare(
@@ -175,8 +183,9 @@ def prepare(
 
     A save killed after its rename but before ``latest`` was replaced leaves a complete ``<tag>`` that ``latest``
     never named; the restarted run reaches the same tag again, so such an unpublished directory (not in the
-    ``.published`` log) is moved aside with a warning instead of blocking it. A published tag is immutable.
-    Temporary directories of killed saves of this tag are removed.
+    ``.published`` log) is moved aside with a warning instead of blocking it, and removed at the next save. A
+    published tag is immutable. A replace of this tag that died midway is undone first (``atomic.recover``), and
+    the leftovers of killed saves that no live process holds are removed (:func:`_remove_leftovers`).
     """
     root = Path(directory)
     final = root / check_tag(tag)
@@ -184,6 +193,9 @@ def prepare(
         isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
     ):
         raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+    if root.is_dir():
+        recover(final)
+    unpublished = False
     if final.exists() or final.is_symlink():
         if not _is_checkpoint_of(final, tag):
             raise FileExistsError(
@@ -191,25 +203,40 @@ def prepare(
                 f"{tag!r}); nothing was written, moved or removed: choose another tag or directory, or remove "
                 f"{final} yourself"
             )
-        if not overwrite and _unpublished(root, final):
-            aside = root / f".{tag}.unpublished-{uuid.uuid4().hex[:8]}"
-            os.rename(final, aside)
-            warnings.warn(
-                f"{final} was written by a save that did not finish (latest does not point at it); moved it to "
-                f"{aside} and saving again",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        elif not overwrite:
+        unpublished = not overwrite and _unpublished(root, final)
+        if not overwrite and not unpublished:
             raise FileExistsError(
                 f"checkpoint {final} already exists and tags are immutable; pick another tag or pass "
                 "overwrite=True"
             )
     if root.is_dir():
-        for stale in root.glob(f".{glob.escape(tag)}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        _remove_leftovers(root)
+    if unpublished:
+        aside = root / f".{tag}.unpublished-{unique_suffix()}"
+        os.rename(final, aside)
+        warnings.warn(
+            f"{final} was written by a save that did not finish (latest does not point at it); moved it to "
+            f"{aside} (removed at the next save) and saving again",
+            RuntimeWarning,
+            stacklevel=5,
+        )
     root.mkdir(parents=True, exist_ok=True)
     return root, final
+
+
+# what killed saves leave: temporaries (held while in use), trash of a replace, moved-aside unpublished tags
+_LEFTOVER = re.compile(r"\.[A-Za-z0-9][A-Za-z0-9._-]*\.(?:tmp-(?:[0-9a-f]{8}|sharded)|trash-[0-9a-f]{8})")
+_UNPUBLISHED = re.compile(r"\.([A-Za-z0-9][A-Za-z0-9._-]*)\.unpublished-[0-9a-f]{8}")
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Remove what earlier killed saves left in ``root``: temporary directories and ``latest`` files that no live
+    save holds, trash, and the unpublished checkpoints that an earlier save moved aside (with a warning)."""
+    remove_leftovers(root, _LEFTOVER)
+    for entry in root.iterdir():
+        match = _UNPUBLISHED.fullmatch(entry.name)
+        if match and _is_checkpoint_of(entry, match.group(1)):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _is_checkpoint_of(path: Path, tag: str) -> bool:
@@ -226,7 +253,7 @@ def _is_checkpoint_of(path: Path, tag: str) -> bool:
         return False
     return (
         isinstance(manifest, dict)
-        and manifest.get("format") in (FORMAT, *_LEGACY_FORMATS)
+        and manifest.get("format") in (FORMAT, *LEGACY_FORMATS)
         and manifest.get("tag") == tag
     )
 
@@ -238,15 +265,20 @@ def stage(tmp: Path, *, weights: dict[str, torch.Tensor] | None, files: dict[str
     if weights is not None:
         stored, ties = _split_ties(weights)
         save_file(stored, str(tmp / "model.safetensors"), metadata={"format": "pt", "ties": json.dumps(ties)})
+        # safetensors writes 0600; every other file gets the mode the umask gives
+        os.chmod(tmp / "model.safetensors", file_mode(tmp))
     for name, obj in files.items():
         torch.save(obj, tmp / f"{name}.pt")
 
 
 def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
-    """fsync every file under ``tmp`` and write the manifest (sizes, digests, ties) last."""
+    """fsync every file under ``tmp`` and write the manifest (sizes, digests, ties) last.
+
+    ``info`` names the layout (``formats.ENGINE`` unless it says ``formats.ENGINE_SHARDED``) and the counters.
+    """
     entries = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        _fsync_path(path)
+        fsync_path(path)
         entries[path.relative_to(tmp).as_posix()] = {"size": path.stat().st_size, "sha256": _digest(path)}
     ties = {}
     if (tmp / "model.safetensors").exists():
@@ -254,23 +286,15 @@ def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
 
         with safe_open(str(tmp / "model.safetensors"), framework="pt") as f:
             ties = json.loads((f.metadata() or {}).get("ties", "{}"))
-    manifest = {"format": FORMAT, "tag": tag, "ties": ties, "files": entries, **info}
+    manifest = {"format": FORMAT, "layout": ENGINE, "tag": tag, "ties": ties, "files": entries, **info}
     manifest["manifest_sha256"] = _manifest_digest(manifest)
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
-        _fsync_path(sub)
-    _fsync_path(tmp)
-
-
-def commit(tmp: Path, final: Path) -> None:
-    """Rename the sealed ``tmp`` to ``final`` (replacing an existing one: not atomic) and fsync the parent."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_path(final.parent)
+        fsync_path(sub)
+    fsync_path(tmp)
 
 
 def publish(root: Path, tag: str, keep_last: int | None) -> None:
@@ -330,13 +354,13 @@ def _unpublished(root: Path, final: Path) -> bool:
 
 
 def _write_latest(root: Path, tag: str) -> None:
-    tmp = root / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
+    tmp = root / f".{LATEST}.tmp-{unique_suffix()}"
+    with open(tmp, "w") as f, held(tmp):
         f.write(tag + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
-    _fsync_path(root)
+        os.replace(tmp, root / LATEST)
+    fsync_path(root)
 
 
 def _prune(root: Path, keep_last: int, keep: str) -> None:
@@ -351,165 +375,3 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
     for _, name in found[:-keep_last]:
         if name != keep:
             shutil.rmtree(root / name)
-
-
-# --- reading ---------------------------------------------------------------------------------------------
-def resolve(directory: str | os.PathLike, tag: str | None = None, *, tag_option: str = "tag=") -> Path:
-    """The checkpoint directory for ``tag``, or the one ``latest`` points at. Also accepts a tag directory.
-
-    ``tag_option`` is how the caller's user names a tag (``"--tag"`` on the command line), for the error hints.
-    """
-    root = Path(directory)
-    if tag is None and (root / MANIFEST).exists():
-        return root
-    if not root.is_dir():
-        raise CheckpointError(f"no checkpoint at {root}: the directory does not exist")
-    if tag is None:
-        pointer = root / LATEST
-        if not pointer.exists():
-            tags = _tags_in(root)
-            if not tags:
-                raise CheckpointError(
-                    f"no checkpoint in {root}: no {LATEST} pointer and no tag directory with a {MANIFEST}; pass "
-                    "the directory that save_checkpoint() wrote to"
-                )
-            raise CheckpointError(
-                f"no checkpoint in {root}: {pointer} does not exist; pass {tag_option} with one of: "
-                f"{', '.join(tags)}"
-            )
-        tag = pointer.read_text().strip()
-        try:
-            check_tag(tag)
-        except ValueError as e:
-            raise CheckpointError(
-                f"{pointer} is damaged: {e}; pass {tag_option} with one of: {', '.join(_tags_in(root)) or '(none)'}"
-            ) from e
-    path = root / check_tag(tag)
-    if not path.is_dir():
-        raise CheckpointError(
-            f"checkpoint {path} does not exist; checkpoints in {root}: {', '.join(_tags_in(root)) or '(none)'}"
-        )
-    return path
-
-
-def _tags_in(root: Path, limit: int = 10) -> list[str]:
-    """Names of the checkpoint directories in ``root`` (at most ``limit``), for error messages."""
-    try:
-        tags = sorted(
-            p.name for p in root.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()
-        )
-    except OSError:
-        return []
-    return tags[:limit] + ([f"... ({len(tags) - limit} more)"] if len(tags) > limit else [])
-
-
-def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
-    """Read ``manifest.json`` and check every file's size and digest; errors name the file."""
-    manifest_path = path / MANIFEST
-    if not manifest_path.exists():
-        raise CheckpointError(f"{manifest_path} is missing: the checkpoint is incomplete")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{manifest_path} is corrupted: {e}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, *_LEGACY_FORMATS):
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"{manifest_path} has format {found!r}, expected {FORMAT!r}")
-    if manifest["format"] == FORMAT and manifest.get("manifest_sha256") != _manifest_digest(manifest):
-        raise CheckpointError(
-            f"{manifest_path} is corrupted: its contents do not match the SHA-256 it was written with"
-        )
-    if verify:
-        for name, entry in manifest["files"].items():
-            file = path / name
-            if not file.exists():
-                raise CheckpointError(f"checkpoint file {file} is missing")
-            size = file.stat().st_size
-            if size != entry["size"]:
-                raise CheckpointError(
-                    f"checkpoint file {file} is truncated or extended: {size} bytes, expected {entry['size']}"
-                )
-            if _digest(file) != entry["sha256"]:
-                raise CheckpointError(
-                    f"checkpoint file {file} is corrupted: its SHA-256 does not match the manifest"
-                )
-    return manifest
-
-
-def load_weights(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The model state dict, ties restored (an alias is the same tensor object as its stored name)."""
-    from safetensors.torch import load_file
-
-    weights = load_file(str(path / "model.safetensors"))
-    for alias, name in manifest.get("ties", {}).items():
-        weights[alias] = weights[name]
-    return weights
-
-
-def load_pt(path: Path, name: str) -> Any:
-    file = path / f"{name}.pt"
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"cannot load {file} with weights_only=True: {e}") from e
-
-
-# --- plain data ------------------------------------------------------------------------------------------
-def check_plain(value: Any, where: str = "client_state") -> None:
-    """Raise unless ``value`` is made of tensors, numbers, strings, None, lists, tuples and str-keyed dicts."""
-    # exact types: a numpy float is a float subclass that torch.load(weights_only=True) refuses
-    if value is None or type(value) in (bool, int, float, str) or isinstance(value, torch.Tensor):
-        return
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            check_plain(item, f"{where}[{i}]")
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, (str, int)):
-                raise ValueError(f"{where} has a key of type {type(key).__name__}; use str or int keys")
-            check_plain(item, f"{where}[{key!r}]")
-        return
-    raise ValueError(
-        f"{where} is a {type(value).__name__}; checkpoints hold plain data only (tensors, numbers, strings, "
-        "lists, dicts) so that loading never runs code: convert it, e.g. with .state_dict() or int()"
-    )
-
-
-def rng_state() -> dict[str, Any]:
-    """Python, torch CPU/CUDA and numpy RNG states as tensors and plain values (loadable weights_only)."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy"] = {
-        "kind": kind,
-        "keys": torch.from_numpy(keys.astype("int64")),
-        "pos": int(pos),
-        "has_gauss": int(has_gauss),
-        "cached": float(cached),
-    }
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        n = state["numpy"]
-        np.random.set_state(
-            (n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"])
-        )

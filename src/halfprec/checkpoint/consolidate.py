@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ._safe_dcp import SafeFileSystemReader, read_metadata, refuse_bytes
+from .atomic import located
+from .safe_dcp import SafeFileSystemReader, read_metadata, refuse_bytes
 
 __all__ = ["consolidate", "read_checkpoint"]
 
 
 def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every item of the checkpoint as a whole CPU tensor (masters and elementwise state stay 1-D)."""
+    checkpoint_dir = located(Path(checkpoint_dir))  # a replace that died midway left the previous one aside
     if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
         raise FileNotFoundError(f"{checkpoint_dir} is not a complete DCP checkpoint (no .metadata)")
     metadata = read_metadata(checkpoint_dir)

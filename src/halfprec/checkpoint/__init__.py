@@ -1,0 +1,68 @@
+"""Checkpoints: the engine's directory format, reshardable DCP optimizer checkpoints, export of weights.
+
+One package so that both formats share one atomic commit (``atomic``), one record of which format a directory
+holds (``formats``) and one reader (``read``):
+
+=================  ===========================================================================================
+``directory``      the engine's ``<dir>/<tag>``: tags, staging, manifest, ``latest`` and its publication log
+``read``           find (``latest``, tags), verify (manifest digests) and load the files of a checkpoint
+``plain``          what checkpoint files may hold (loadable with ``weights_only=True``) and the RNG states
+``atomic``         the crash-safe directory commit and the removal of leftovers no live writer holds
+``formats``        the layout a writer recorded (engine, engine with a sharded optimizer, bare DCP)
+``dcp``            optimizer checkpoints through ``torch.distributed.checkpoint`` (``halfprec.distributed.checkpoint``)
+``safe_dcp``       DCP metadata read without running code; planners for 1-D chunks
+``consolidate``    a DCP checkpoint read into whole tensors without a process group
+``export``         consolidated fp32 weights, ``halfprec export`` and ``halfprec inspect`` (:func:`describe`)
+=================  ===========================================================================================
+
+``from halfprec import checkpoint as ckpt`` gives the directory format's functions, as the module of the same name
+did before. ``dcp``, ``consolidate`` and ``export`` import ``torch.distributed.checkpoint`` or the optimizers, so
+they are imported on use: ``from halfprec.checkpoint.export import export``.
+"""
+
+from __future__ import annotations
+
+from .atomic import commit
+from .directory import (
+    LATEST,
+    CheckpointError,
+    _digest,  # noqa: F401 - used by tests that re-seal a tampered checkpoint
+    _manifest_digest,  # noqa: F401
+    check_tag,
+    prepare,
+    publish,
+    saving,
+    seal,
+    stage,
+    write_checkpoint,
+)
+from .formats import DCP, DCP_FORMAT, ENGINE, ENGINE_SHARDED, FORMAT, MANIFEST, layout_of
+from .plain import check_plain, rng_state, set_rng_state
+from .read import load_pt, load_weights, read_manifest, resolve
+
+__all__ = [
+    "CheckpointError",
+    "FORMAT",
+    "DCP_FORMAT",
+    "MANIFEST",
+    "LATEST",
+    "ENGINE",
+    "ENGINE_SHARDED",
+    "DCP",
+    "layout_of",
+    "check_tag",
+    "read_manifest",
+    "resolve",
+    "write_checkpoint",
+    "saving",
+    "prepare",
+    "stage",
+    "seal",
+    "commit",
+    "publish",
+    "load_weights",
+    "load_pt",
+    "rng_state",
+    "set_rng_state",
+    "check_plain",
+]

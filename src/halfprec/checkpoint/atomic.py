@@ -1,0 +1,168 @@
+"""The one directory commit of every checkpoint format, crash-safe, and the removal of leftovers no writer holds.
+
+Both formats (the engine's ``<dir>/<tag>`` and the DCP directories of ``halfprec.distributed.checkpoint``) are
+written into a temporary sibling and renamed into place by :func:`commit`. POSIX ``rename`` cannot replace a
+non-empty directory, so replacing one takes two renames: the existing ``final`` goes to ``.<name>.replaced`` (a
+fixed name, so that it can be found again), then ``tmp`` becomes ``final``. At every instant one complete
+checkpoint exists under a known name: ``final``, or between the two renames ``.<name>.replaced``, which
+:func:`located` hands to readers and :func:`recover` (run by the next save) renames back. The aside is never
+deleted in place: it is first renamed to a unique ``.<name>.trash-*``, so a ``.<name>.replaced`` is always whole.
+
+Leftovers of dead writers (temporaries, trash) are removed only when provably dead: a writer holds an exclusive
+``flock(2)`` on its temporary file or directory for as long as it uses it (:func:`held`), and the kernel drops that
+lock when the process dies, so :func:`remove_if_dead` removes a leftover only if it can take that lock without
+waiting. ``flock`` on the leftover itself needs no lock file: a checkpoint directory's listing is part of its
+contract (tests pin it), and a separate lock file (``filelock``) would add one to every checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = [
+    "fsync_path",
+    "commit",
+    "recover",
+    "located",
+    "held",
+    "remove_if_dead",
+    "remove_leftovers",
+    "file_mode",
+    "unique_suffix",
+]
+
+_REPLACED = ".{}.replaced"
+_TRASH = ".{}.trash-"
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unique_suffix() -> str:
+    """The random part of every temporary name (8 hex digits): leftovers are recognised by it."""
+    return uuid.uuid4().hex[:8]
+
+
+def _aside(final: Path) -> Path:
+    return final.with_name(_REPLACED.format(final.name))
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """Rename the complete directory ``tmp`` to ``final``, replacing an existing ``final``; fsync the parent.
+
+    A crash (or an error) at any point leaves a complete checkpoint at ``final`` or at ``.<name>.replaced``
+    (see the module docstring); readers find it with :func:`located`, the next save restores it.
+    """
+    aside = _aside(final)
+    recover(final)
+    if final.exists() or final.is_symlink():
+        if aside.exists():  # a commit died after its second rename: final is newer, the aside is garbage
+            _discard(final)
+        os.rename(final, aside)
+        fsync_path(final.parent)
+    os.rename(tmp, final)
+    fsync_path(final.parent)
+    if aside.exists():
+        _discard(final)
+
+
+def recover(final: Path) -> None:
+    """Undo a replace that died between its two renames: put the complete ``.<name>.replaced`` back."""
+    aside = _aside(final)
+    if not (final.exists() or final.is_symlink()) and aside.is_dir():
+        os.rename(aside, final)
+        fsync_path(final.parent)
+
+
+def located(final: Path) -> Path:
+    """Where the checkpoint named ``final`` is: ``final``, or its complete aside if a replace died midway."""
+    if final.exists() or final.is_symlink():
+        return final
+    aside = _aside(final)
+    return aside if aside.is_dir() else final
+
+
+def _discard(final: Path) -> None:
+    """Remove ``final``'s aside, renaming it out of the way first so that a crash never leaves it half-removed."""
+    trash = final.with_name(_TRASH.format(final.name) + unique_suffix())
+    path = _aside(final)
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def held(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the file or directory ``path``: :func:`remove_if_dead` will not touch it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):  # a filesystem without flock: then no cleaner can lock it either
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_if_dead(path: Path) -> bool:
+    """Remove the leftover ``path`` if no live process holds it (:func:`held`); True if it is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its writer is alive (or this filesystem has no flock: nothing can be proved dead)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        return not (path.exists() or path.is_symlink())
+    finally:
+        os.close(fd)
+
+
+def remove_leftovers(root: Path, pattern: re.Pattern[str]) -> list[Path]:
+    """Remove the entries of ``root`` whose name fully matches ``pattern`` and that no live writer holds.
+
+    Trash (``.<name>.trash-*``) is removed whether held or not: nothing reads it, its writer only deletes it.
+    """
+    removed = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if not pattern.fullmatch(entry.name):
+            continue
+        if ".trash-" in entry.name:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+        elif remove_if_dead(entry):
+            removed.append(entry)
+    return removed
+
+
+def file_mode(directory: Path) -> int:
+    """The mode a new file gets in ``directory`` (``0o666`` under the umask and default ACLs), found by making
+    one: reading the umask through ``os.umask`` would change it for every thread for a moment."""
+    probe = directory / f".mode-probe-{unique_suffix()}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o7777
+    finally:
+        os.close(fd)
+        probe.unlink()

@@ -1,0 +1,160 @@
+"""Consolidated weights from a checkpoint: the fp32 masters under the model's own state-dict names.
+
+Serves ``halfprec export`` (:func:`export`) and ``halfprec inspect`` (:func:`describe`, not ``inspect``, which would
+shadow the standard library's module of that name) for every layout (``formats``): the engine's directory with an
+unsharded or a sharded optimizer, and a bare DCP optimizer checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import read as ckpt
+from .atomic import file_mode, fsync_path, held, remove_leftovers, unique_suffix
+from .formats import DCP, ENGINE_SHARDED, layout_of
+
+__all__ = ["consolidated_weights", "export", "describe"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dict[str, torch.Tensor]:
+    """Every key of the model's state dict; trained params from their fp32 masters, cast to ``dtype``.
+
+    Tied weights appear under each of their names as separate tensors, so a strict ``load_state_dict`` works.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    target = _DTYPES[dtype]
+    path = Path(path)
+    if layout_of(path) == DCP:
+        from .consolidate import consolidate  # noqa: PLC0415 - imports torch.distributed.checkpoint
+
+        weights = consolidate(path)
+        return {k: (v.to(target) if v.is_floating_point() else v) for k, v in weights.items()}
+    manifest = ckpt.read_manifest(path)
+    weights = ckpt.load_weights(path, manifest)
+    masters = _named_masters(path, manifest)
+    out = {}
+    for key, tensor in weights.items():
+        value = masters.get(key, tensor)
+        out[key] = (value.to(target) if value.is_floating_point() else value).clone().contiguous()
+    for alias, name in manifest.get("ties", {}).items():
+        out[alias] = out[name].clone()
+    return out
+
+
+def _named_masters(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The fp32 masters of an engine checkpoint by parameter name (sharded: from its DCP optimizer files)."""
+    if layout_of(path, manifest) == ENGINE_SHARDED:
+        from .consolidate import consolidate  # noqa: PLC0415 - written by a ZeRO-1/2 engine
+
+        return consolidate(path / "optimizer")
+    names = ckpt.load_pt(path, "engine")["param_names"]
+    optim = ckpt.load_pt(path, "optimizer")
+    return {names[int(i)]: m for i, m in optim["masters"].items() if names[int(i)] is not None}
+
+
+def export(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32") -> Path:
+    """Write :func:`consolidated_weights` to a safetensors file loadable with ``safetensors.torch.load_file``.
+
+    The file appears whole or not at all: it is written inside a hidden temporary directory next to ``out``
+    (held while in use, see ``atomic.held``), given the mode a new file gets under the umask, and renamed onto
+    ``out``. A failure leaves nothing behind; what a killed export left is removed by the next export to ``out``.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.is_dir():
+        raise IsADirectoryError(
+            f"cannot write the weights to {out}: it is a directory; pass the path of the file to write, e.g. "
+            f"{out / 'model.safetensors'}"
+        )
+    weights = consolidated_weights(path, dtype=dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out.parent, re.compile(rf"\.{re.escape(out.name)}\.tmp-[0-9a-f]{{8}}"))
+    tmp = out.parent / f".{out.name}.tmp-{unique_suffix()}"
+    tmp.mkdir()
+    try:
+        with held(tmp):
+            file = tmp / out.name
+            save_file(weights, str(file), metadata={"format": "pt", "source": str(path), "dtype": dtype})
+            os.chmod(file, file_mode(tmp))  # safetensors writes 0600; checkpoint files follow the umask
+            fsync_path(file)
+            os.replace(file, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def describe(path: str | os.PathLike) -> list[tuple[str, Any]]:
+    """Rows (field, value) describing a checkpoint: counters, scale, dtypes, sizes."""
+    path = Path(path)
+    if layout_of(path) == DCP:
+        return _describe_dcp(path)
+    manifest = ckpt.read_manifest(path)
+    weights = ckpt.load_weights(path, manifest)
+    sharded = layout_of(path, manifest) == ENGINE_SHARDED
+    scaler = None if sharded else ckpt.load_pt(path, "optimizer")["scaler"]["type"]
+    rows: list[tuple[str, Any]] = [
+        ("path", str(path)),
+        ("tag", manifest["tag"]),
+        ("global_step", manifest["global_step"]),
+        ("skipped_steps", manifest["skipped_steps"]),
+        ("precision", manifest["precision"]),
+        ("optimizer", "sharded (DCP, reshardable)" if sharded else f"MixedPrecisionOptimizer, {scaler}"),
+        ("loss scale", f"{manifest['loss_scale']:g}"),
+        ("tensors", len(weights)),
+        ("tied names", len(manifest.get("ties", {}))),
+        ("elements by dtype", _by_dtype(weights.values())),
+        ("master params", len(_named_masters(path, manifest))),
+    ]
+    for name, entry in sorted(manifest["files"].items()):
+        rows.append((f"file {name}", f"{entry['size']:,} bytes"))
+    return rows
+
+
+def _by_dtype(tensors) -> str:
+    counts: dict[str, int] = {}
+    for tensor in tensors:
+        name = str(tensor.dtype).replace("torch.", "")
+        counts[name] = counts.get(name, 0) + tensor.numel()
+    return ", ".join(f"{k}: {v:,}" for k, v in sorted(counts.items()))
+
+
+def _describe_dcp(path: Path) -> list[tuple[str, Any]]:
+    """Rows for a bare DCP optimizer checkpoint (``halfprec.distributed.checkpoint.save``), from its items."""
+    from .consolidate import read_checkpoint  # noqa: PLC0415 - imports torch.distributed.checkpoint
+
+    items = read_checkpoint(path)
+    if "format/version" not in items:
+        raise ValueError(f"{path} is not a halfprec optimizer checkpoint (no format/version item)")
+    masters = {k: v for k, v in items.items() if k.startswith("master/")}
+    groups = sorted({int(k.split("/")[1]) for k in items if k.startswith("hparam/")})
+    rows: list[tuple[str, Any]] = [
+        ("path", str(path)),
+        (
+            "format",
+            f"halfprec DCP optimizer checkpoint, version {int(items['format/version'])} (reshardable)",
+        ),
+        ("skipped_steps", int(items["counters/skipped_steps"])),
+    ]
+    if "scaler/scale" in items:
+        rows.append(("loss scale", f"{float(items['scaler/scale']):g}"))
+    for gi in groups:
+        if f"hparam/{gi}/lr" in items:
+            rows.append((f"group {gi} lr", f"{float(items[f'hparam/{gi}/lr']):g}"))
+    rows += [
+        ("master params", len(masters)),
+        ("elements by dtype", _by_dtype(masters.values())),
+        ("state items", sum(k.startswith("state/") for k in items)),
+    ]
+    for file in sorted(p for p in path.iterdir() if p.is_file()):
+        rows.append((f"file {file.name}", f"{file.stat().st_size:,} bytes"))
+    return rows

@@ -1,0 +1,77 @@
+"""Which kind of checkpoint a directory holds, as its writer recorded it in ``manifest.json``.
+
+Three layouts exist: the engine's ``<tag>`` directory with ``optimizer.pt`` (:data:`ENGINE`), the same with the
+optimizer as a DCP directory ``optimizer/`` (:data:`ENGINE_SHARDED`, ZeRO-1/2), and a bare optimizer checkpoint of
+``halfprec.distributed.checkpoint.save`` (:data:`DCP`). The writer names the layout in the manifest (key
+``layout``; a DCP directory gets a small manifest of its own), so readers never guess from the files present.
+Checkpoints written before the layout was recorded are told apart by the rule of that time, in one function,
+:func:`_legacy_layout`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FORMAT",
+    "LEGACY_FORMATS",
+    "DCP_FORMAT",
+    "MANIFEST",
+    "ENGINE",
+    "ENGINE_SHARDED",
+    "DCP",
+    "layout_of",
+]
+
+FORMAT = "halfprec-checkpoint/2"  # /2: the manifest carries its own SHA-256
+LEGACY_FORMATS = ("halfprec-checkpoint/1",)  # still loaded (without the manifest's self-digest)
+DCP_FORMAT = "halfprec-dcp/1"  # the manifest of a bare DCP optimizer checkpoint
+MANIFEST = "manifest.json"
+
+ENGINE = "engine"
+ENGINE_SHARDED = "engine-sharded"
+DCP = "dcp"
+_LAYOUTS = (ENGINE, ENGINE_SHARDED, DCP)
+
+
+def layout_of(path: str | Path, manifest: dict[str, Any] | None = None) -> str | None:
+    """:data:`ENGINE`, :data:`ENGINE_SHARDED` or :data:`DCP` for the checkpoint at ``path``; None if there is none.
+
+    ``manifest`` is the already read (and verified) ``manifest.json`` of ``path``, if the caller has it. An
+    unreadable manifest counts as an engine checkpoint's: its reader then names the damage.
+    """
+    path = Path(path)
+    if manifest is None:
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (FileNotFoundError, NotADirectoryError):
+            return _legacy_layout(path, None)
+        except (OSError, ValueError):
+            return ENGINE
+    if not isinstance(manifest, dict):
+        return ENGINE
+    if manifest.get("format") == DCP_FORMAT:
+        return DCP
+    layout = manifest.get("layout")
+    if layout is None:
+        return _legacy_layout(path, manifest)
+    if layout not in _LAYOUTS:
+        from .directory import CheckpointError  # noqa: PLC0415 - directory imports this module
+
+        raise CheckpointError(f"{path / MANIFEST} names layout {layout!r}, expected one of {list(_LAYOUTS)}")
+    return layout
+
+
+def _legacy_layout(path: Path, manifest: dict[str, Any] | None) -> str | None:
+    """The layout of a checkpoint written before the writers recorded it (halfprec up to the ``checkpoint/``
+    package): the only rule that code had, the presence of DCP's ``.metadata`` file.
+
+    Without a manifest, a directory holding ``.metadata`` was a bare DCP optimizer checkpoint. With one (an engine
+    checkpoint), its optimizer was sharded exactly when the manifest lists ``optimizer/.metadata`` (the list of
+    files is covered by the manifest's digests, so the file system is not probed). New checkpoints never get here.
+    """
+    if manifest is None:
+        return DCP if (path / ".metadata").is_file() else None
+    return ENGINE_SHARDED if "optimizer/.metadata" in manifest.get("files", {}) else ENGINE
