@@ -40,7 +40,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
     ap.add_argument("--width", type=int, default=256, help="hidden width of the MLP")
     ap.add_argument(
-        "--ckpt", default=None, help="folder of step-N checkpoints: resume from the newest, save step-<reached>"
+        "--ckpt",
+        default=None,
+        help="folder of step-N checkpoints: resume from the newest, save step-<reached>",
     )
     return ap.parse_args()
 
