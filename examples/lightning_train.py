@@ -43,7 +43,7 @@ class Regression(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def train_with_trainer(dtype: str, ckpt: str | None) -> None:
+def train_with_trainer(dtype: str, ckpt: str | None) -> float:
     trainer = L.Trainer(
         accelerator="auto",
         devices=1,
@@ -57,14 +57,17 @@ def train_with_trainer(dtype: str, ckpt: str | None) -> None:
     model = Regression()
     trainer.fit(model, data())
     mp = trainer.optimizers[0]
+    loss = trainer.callback_metrics["loss"].item()
     print(
-        f"loss scale {mp.loss_scale:g}, skipped steps {mp.skipped_steps}, last grad norm {mp.grad_norm:.3f}"
+        f"final loss {loss:.4f}, loss scale {mp.loss_scale:g}, skipped steps {mp.skipped_steps}, "
+        f"last grad norm {mp.grad_norm:.3f}"
     )
     if ckpt:
         trainer.save_checkpoint(ckpt)  # resume with trainer.fit(model, data(), ckpt_path=ckpt)
+    return loss
 
 
-def train_with_fabric(dtype: str) -> None:
+def train_with_fabric(dtype: str) -> float:
     fabric = L.Fabric(accelerator="auto", devices=1, plugins=[HalfprecFabricPrecision(dtype)])
     model = net()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -88,14 +91,19 @@ def train_with_fabric(dtype: str) -> None:
             f"epoch {epoch} loss {loss.item():.4f} scale {opt.loss_scale:g} grad_norm {opt.grad_norm:.3f}"
         )
     fabric.save("/tmp/halfprec_fabric.ckpt", {"model": model, "optimizer": opt, "scheduler": sched})
+    return loss.item()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    parser.add_argument("--fabric", action="store_true")
-    parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--fabric", action="store_true", help="Fabric + setup_fabric instead of the Trainer")
+    parser.add_argument("--ckpt", default=None, help="save a Trainer .ckpt here at the end")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the model's init (the data is fixed)")
     args = parser.parse_args()
+    # The model's init draws from torch's global generator: unseeded, every run starts from other weights and
+    # ends at another loss.
+    L.seed_everything(args.seed)
     if args.fabric:
         train_with_fabric(args.dtype)
     else:

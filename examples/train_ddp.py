@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node 2 examples/train_ddp.py --zero 1            # CPU, gloo
     torchrun --standalone --nproc-per-node 8 examples/train_ddp.py --zero 2 --fp16     # GPUs, NCCL
 
-A small MLP regression on synthetic data; each rank draws its own micro-batches. ``--ckpt DIR`` saves a
-reshardable checkpoint at the end and resumes from it if it exists (at any world size).
+A small MLP regression on synthetic data; each rank draws its own micro-batches. ``--ckpt DIR`` keeps
+reshardable checkpoints in DIR, one per run, named by the optimizer step reached (``DIR/step-50``): a run resumes
+from the newest one there (at any world size and stage), trains ``--steps`` more and saves ``DIR/step-<reached>``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -34,11 +36,30 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--fp16", action="store_true", help="fp16 weights with dynamic loss scaling (default bf16)"
     )
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=50, help="optimizer steps to train in this run")
     ap.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--ckpt", default=None, help="checkpoint directory (resumed from if present)")
+    ap.add_argument("--width", type=int, default=256, help="hidden width of the MLP")
+    ap.add_argument(
+        "--ckpt",
+        default=None,
+        help="folder of step-N checkpoints: resume from the newest, save step-<reached>",
+    )
     return ap.parse_args()
+
+
+def newest_checkpoint(folder: str | None) -> tuple[str | None, int]:
+    """``(path, step)`` of the ``step-N`` checkpoint with the largest N in ``folder``, or ``(None, 0)``."""
+    found = []
+    if folder and os.path.isdir(folder):
+        for name in os.listdir(folder):
+            m = re.fullmatch(r"step-(\d+)", name)
+            # a save that did not finish has no .metadata (it is written last): not a checkpoint
+            if m and os.path.isfile(os.path.join(folder, name, ".metadata")):
+                found.append((int(m.group(1)), os.path.join(folder, name)))
+    if not found:
+        return None, 0
+    step, path = max(found)
+    return path, step
 
 
 @record
@@ -76,14 +97,18 @@ def main() -> None:
         # stage 1 accumulates locally inside no_sync(); stage 2 reduces every micro-batch anyway
         no_sync = opt.no_sync if args.zero == 1 else contextlib.nullcontext
 
-    if args.ckpt and os.path.isfile(os.path.join(args.ckpt, ".metadata")):
-        checkpoint.load(opt, args.ckpt, named_parameters=model)
+    # The step count lives in the checkpoint's name: the optimizer's counters do not hold it (a skipped step
+    # advances no optimizer counter), and the name is what a user lists.
+    resume_path, start = newest_checkpoint(args.ckpt)
+    if resume_path is not None:
+        checkpoint.load(opt, resume_path, named_parameters=model)
         if rank == 0:
-            print(f"resumed from {args.ckpt}")
+            print(f"resumed from {resume_path} (step {start})")
 
-    g = torch.Generator().manual_seed(1234 + rank)  # each rank its own data
     w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(7))
-    for step in range(args.steps):
+    for step in range(start, start + args.steps):
+        # each rank its own data; step N's batches are the same whether the run was resumed or not
+        g = torch.Generator().manual_seed(1234 + 100_003 * step + rank)
         for micro in range(args.accum):
             x = torch.randn(64, 32, generator=g)
             y = x @ w_true
@@ -93,7 +118,7 @@ def main() -> None:
                 opt.backward(loss)
         opt.step()
         opt.zero_grad()
-        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+        if rank == 0 and (step % 10 == 0 or step == start + args.steps - 1):
             skipped = " (skipped)" if opt.step_was_skipped else ""
             print(
                 f"step {step:4d} loss {loss.item() * args.accum:.5f} grad_norm {opt.grad_norm:.4f} "
@@ -101,9 +126,10 @@ def main() -> None:
             )
 
     if args.ckpt:
-        checkpoint.save(opt, args.ckpt, named_parameters=model)
+        path = os.path.join(args.ckpt, f"step-{start + args.steps}")  # named by the step reached
+        checkpoint.save(opt, path, named_parameters=model)
         if rank == 0:
-            print(f"saved {args.ckpt} (world size {world}; loads at any world size)")
+            print(f"saved {path} (world size {world}; loads at any world size)")
     dist.barrier()  # no rank tears its connections down while another still talks to it
     dist.destroy_process_group()
 

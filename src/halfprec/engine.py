@@ -8,6 +8,7 @@ the skips; the wrapped optimizer's own counters and the LR schedule do not move 
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from dataclasses import asdict, dataclass
@@ -151,10 +152,36 @@ class Engine:
 
     # --- the loop --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model with the floating-point tensors of ``args``/``kwargs`` cast to the training dtype.
+
+        The engine cast the model to ``config.precision``, so an fp32 batch straight from a data loader would
+        meet 16-bit weights in the first matmul (``mat1 and mat2 must have the same dtype``). Lightning's
+        half-precision plugins cast inputs the same way, and DeepSpeed's engine does with ``fp16.auto_cast``.
+        Integer and bool tensors (token ids, masks) and non-tensors pass unchanged; tensors nested in lists,
+        tuples and dicts are cast too. ``engine.module(...)`` runs the model on uncast inputs.
+        """
+        dtype = _DTYPES[self.config.precision]
+        if dtype != torch.float32:
+            args, kwargs = self._cast_floating(args, dtype), self._cast_floating(kwargs, dtype)
         return self.module(*args, **kwargs)
+
+    @staticmethod
+    def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(dtype) if value.is_floating_point() else value
+        if isinstance(value, dict):
+            out = copy.copy(value)  # keeps a dict subclass's type and extras (an OrderedDict, a defaultdict)
+            for k, v in value.items():
+                out[k] = Engine._cast_floating(v, dtype)
+            return out
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: positional constructor
+            return type(value)(*(Engine._cast_floating(v, dtype) for v in value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(Engine._cast_floating(v, dtype) for v in value)
+        return value
 
     @property
     def gradient_accumulation_steps(self) -> int:

@@ -132,7 +132,7 @@ def _table_rows(out: str) -> dict[str, list[str]]:
 
 def test_demo_end_to_end(tmp_path, capfd):
     assert demo.run(_args(*TINY, "--out", str(tmp_path))) == 0
-    out = capfd.readouterr().out
+    out, err = capfd.readouterr()
     rows = _table_rows(out)
     assert list(rows) == ["fp32", "bf16", "fp16"]
     for precision, (train, val, tok_s, mem, unit, skipped, scale) in rows.items():
@@ -140,9 +140,15 @@ def test_demo_end_to_end(tmp_path, capfd):
         assert float(tok_s.replace(",", "")) > 0 and int(mem) > 0 and unit == "MiB" and int(skipped) >= 0
         assert (scale == "-") == (precision != "fp16")
     assert math.log2(float(rows["fp16"][-1])).is_integer()
-    png = re.search(r"loss curves: (\S+)", out).group(1)
+    png = re.search(r"plot \(loss curves, difference to fp32, loss scale\): (\S+)", out).group(1)
     assert png.endswith("demo.png") and (tmp_path / "demo.png").stat().st_size > 10_000
+    ckpt = re.search(r"checkpoint \(fp16, step 3\): (\S+)", out).group(1)
+    assert (
+        ckpt == str((tmp_path / "checkpoints" / "fp16").resolve()) and (tmp_path / ckpt / "latest").exists()
+    )
     assert re.search(r"resume check \(fp16\): stopped at step 3, .* OK, bit-identical", out)
+    assert re.search(r"expected duration: about \d+", out) and re.search(r"done in .* \(expected ", out)
+    assert re.search(r"demo ETA=\d+:\d\d", err)  # in every precision's progress bar
 
 
 def test_demo_mismatch_is_a_nonzero_exit(tmp_path, capfd):
@@ -159,15 +165,66 @@ def test_demo_mismatch_is_a_nonzero_exit(tmp_path, capfd):
         (["--steps", "1"], r"--steps 1: the resume check needs at least 2 steps"),
         (["--batch-size", "0"], r"--batch-size must be >= 1, got 0"),
         (["--threads", "0"], r"--threads must be >= 1, got 0"),
+        (["--n-embd", "130"], r"--n-embd 130: must be a multiple of 4 \(the heads\)"),
+        (["--lr", "-1"], r"--lr must be a positive number, got -1.0"),
+        (
+            ["--corpus-bytes", "10", "--seq-len", "10000000"],
+            r"--corpus-bytes 10: too few bytes for sequences of",
+        ),
         (
             ["--precisions", "fp32", "--resume-check", "bf16"],
             r"--resume-check 'bf16' is not among --precisions",
         ),
     ],
 )
-def test_demo_bad_flags_exit_2_with_the_fix(argv, match, capsys):
-    assert demo.run(_args(*argv)) == 2
-    assert re.search(match, capsys.readouterr().err)
+def test_demo_bad_flags_exit_2_with_the_fix(argv, match, capsys, tmp_path):
+    out = tmp_path / "out"
+    assert demo.run(_args(*argv, "--out", str(out))) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err) and err.count("\n") == 1  # one line, no traceback
+    assert not out.exists()  # checked before anything is written
+
+
+def test_demo_out_must_be_a_directory(tmp_path, capsys):
+    # --out x.safetensors trained 44 s, then crashed with NotADirectoryError; now refused before training.
+    existing = tmp_path / "weights.safetensors"
+    existing.write_bytes(b"keep me")
+    for out, match in [
+        (existing, r"--out .*weights.safetensors: is a file; give a directory"),
+        (
+            tmp_path / "x.safetensors",
+            r"--out .*x.safetensors: looks like a file name, but --out is the directory",
+        ),
+        (existing / "sub", r"weights.safetensors is a file, so the directory cannot be made there"),
+    ]:
+        assert demo.run(_args(*TINY, "--out", str(out))) == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err) and err.count("\n") == 1
+    assert existing.read_bytes() == b"keep me" and sorted(p.name for p in tmp_path.iterdir()) == [
+        existing.name
+    ]
+
+
+@pytest.mark.parametrize(
+    ("cores", "load", "threads"), [(2, 0.0, 1), (2, 1.9, 1), (1, 0.0, 1), (16, 0.2, 15), (16, 3.4, 12)]
+)
+def test_default_threads_leave_one_core_and_the_busy_ones(cores, load, threads, monkeypatch):
+    monkeypatch.setattr(demo.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (load, load, load), raising=False)
+    assert demo._default_threads() == threads
+
+
+def test_plot_panels_follow_the_precisions_run(tmp_path):
+    def result(precision: str, offset: float) -> demo.RunResult:
+        r = demo.RunResult(
+            precision, losses=[5.0 - i / 10 + offset for i in range(30)], val_curve=[(30, 2.0)]
+        )
+        r.loss_scales, r.skipped = [65536.0] * 30, [i == 3 for i in range(30)]
+        return r
+
+    for names in (["bf16"], ["fp32", "bf16"], ["fp32", "bf16", "fp16"], ["fp16"]):
+        png = demo._plot([result(p, 0.01 * i) for i, p in enumerate(names)], tmp_path / f"{len(names)}.png")
+        assert png.stat().st_size > 10_000
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-CUDA message")

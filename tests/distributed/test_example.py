@@ -27,9 +27,17 @@ def _torchrun(*args: str) -> str:
     return done.stdout
 
 
-def test_train_ddp_zero2_then_resume_at_zero1(tmp_path):
-    ckpt = str(tmp_path / "ck")
-    out = _torchrun("--zero", "2", "--steps", "3", "--width", "32", "--ckpt", ckpt)
-    assert "step    2" in out and "saved" in out
-    out = _torchrun("--zero", "1", "--steps", "2", "--width", "32", "--ckpt", ckpt)
-    assert "resumed from" in out and "step    1" in out
+def _files(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_train_ddp_zero2_then_resume_at_zero1_saves_under_the_step_reached(tmp_path):
+    ckpt = tmp_path / "ck"
+    out = _torchrun("--zero", "2", "--steps", "3", "--width", "32", "--ckpt", str(ckpt))
+    assert "step    2" in out and f"saved {ckpt / 'step-3'}" in out
+    first = _files(ckpt / "step-3")
+    out = _torchrun("--zero", "1", "--steps", "2", "--width", "32", "--ckpt", str(ckpt))
+    assert f"resumed from {ckpt / 'step-3'} (step 3)" in out and "step    4" in out
+    assert f"saved {ckpt / 'step-5'}" in out
+    # the loaded checkpoint still holds the 3 steps it was named after (it used to be overwritten)
+    assert sorted(os.listdir(ckpt)) == ["step-3", "step-5"] and _files(ckpt / "step-3") == first

@@ -22,8 +22,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtypes", default="float16", help="comma list of float16, bfloat16")
     parser.add_argument("--impls", default="fused,torch,plain", help="comma list of fused, torch, plain")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=5,
+        help="untimed steps first, for compilation and caches (default %(default)s)",
+    )
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=20,
+        help="timed steps; the table gives their median (default %(default)s)",
+    )
     parser.add_argument(
         "--json",
         type=Path,
@@ -37,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    for name, low in (("warmup", 0), ("iters", 1)):
+        if getattr(args, name) < low:
+            print(f"halfprec bench: --{name} must be >= {low}, got {getattr(args, name)}", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print(
             "halfprec bench: needs a CUDA device (it times GPU kernels); run it on a machine with one",

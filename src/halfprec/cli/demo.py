@@ -1,12 +1,13 @@
 """``halfprec demo``: train one small GPT in FP32, BF16 and FP16 and compare; then prove resume is bit-exact.
 
-What it does, in order:
+What it does, in order (after checking every flag, and printing how long it expects to take: see
+``_estimate_seconds``; torch gets ``_default_threads()`` threads unless ``--threads`` says otherwise):
 
 1. For each precision, in a fresh child process (so its peak memory is its own): seed, build the fp32 model and
    a plain ``torch.optim.AdamW``, hand both to ``halfprec.initialize`` (which casts the model and keeps fp32
    masters), and train on the same batches -- bytes of Python's standard library -- with a progress bar.
 2. A table per precision: train and validation loss, tokens/s, peak memory, skipped steps, final loss scale.
-3. A PNG of the loss curves and of the FP16 loss scale.
+3. A PNG of the loss curves, of each 16-bit run's loss minus FP32's, and of the FP16 loss scale.
 4. The resume check, run inside one precision's child: its checkpoint from half-way is loaded into a fresh
    model, optimizer and engine, trained to the end, and compared with the uninterrupted run -- every loss, every
    weight, every master and optimizer-state tensor, bit for bit. A mismatch makes the exit status non-zero.
@@ -20,7 +21,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,8 @@ class RunSpec:
     checkpoint_dir: str
     resume_at: int | None = None
     """Save at this step and run the resume check (one precision only)."""
+    later_seconds: float = 0.0
+    """The estimated seconds of the runs after this one: the progress bar's ETA is for the whole demo."""
     break_resume: bool = False
     """Test hook: perturb one weight after loading, so the check must fail."""
 
@@ -101,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch CPU threads (default: the cores this process may use)",
+        help="torch CPU threads (default: the idle cores this process may use, minus one; at least 1)",
     )
     add("--corpus-bytes", type=int, default=None, help="read at most this many stdlib bytes (default: all)")
     add("--resume-check", default="auto", help="precision to resume-check, or 'none' (default: fp16 if run)")
@@ -109,8 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Every flag is checked here, before a minute of training, and nothing is written until they pass.
     try:
         specs = _specs(args)
+        _check_out(args.out)
         _check_extras()
     except (ValueError, ImportError) as e:
         print(f"halfprec demo: {e}", file=sys.stderr)
@@ -121,8 +126,14 @@ def run(args: argparse.Namespace) -> int:
         f"halfprec demo: a {GPT(cfg).num_params() / 1e6:.2f}M-param byte-level GPT ({cfg.n_layer}-layer, "
         f"width {cfg.n_embd}) on the {n_files} source files of Python {sys.version.split()[0]}'s standard library\n"
         f"{args.steps} steps x {args.batch_size} x {args.seq_len} bytes per precision, AdamW, clip 1.0; "
-        f"device {args.device}, {specs[0].threads} threads, seed {args.seed}",
-        flush=True,  # before the children's progress bars
+        f"device {args.device}, {specs[0].threads} torch thread(s), seed {args.seed}",
+        flush=True,
+    )
+    seconds = _estimate_seconds(specs)
+    specs = [replace(s, later_seconds=sum(seconds[i + 1 :])) for i, s in enumerate(specs)]
+    print(
+        f"expected duration: about {_minutes(sum(seconds))} (timed from 2 steps per precision just now)",
+        flush=True,
     )
     start = time.perf_counter()
     # One child per precision, one after another: each starts from a clean process, so its peak RSS is its
@@ -137,11 +148,16 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(_table(results, args.device))
     png = _plot(results, args.out / "demo.png")
-    print(f"\nloss curves: {png}")
+    print(f"\nplot (loss curves, difference to fp32, loss scale): {png}")
     checked = [r for r in results if r.resume is not None]
+    for spec, r in zip(specs, results, strict=True):
+        if r.resume is not None:
+            print(
+                f"checkpoint ({spec.precision}, step {spec.resume_at}): {Path(spec.checkpoint_dir).resolve()}"
+            )
     for r in checked:
         print(r.resume)
-    print(f"done in {elapsed:.0f} s")
+    print(f"done in {_minutes(elapsed)} (expected {_minutes(sum(seconds))})")
     return 0 if all(r.resume_ok for r in checked) else 1
 
 
@@ -217,6 +233,9 @@ def _train(
     engine.train()
     seconds = 0.0
     bar = tqdm(range(start, spec.steps), desc=desc or spec.precision, unit="step", file=sys.stderr)
+    # The bar's own [elapsed<left] is this run's; "demo ETA" adds the runs still to come (the resume
+    # check's second half when this run does it, then the parent's estimate of the later precisions).
+    later, t_start = spec.later_seconds, time.perf_counter()
     for step in bar:
         t0 = time.perf_counter()
         # Batch `step` is a pure function of (seed, step): a resumed run sees the same batches.
@@ -243,7 +262,13 @@ def _train(
         if evaluate and ((step + 1) % spec.eval_every == 0 or step + 1 == spec.steps):
             result.val_curve.append((step + 1, _evaluate(engine, corpus, spec)))
             engine.train()
-        bar.set_postfix(loss=f"{result.losses[-1]:.3f}", scale=f"{record.loss_scale:g}")
+        per_step = (time.perf_counter() - t_start) / (step + 1 - start)
+        left = spec.steps - step - 1
+        if evaluate and spec.resume_at is not None:
+            left += spec.steps - spec.resume_at
+        postfix = {"loss": f"{result.losses[-1]:.3f}", "scale": f"{record.loss_scale:g}"}
+        postfix["demo ETA"] = _minutes(left * per_step + later, short=True)
+        bar.set_postfix(postfix)  # a dict keeps this order (keyword arguments would be sorted)
     bar.close()
     return seconds
 
@@ -348,10 +373,25 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         raise ValueError(f"--resume-check {resume!r} is not among --precisions {','.join(precisions)}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    try:  # the model's own checks (n_head must divide n_embd), here rather than in a child's traceback
+        GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd)
+    except ValueError as e:
+        raise ValueError(
+            f"--n-embd {args.n_embd}: must be a multiple of {GPTConfig().n_head} (the heads)"
+        ) from e
+    if args.corpus_bytes is not None:
+        corpus = load_corpus(max_bytes=args.corpus_bytes)
+        if min(corpus.train.numel(), corpus.val.numel()) <= args.seq_len + 1:
+            raise ValueError(
+                f"--corpus-bytes {args.corpus_bytes}: too few bytes for sequences of {args.seq_len} in both "
+                "splits (every tenth file is held out); give more (or leave it out: all of it)"
+            )
     common = dict(
         device=args.device, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         n_layer=args.n_layer, n_embd=args.n_embd, lr=args.lr, seed=args.seed,
-        threads=args.threads or _usable_cores(), eval_every=max(1, args.steps // 5), eval_batches=8,
+        threads=args.threads or _default_threads(), eval_every=max(1, args.steps // 5), eval_batches=8,
         corpus_bytes=args.corpus_bytes,
     )  # fmt: skip
     return [
@@ -366,6 +406,27 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     ]
 
 
+# Names that say "a file": --out is the folder for the plot and the checkpoints, never the weights file itself.
+_FILE_SUFFIXES = {".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".png", ".json", ".txt"}
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file; give a directory for the plot and the checkpoints")
+    if not out.exists() and out.suffix.lower() in _FILE_SUFFIXES:
+        raise ValueError(
+            f"--out {out}: looks like a file name, but --out is the directory for the plot and the checkpoints "
+            "(halfprec export turns a checkpoint into a .safetensors file afterwards)"
+        )
+    parent = next(p for p in (out, *out.parents) if p.exists())  # "." or "/" at the latest
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, so the directory cannot be made there")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"--out {out}: cannot write in {parent.resolve()}; pick a directory you can write to"
+        )
+
+
 def _check_extras() -> None:
     # Checked before training, not found missing at the plot two minutes later.
     for name in ("tqdm", "matplotlib"):
@@ -375,12 +436,69 @@ def _check_extras() -> None:
             raise ImportError(f"the demo needs {name}: pip install 'halfprec[demo]'") from e
 
 
-def _usable_cores() -> int:
-    # The cores this process may run on (a container's or taskset's limit), not the machine's total: more
-    # torch threads than cores only makes them wait for each other.
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+def _default_threads() -> int:
+    """Idle cores this process may use, minus one, at least 1.
+
+    torch's intra-op threads run in lock-step: a parallel op ends when its slowest thread does, and OpenMP's
+    threads spin while they wait. One other busy process on a core then slows every op to that core's share.
+    Measured on a 2-core VM (torch 2.13 CPU, the demo's fp32 step): 2 threads 68 ms/step idle but 1,326 ms
+    with one pure-Python busy loop beside them; 1 thread 113 ms idle and 118 ms beside the same loop. So the
+    demo leaves one core of headroom and counts the cores other work already holds (the 1-minute load average).
+    """
+    # The cores this process may run on (a container's or taskset's limit), not the machine's total.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    return max(1, min(cores, cores - busy) - 1)
+
+
+def _startup_seconds() -> float:
+    """Seconds from this process's start to now (interpreter, torch, halfprec): what each child pays again."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(1.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 5.0  # no /proc (macOS, Windows): about what a 2-core Linux VM takes
+
+
+def _estimate_seconds(specs: list[RunSpec]) -> list[float]:
+    """Seconds each run should take: two timed steps per precision now, in this process, plus startup.
+
+    Taken under the load the machine has right now, so it is an estimate, not a promise; the progress bars
+    correct it as they go.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(specs[0].threads)
+    try:
+        startup = _startup_seconds()
+        out = []
+        for spec in specs:
+            engine = _build_engine(spec, init_seed=spec.seed)
+            x = torch.randint(256, (spec.batch_size, spec.seq_len), device=spec.device)
+            times = []
+            for _ in range(3):  # the first pays one-off costs (allocator, kernel selection) and is dropped
+                t0 = time.perf_counter()
+                logits = engine(x)
+                engine.backward(F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1)))
+                engine.step()
+                if spec.device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            step = min(times[1:])
+            steps = spec.steps + (spec.steps - spec.resume_at if spec.resume_at is not None else 0)
+            # evaluation: forward only (about a third of a step), eval_batches per point, 5 points plus the end
+            evals = (spec.steps // spec.eval_every + 1) * spec.eval_batches * step / 3
+            out.append(startup + steps * step + evals)
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _minutes(seconds: float, *, short: bool = False) -> str:
+    m, s = divmod(round(seconds), 60)
+    if short:
+        return f"{m}:{s:02d}"
+    return f"{m} min {s:02d} s" if m else f"{s} s"
 
 
 def _table(results: list[RunResult], device: str) -> str:
@@ -409,35 +527,80 @@ def _table(results: list[RunResult], device: str) -> str:
 
 
 def _plot(results: list[RunResult], path: Path) -> Path:
+    """Three panels: the loss curves; each 16-bit run's loss minus fp32's on the same batch (the curves lie on
+    top of each other at the first panel's scale); the fp16 loss scale with its skipped steps."""
     import matplotlib  # noqa: PLC0415 - the [demo] extra
 
     matplotlib.use("Agg")  # files only: no display needed, none opened
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    colors = {p: f"C{i}" for i, p in enumerate(PRECISIONS)}  # the same colour for a precision in every panel
+    fp32 = next((r for r in results if r.precision == "fp32"), None)
     fp16 = next((r for r in results if r.precision == "fp16"), None)
-    fig, axes = plt.subplots(2 if fp16 else 1, 1, figsize=(8, 7 if fp16 else 4), sharex=True, squeeze=False)
-    ax = axes[0, 0]
+    diffs = [r for r in results if fp32 is not None and r is not fp32]
+    panels = ["loss"] + (["diff"] if diffs else []) + (["scale"] if fp16 else [])
+    heights = {"loss": 3.2, "diff": 2.6, "scale": 2.0}
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(8, sum(heights[p] for p in panels) + 0.6), sharex=True, squeeze=False,
+        gridspec_kw={"height_ratios": [heights[p] for p in panels]},
+    )  # fmt: skip
+    ax = dict(zip(panels, axes[:, 0], strict=True))
+
+    a = ax["loss"]
     for r in results:
-        (line,) = ax.plot(
-            range(1, len(r.losses) + 1), r.losses, lw=0.8, alpha=0.7, label=f"{r.precision} train"
+        c = colors[r.precision]
+        a.plot(
+            range(1, len(r.losses) + 1), r.losses, color=c, lw=0.8, alpha=0.6, label=f"{r.precision} train"
         )
         steps, vals = zip(*r.val_curve, strict=True) if r.val_curve else ((), ())
-        ax.plot(steps, vals, "o-", color=line.get_color(), ms=4, label=f"{r.precision} val")
-    ax.axhline(math.log(256), color="grey", ls=":", lw=0.8, label="uniform bytes (5.55)")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.legend(ncol=2, fontsize=8)
-    ax.set_title("halfprec demo: same model, seed and data in each precision")
+        a.plot(steps, vals, "o-", color=c, ms=4, label=f"{r.precision} val")
+    a.axhline(math.log(256), color="grey", ls=":", lw=0.8, label="uniform bytes (5.55)")
+    a.set_ylabel("loss (nats/byte)")
+    a.legend(ncol=2, fontsize=8)
+    a.set_title("halfprec demo: same model, seed and data in each precision")
+
+    if diffs:
+        a = ax["diff"]
+        # Same batch at every step in every run, so the per-step difference isolates the precision; a
+        # 10-step mean shows the trend through the batch-to-batch noise.
+        for r in diffs:
+            c = colors[r.precision]
+            d = [x - y for x, y in zip(r.losses, fp32.losses, strict=True)]
+            a.plot(range(1, len(d) + 1), d, color=c, lw=0.5, alpha=0.3)
+            a.plot(range(10, len(d) + 1), _moving_mean(d, 10), color=c, lw=1.5, label=f"{r.precision} - fp32")
+            vd = [(s, v - v32) for (s, v), (_, v32) in zip(r.val_curve, fp32.val_curve, strict=True)]
+            if vd:
+                a.plot(*zip(*vd, strict=True), "o", color=c, ms=4, label=f"{r.precision} - fp32, val")
+        a.axhline(0.0, color="grey", lw=0.8)
+        lim = max(
+            abs(v)
+            for r in diffs
+            for v in _moving_mean([x - y for x, y in zip(r.losses, fp32.losses, strict=True)], 10)[
+                len(r.losses) // 10 :
+            ]
+            or [0.05]
+        )
+        a.set_ylim(-3 * lim - 0.01, 3 * lim + 0.01)  # the trend's scale, not the first steps' spikes
+        a.set_ylabel("loss - fp32 loss")
+        a.legend(ncol=2, fontsize=8)
+
     if fp16:
-        ax = axes[1, 0]
-        ax.step(range(1, len(fp16.loss_scales) + 1), fp16.loss_scales, where="post", label="fp16 loss scale")
+        a = ax["scale"]
+        a.step(range(1, len(fp16.loss_scales) + 1), fp16.loss_scales, where="post", color=colors["fp16"],
+               label="fp16 loss scale")  # fmt: skip
         skips = [i + 1 for i, s in enumerate(fp16.skipped) if s]
-        ax.plot(skips, [fp16.loss_scales[i - 1] for i in skips], "rx", label=f"skipped step ({len(skips)})")
-        ax.set_yscale("log", base=2)
-        ax.set_ylabel("loss scale")
-        ax.legend(fontsize=8)
+        a.plot(skips, [fp16.loss_scales[i - 1] for i in skips], "rx", label=f"skipped step ({len(skips)})")
+        a.set_yscale("log", base=2)
+        a.set_ylabel("loss scale")
+        a.legend(fontsize=8)
     axes[-1, 0].set_xlabel("optimizer step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path.resolve()
+
+
+def _moving_mean(values: list[float], n: int) -> list[float]:
+    """Means of each ``n`` consecutive values (``len(values) - n + 1`` of them)."""
+    return [sum(values[i - n : i]) / n for i in range(n, len(values) + 1)]

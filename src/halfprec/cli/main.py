@@ -20,6 +20,8 @@ _COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="halfprec", description="Exact, fast mixed-precision training.")
+    # __version__ from the package itself (not importlib.metadata): also right in a source checkout on PYTHONPATH.
+    parser.add_argument("--version", action="version", version=f"halfprec {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(_COMMANDS) + "}")
     wanted = argv[0] if argv and argv[0] in _COMMANDS else None
     for name, (module_name, help_text) in _COMMANDS.items():
@@ -30,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     module = importlib.import_module(_COMMANDS[args.command][0])
     return int(_entry(module, "run", args.command)(args) or 0)
+
+
+def _version() -> str:
+    from halfprec import __version__  # noqa: PLC0415 - only the package's light top level
+
+    return __version__
 
 
 def _entry(module, kind: str, command: str):
