@@ -163,7 +163,7 @@ class Engine:
         Integer and bool tensors (token ids, masks) and non-tensors pass unchanged; tensors nested in lists,
         tuples and dicts are cast too. ``engine.module(...)`` runs the model on uncast inputs.
         """
-        dtype = _DTYPES[self.config.precision]
+        dtype = DTYPES[self.config.precision]
         if dtype != torch.float32:
             args, kwargs = self._cast_floating(args, dtype), self._cast_floating(kwargs, dtype)
         return self.module(*args, **kwargs)
