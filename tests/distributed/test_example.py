@@ -1,4 +1,5 @@
-"""The README's torchrun command runs (CPU, gloo, 2 processes), and its checkpoint resumes at another stage."""
+"""The torchrun command of docs/distributed.md runs (CPU, gloo, 2 processes), and its checkpoint resumes at
+another ZeRO stage, saved under the step reached."""
 
 from __future__ import annotations
 

@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     seconds = _estimate_seconds(specs)
     specs = [replace(s, later_seconds=sum(seconds[i + 1 :])) for i, s in enumerate(specs)]
     print(
-        f"expected duration: about {_minutes(sum(seconds))} (timed from 2 steps per precision just now)",
+        f"expected duration: about {_minutes(sum(seconds))} at this machine's current load "
+        "(3 steps per precision timed just now; the progress bars update it)",
         flush=True,
     )
     start = time.perf_counter()
@@ -462,7 +463,7 @@ def _startup_seconds() -> float:
 
 
 def _estimate_seconds(specs: list[RunSpec]) -> list[float]:
-    """Seconds each run should take: two timed steps per precision now, in this process, plus startup.
+    """Seconds each run should take: three timed steps per precision now, in this process, plus startup.
 
     Taken under the load the machine has right now, so it is an estimate, not a promise; the progress bars
     correct it as they go.
@@ -476,7 +477,7 @@ def _estimate_seconds(specs: list[RunSpec]) -> list[float]:
             engine = _build_engine(spec, init_seed=spec.seed)
             x = torch.randint(256, (spec.batch_size, spec.seq_len), device=spec.device)
             times = []
-            for _ in range(3):  # the first pays one-off costs (allocator, kernel selection) and is dropped
+            for _ in range(4):  # the first pays one-off costs (allocator, kernel selection) and is dropped
                 t0 = time.perf_counter()
                 logits = engine(x)
                 engine.backward(F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1)))
@@ -484,7 +485,7 @@ def _estimate_seconds(specs: list[RunSpec]) -> list[float]:
                 if spec.device == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-            step = min(times[1:])
+            step = sorted(times[1:])[1]  # the median of three: one burst of other work does not set it
             steps = spec.steps + (spec.steps - spec.resume_at if spec.resume_at is not None else 0)
             # evaluation: forward only (about a third of a step), eval_batches per point, 5 points plus the end
             evals = (spec.steps // spec.eval_every + 1) * spec.eval_batches * step / 3
