@@ -77,13 +77,8 @@ def initialize(
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _check_inputs(model, optimizer, lr_scheduler)
-    if config.zero_stage in (1, 2):
-        from .distributed import sharded_engine_optimizer  # noqa: PLC0415 - optional, torch.distributed
-
-        mp = sharded_engine_optimizer(model, optimizer, config, config.loss_scaler())
-        return Engine(model, mp, config, lr_scheduler)
     dtype = DTYPES[config.precision]
-    trained = {p for g in optimizer.param_groups for p in g["params"]}
+    trained = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
     for name, p in model.named_parameters():
         if p in trained and p.is_floating_point() and p.dtype not in (torch.float32, dtype):
             raise ValueError(
@@ -91,16 +86,23 @@ def initialize(
                 f"casts it) or set precision to match"
             )
     param_dtype = None if dtype == torch.float32 else dtype
-    mp = MixedPrecisionOptimizer(
-        optimizer,
+    options = dict(
         loss_scaler=config.loss_scaler(),
         max_grad_norm=config.max_grad_norm,
         skip_nonfinite=config.skip_nonfinite,
         param_dtype=param_dtype,
         impl=config.impl,
     )
+    if config.zero_stage in (1, 2):
+        from .optim.sharded import ShardedMixedPrecisionOptimizer  # noqa: PLC0415 - needs torch.distributed
+
+        mp = ShardedMixedPrecisionOptimizer(
+            optimizer, named_parameters=model, stage=config.zero_stage, reduce_dtype=config.reduce_dtype, **options
+        )
+    else:
+        mp = MixedPrecisionOptimizer(optimizer, **options)
     if param_dtype is not None:
-        _cast_rest(model, param_dtype, {p for p in trained if p.requires_grad})
+        _cast_rest(model, param_dtype, trained)
     return Engine(model, mp, config, lr_scheduler)
 
 

@@ -13,7 +13,6 @@ __all__ = [
     "load",
     "read_checkpoint",
     "save",
-    "sharded_engine_optimizer",
 ]
 
 
@@ -26,10 +25,6 @@ def __getattr__(name: str) -> Any:
         from . import checkpoint
 
         return getattr(checkpoint, name)
-    if name == "sharded_engine_optimizer":
-        from ._engine import sharded_engine_optimizer
-
-        return sharded_engine_optimizer
     if name in ("consolidate", "read_checkpoint"):
         from ..checkpoint import consolidate
 
