@@ -221,7 +221,7 @@ ERRORS = [
     (dict(lr=-1.0), ValueError, r"lr must be >= 0"),
     (dict(betas=(1.0, 0.9)), ValueError, r"betas\[0\] must be \[0.0, 1.0\)"),
     (dict(amsgrad=True), ValueError, r"amsgrad=True is not supported.*torch path"),
-    (dict(max_grad_norm=0.0), ValueError, r"max_grad_norm must be a positive"),
+    (dict(max_grad_norm=0.0), ValueError, r"max_grad_norm must be a finite number > 0"),
     (dict(param_dtype=torch.float64), ValueError, r"param_dtype must be"),
     (dict(loss_scaler=object()), ValueError, r"loss_scaler must be a halfprec"),
 ]

@@ -4,13 +4,12 @@ they share (zero_grad's grad clearing, telling LR schedulers that a step ran).""
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from .._checks import check_max_grad_norm
 from ..scaler import LossScaler
 from .layout import LOW_PRECISION
 
@@ -37,13 +36,7 @@ def check_options(
         raise ValueError(
             f"loss_scaler must be a halfprec StaticLossScaler or DynamicLossScaler, got {type(loss_scaler).__name__}"
         )
-    if max_grad_norm is not None and (
-        isinstance(max_grad_norm, bool)
-        or not isinstance(max_grad_norm, numbers.Real)
-        or not math.isfinite(float(max_grad_norm))
-        or float(max_grad_norm) <= 0
-    ):
-        raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+    check_max_grad_norm(max_grad_norm)
     if not isinstance(skip_nonfinite, bool):
         raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
     if param_dtype is not None and param_dtype not in LOW_PRECISION:
