@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import halfprec
 from halfprec import DynamicLossScaler, MixedPrecisionOptimizer, StaticLossScaler
 
-from .reference import assert_same_state, fp32_copy, grads_like, make_model, set_scaled_grads
+from .reference import SCALED_BY_HAND, assert_same_state, fp32_copy, grads_like, make_model, set_scaled_grads
 
 LOW = [torch.float16, torch.bfloat16]
 
@@ -314,6 +314,7 @@ def test_scheduler_held_on_skip_without_warning(built_on, first_skipped):
     lrs = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", SCALED_BY_HAND)
         for step, bad in enumerate(pattern):
             set_scaled_grads(
                 model.parameters(), grads_like(list(model.parameters()), step=step), mp.loss_scale
@@ -702,6 +703,7 @@ def test_every_scheduler_works_without_warning(make, built_on):
     ref_sched = make(ref_inner)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", SCALED_BY_HAND)
         sched = make(inner) if built_on == "inner" else None
         mp = MixedPrecisionOptimizer(inner, loss_scaler=DynamicLossScaler(init_scale=2.0**8, hysteresis=1))
         sched = sched or make(mp)

@@ -85,12 +85,11 @@ def initialize(
                 f"param {name!r} is {p.dtype} but precision={config.precision!r}; pass the model in fp32 (halfprec "
                 f"casts it) or set precision to match"
             )
-    param_dtype = None if dtype == torch.float32 else dtype
     options = dict(
         loss_scaler=config.loss_scaler(),
         max_grad_norm=config.max_grad_norm,
         skip_nonfinite=config.skip_nonfinite,
-        param_dtype=param_dtype,
+        param_dtype=dtype,  # fp32 too: a model trained in fp32 on purpose (precision="fp32")
         impl=config.impl,
     )
     if config.zero_stage in (1, 2):
@@ -101,8 +100,8 @@ def initialize(
         )
     else:
         mp = MixedPrecisionOptimizer(optimizer, **options)
-    if param_dtype is not None:
-        _cast_rest(model, param_dtype, trained)
+    if dtype != torch.float32:
+        _cast_rest(model, dtype, trained)
     return Engine(model, mp, config, lr_scheduler)
 
 

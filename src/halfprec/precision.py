@@ -18,6 +18,7 @@ __all__ = [
     "LOW_PRECISION",
     "PRECISIONS",
     "Precision",
+    "check_low_precision",
     "check_precision",
     "precision_of",
     "to_dtype",
@@ -62,3 +63,13 @@ def precision_of(dtype: torch.dtype) -> Precision:
     raise ValueError(
         f"{dtype} has no halfprec precision name; use one of {', '.join(map(str, DTYPES.values()))}"
     )
+
+
+def check_low_precision(value: object, name: str = "param_dtype", *, allow_fp32: bool = False) -> torch.dtype | None:
+    """``value`` when it is a 16-bit dtype halfprec keeps masters for (or fp32 when allowed), or None; else
+    ValueError naming it."""
+    allowed = (*LOW_PRECISION, torch.float32) if allow_fp32 else LOW_PRECISION
+    if value is None or value in allowed:
+        return value  # type: ignore[return-value]
+    names = ", ".join(map(str, allowed))
+    raise ValueError(f"{name} must be {names} or None, got {value!r}")

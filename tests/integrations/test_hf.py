@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import halfprec  # noqa: E402
-from halfprec.integrations.hf import HalfprecTrainer  # noqa: E402
+from halfprec.integrations.hf import HalfprecTrainer, HalfprecTrainerMixin  # noqa: E402
 
 from ._oracle import (  # noqa: E402
     CLIP,
@@ -269,7 +269,24 @@ class _OwnStep(HalfprecTrainer):
         return loss.detach()
 
 
-@pytest.mark.parametrize("trainer_cls", [_OwnLoss, _OwnStep], ids=["compute_loss", "training_step"])
+class _UsersTrainer(Trainer):
+    """A user's own Trainer subclass whose training_step calls compute_loss and scales as the docs say."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = self.compute_loss(model, inputs) / self.args.gradient_accumulation_steps
+        self.accelerator.backward(self.halfprec_scale_loss(loss))
+        return loss.detach()
+
+
+class _MixinFirst(HalfprecTrainerMixin, _UsersTrainer):
+    """The mixin in front of it: its compute_loss hook and halfprec_scale_loss must not both scale."""
+
+
+@pytest.mark.parametrize(
+    "trainer_cls",
+    [_OwnLoss, _OwnStep, _MixinFirst],
+    ids=["compute_loss", "training_step", "mixin_in_front_of_own_training_step"],
+)
 def test_overrides_are_still_loss_scaled(tmp_path, trainer_cls):
     dtype, batches = DTYPES["fp16"], make_batches(6)
     ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..optim.base import MixedPrecisionOptimizer
+from ..precision import LOW_PRECISION, check_low_precision
 from ..scaler import LossScaler
 from . import accelerate as _hp_accelerate
 
@@ -148,12 +149,10 @@ class HalfprecTrainerMixin:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
             check_training_args(training_args)
-        if halfprec_dtype is not None and halfprec_dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(
-                f"halfprec_dtype must be torch.float16, torch.bfloat16 or None, got {halfprec_dtype!r}"
-            )
-        self.halfprec_dtype = halfprec_dtype
+        self.halfprec_dtype = check_low_precision(halfprec_dtype, "halfprec_dtype")
         self._halfprec_loss_scaler = loss_scaler
+        self._halfprec_checked: MixedPrecisionOptimizer | None = None  # the optimizer the scale check hooks
+        self._halfprec_loss_hooks: list = []  # this training_step's scaling hooks on compute_loss's loss
         super().__init__(*args, **kwargs)
         check_training_args(self.args)
         if not any(isinstance(cb, HalfprecCallback) for cb in self.callback_handler.callbacks):
@@ -185,7 +184,7 @@ class HalfprecTrainerMixin:
         mp = _unwrap(optimizer)
         if mp is None:
             low = {p.dtype for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-            if self.halfprec_dtype is None and not low & {torch.float16, torch.bfloat16}:
+            if self.halfprec_dtype is None and not low & set(LOW_PRECISION):
                 raise ValueError(
                     "the model's trainable params are fp32 and halfprec_dtype is None: pass "
                     "HalfprecTrainer(..., halfprec_dtype=torch.bfloat16) (or torch.float16) so halfprec casts them"
@@ -201,8 +200,9 @@ class HalfprecTrainerMixin:
             )
         else:
             mp.max_grad_norm = self._halfprec_max_grad_norm(mp)
-        if getattr(mp, "_halfprec_scale_check", None) is None:
-            mp._halfprec_scale_check = mp.register_step_pre_hook(self._halfprec_check_scaled)
+        if self._halfprec_checked is not mp:
+            mp.register_step_pre_hook(self._halfprec_check_scaled)
+            self._halfprec_checked = mp
         self.optimizer = mp
         return mp
 
@@ -228,23 +228,30 @@ class HalfprecTrainerMixin:
             return super().training_step(model, inputs, num_items_in_batch)
         finally:
             del self.compute_loss
+            self._halfprec_loss_hooks = []
 
     def _halfprec_scale(self, loss: Any) -> None:
         mp = self.halfprec_optimizer
         if mp is not None and torch.is_tensor(loss) and loss.requires_grad:
             # Scales every gradient below the loss (scale_loss returns the grad itself when scaling is off);
             # the loss the Trainer divides, logs and returns stays unscaled.
-            loss.register_hook(mp.scale_loss)
+            self._halfprec_loss_hooks.append(loss.register_hook(mp.scale_loss))
             self._halfprec_scaled = True
 
     def halfprec_scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times halfprec's loss scale, for a ``training_step`` override that calls
-        ``self.accelerator.backward`` itself: ``self.accelerator.backward(self.halfprec_scale_loss(loss))``."""
+        ``self.accelerator.backward`` itself: ``self.accelerator.backward(self.halfprec_scale_loss(loss))``.
+
+        The scaling hooks the mixin put on ``compute_loss``'s loss in this step are removed (the mixin in front
+        of a ``Trainer`` subclass whose ``training_step`` calls ``compute_loss`` would otherwise scale twice)."""
         mp = self.halfprec_optimizer
         if mp is None:
             raise RuntimeError(
                 "halfprec_scale_loss() before the optimizer exists: call it from training_step"
             )
+        for handle in self._halfprec_loss_hooks:
+            handle.remove()
+        self._halfprec_loss_hooks = []
         self._halfprec_scaled = True
         return mp.scale_loss(loss)
 

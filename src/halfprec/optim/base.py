@@ -48,7 +48,7 @@ from .checks import (
     clear_grads,
 )
 from .layout import LOW_PRECISION, MasterStore
-from .results import GradMarks, SkipLog, StepState
+from .results import GradMarks, ScaleGuard, SkipLog, StepState, warn_caller
 from .state import Target, move_state, restore_state_dtypes
 
 __all__ = ["FORMAT", "MixedPrecisionOptimizer"]
@@ -94,7 +94,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         skip_nonfinite: skip steps with non-finite bf16/fp32 grads. With any fp16 param every grad is
             loss-scaled, so every grad is checked (an overflow anywhere is the scale's), whatever this says.
         param_dtype: ``torch.bfloat16`` or ``torch.float16`` to cast the optimizer's trainable params to that
-            dtype in place (same ``Parameter`` objects), keeping their fp32 values as the masters.
+            dtype in place (same ``Parameter`` objects), keeping their fp32 values as the masters;
+            ``torch.float32`` casts nothing and says an all-fp32 model is meant (``None`` warns then).
         impl: ``"torch"`` (this exact path), ``"triton"`` (the fused optimizer of ``halfprec.optim`` with the same
             hyper-parameters; ValueError naming the fix when it cannot run) or ``"auto"`` (fused when the inner
             optimizer is torch Adam/AdamW/SGD/Adagrad on CUDA with its ``foreach``/``fused`` left at their
@@ -142,7 +143,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             )
         self._init_scaler(
             loss_scaler,
-            has_fp16=any(p.dtype == torch.float16 for p in self._trained),
+            dtypes={p.dtype for p in self._trained},
             device=devices.pop() if devices else torch.device("cpu"),
         )
 
@@ -164,9 +165,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         self.param_dtype = param_dtype
         self._s = StepState()
         self._skip_log = SkipLog()
+        self._scale_guard = ScaleGuard()
 
-    def _init_scaler(self, loss_scaler: LossScaler | None, *, has_fp16: bool, device: torch.device) -> None:
-        """The default scaler: dynamic when any trained param is fp16 (its grads need it), else none."""
+    def _init_scaler(self, loss_scaler: LossScaler | None, *, dtypes: set, device: torch.device) -> None:
+        """The default scaler: dynamic when any trained param is fp16 (its grads need it), else none. ``dtypes``:
+        the trained params' dtypes; all fp32 without ``param_dtype`` warns (nothing would be mixed precision)."""
+        has_fp16 = torch.float16 in dtypes
+        if dtypes and not dtypes & set(LOW_PRECISION) and self.param_dtype is None:
+            warn_caller(
+                f"halfprec: every trained param is {'/'.join(sorted(map(str, dtypes)))} and param_dtype is None, so "
+                "this trains in full precision. Pass param_dtype=torch.bfloat16 (or torch.float16) to train the "
+                "model in 16 bits with fp32 masters, or param_dtype=torch.float32 to say fp32 is meant.",
+                UserWarning,
+            )
         if loss_scaler is None:
             loss_scaler = DynamicLossScaler() if has_fp16 else StaticLossScaler(1.0)
         self._has_fp16 = has_fp16
@@ -174,7 +185,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
 
     def _cast_to_param_dtype(self, p: torch.nn.Parameter, originals: dict) -> None:
         """``param_dtype``: cast an fp32 param in place (same ``Parameter``), keeping its fp32 value as the master."""
-        if self.param_dtype is not None and p.dtype == torch.float32:
+        if self.param_dtype in LOW_PRECISION and p.dtype == torch.float32:
             originals[p] = p.data
             p.data = p.data.to(self.param_dtype)
 
@@ -268,6 +279,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
     # --- the contract: loss scaling and the step ---------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` multiplied by the current loss scale (the same tensor when no scaling is configured)."""
+        self._scale_guard.mark()
         if self.loss_scaler.is_unit:
             return loss
         return loss * self.loss_scaler.scale.to(loss.device)
@@ -287,6 +299,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._scale_guard.check(self.model_params(), self.loss_scaler)
         self._step()
         return loss
 

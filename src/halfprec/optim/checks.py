@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from .._checks import check_max_grad_norm
+from ..precision import check_low_precision
 from ..scaler import LossScaler
-from .layout import LOW_PRECISION
 
 __all__ = [
     "check_options",
@@ -39,8 +39,7 @@ def check_options(
     check_max_grad_norm(max_grad_norm)
     if not isinstance(skip_nonfinite, bool):
         raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
-    if param_dtype is not None and param_dtype not in LOW_PRECISION:
-        raise ValueError(f"param_dtype must be torch.float16, torch.bfloat16 or None, got {param_dtype!r}")
+    check_low_precision(param_dtype, allow_fp32=True)
 
 
 def check_unfrozen(frozen: Iterable[torch.Tensor]) -> None:

@@ -1,4 +1,5 @@
-"""What a step leaves behind, for every strategy: the step record, the grad marks, and the skip log.
+"""What a step leaves behind, for every strategy: the step record, the grad marks, the skip log and the guard
+against grads that were not loss-scaled.
 
 ``StepState`` holds everything a step changes in one object: wrappers that copy an optimizer's ``__dict__``
 (Lightning's and Fabric's) share it, so a call made through such a wrapper updates the real optimizer. The fused
@@ -8,16 +9,29 @@ has the same attribute names, so the contract's properties read ``optimizer._s``
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 import warnings
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["GradMarks", "SkipLog", "StepState"]
+__all__ = ["GradMarks", "ScaleGuard", "SkipLog", "StepState", "warn_caller"]
 
 logger = logging.getLogger("halfprec")
+# frames of halfprec and of torch (its optimizer-step and no_grad wrappers) are not the user's line
+_INTERNAL = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__))
+
+
+def warn_caller(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the first frame outside halfprec and torch (the user's line, however deep
+    the strategy's constructor or step chain is)."""
+    frame, level = inspect.currentframe().f_back, 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)
 
 
 class GradMarks:
@@ -69,9 +83,35 @@ class SkipLog:
         )
         if at_min_scale and not self.warned_min_scale:
             self.warned_min_scale = True
-            warnings.warn(
+            warn_caller(
                 f"halfprec: gradients overflowed at the minimum loss scale {before:g}; the scale cannot go lower, "
                 "so every such step is skipped. Lower min_scale, lower the learning rate, or train in bf16.",
                 RuntimeWarning,
-                stacklevel=4,
             )
+
+
+class ScaleGuard:
+    """Whether the grads a step reads came through ``scale_loss``. With a loss scale, a plain ``loss.backward()``
+    leaves grads that unscale to ``loss_scale`` times too small (65536x at fp16's default), and nothing else
+    notices: the step is finite and trains on. One warning per optimizer (a loop that scales by hand on purpose
+    is told once)."""
+
+    def __init__(self) -> None:
+        self.scaled = False  # scale_loss ran since the last step
+        self.warned = False
+
+    def mark(self) -> None:
+        self.scaled = True
+
+    def check(self, params, loss_scaler) -> None:
+        """At a step: warn once when grads exist, the scale is not 1 and no loss was scaled since the last step."""
+        scaled, self.scaled = self.scaled, False
+        if scaled or self.warned or loss_scaler.is_unit or all(p.grad is None for p in params):
+            return
+        self.warned = True
+        warn_caller(
+            f"halfprec: step() after a backward that was not loss-scaled: the grads are unscaled by the loss scale "
+            f"{loss_scaler.loss_scale:g} and so are that many times too small. Call mp.backward(loss) or "
+            "mp.scale_loss(loss).backward() instead of loss.backward().",
+            RuntimeWarning,
+        )

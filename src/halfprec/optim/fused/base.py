@@ -88,7 +88,7 @@ class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
         self._build()
         self._built = True
         self._init_scaler(
-            loss_scaler, has_fp16=any(c.dtype == torch.float16 for c in self._chunks), device=self._device
+            loss_scaler, dtypes={c.dtype for c in self._chunks}, device=self._device
         )
         self._reporter = SkipReporter(
             self._skip_log,
@@ -324,6 +324,7 @@ class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
             )
         if not capturing:
             check_unfrozen(self._frozen)
+            self._scale_guard.check(self.model_params(), self.loss_scaler)
             self._reporter.drain()
             self._adopt_grads()
             for chunk in self._chunks:

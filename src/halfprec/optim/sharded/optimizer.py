@@ -127,7 +127,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
             self._fused = FusedLocalStep(self.optimizer, self.layout, self._piece_params, self.flat_master)
 
-        self._init_scaler(loss_scaler, has_fp16=self.dtype == torch.float16, device=self.device)
+        self._init_scaler(loss_scaler, dtypes={self.dtype} if self._params else set(), device=self.device)
         comm = torch.float32 if reduce_dtype == "fp32" else self.dtype
         self._reducer = GradReducer(
             self._params, self.layout, stage=stage, comm_dtype=comm, group=process_group
