@@ -343,6 +343,7 @@ MAPPED = [
     ({"bf16": {"enabled": True}, "communication_data_type": "fp32"}, {"reduce_dtype": "fp32"}),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}}, {"zero_stage": 1}),
     ({"fp16": {"enabled": True, "auto_cast": False, "consecutive_hysteresis": False}}, {"precision": "fp16"}),
+    ({"fp16": {"enabled": True, "auto_cast": True}}, {"precision": "fp16"}),
 ]
 
 
@@ -383,7 +384,7 @@ def test_deprecated_boolean_zero_optimization():
 
 def test_performance_knobs_and_flags_warn_in_one_message():
     cfg = {
-        "fp16": {"enabled": True, "auto_cast": True, "consecutive_hysteresis": True},
+        "fp16": {"enabled": True, "auto_cast": "yes", "consecutive_hysteresis": True},
         "bf16": {"immediate_grad_update": True},
         "zero_optimization": {"stage": 2, "round_robin_gradients": True, "stage3_max_live_parameters": 1e9},
         "steps_per_print": 10,
@@ -391,7 +392,7 @@ def test_performance_knobs_and_flags_warn_in_one_message():
     }
     _, message = _read(cfg)
     for text in (
-        "fp16.auto_cast=True: accepted, not applied (halfprec does not cast inputs",
+        "fp16.auto_cast='yes': accepted, not applied (the engine casts floating inputs to the model dtype either way",
         "fp16.consecutive_hysteresis=True: accepted, not applied",
         "bf16.immediate_grad_update=True",
         "zero_optimization.round_robin_gradients=True",

@@ -92,7 +92,14 @@ DEEPSPEED_KEYS: tuple[DeepSpeedKey, ...] = (
         _off,
         _OFF,
     ),
-    _K("fp16.auto_cast", "warn", "halfprec does not cast inputs; cast them to fp16 yourself", _off, _OFF),
+    _K(
+        "fp16.auto_cast",
+        "warn",
+        "the engine casts floating inputs to the model dtype either way (16-bit inputs, which a DeepSpeed run "
+        "with auto_cast=false passes, stay as they are)",
+        lambda value: isinstance(value, bool),
+        "true or false",
+    ),
     _K(
         "fp16.fp16_master_weights_and_grads",
         "error",
