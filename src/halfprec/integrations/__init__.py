@@ -8,4 +8,18 @@ Each adapter lives in its own module and imports its tool only when that module 
 * ``halfprec.integrations.lightning``: ``HalfprecPrecision`` (Trainer), ``HalfprecFabricPrecision`` (Fabric).
 """
 
-__all__: list[str] = []
+import importlib
+from types import ModuleType
+
+__all__ = ["require"]
+
+
+def require(package: str, adapter: str) -> ModuleType:
+    """Import ``package`` for the ``adapter`` module, or ImportError naming the extra that installs it."""
+    try:
+        return importlib.import_module(package)
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            f"halfprec.integrations.{adapter} needs the {package.partition('.')[0]} package: pip install "
+            "'halfprec[integrations]'"
+        ) from e

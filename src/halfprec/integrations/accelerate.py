@@ -33,26 +33,16 @@ from __future__ import annotations
 from typing import Any
 
 from ..optim.base import MixedPrecisionOptimizer
+from . import require
 
 __all__ = ["attach", "check_accelerator", "prepare"]
 
 _HOOK_ATTR = "_halfprec_skip_hook"
 
 
-def _import_accelerate():
-    try:
-        import accelerate
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "halfprec.integrations.accelerate needs the accelerate package: pip install 'halfprec[integrations]'"
-        ) from e
-    return accelerate
-
-
 def check_accelerator(accelerator: Any) -> None:
     """Raise ``ValueError`` when ``accelerator`` is configured to own precision or the optimizer itself."""
-    _import_accelerate()
-    from accelerate.utils import DistributedType
+    DistributedType = require("accelerate.utils", "accelerate").DistributedType
 
     mixed = str(getattr(accelerator, "mixed_precision", "no"))
     if mixed != "no":

@@ -41,21 +41,12 @@ from ..optim.base import MixedPrecisionOptimizer
 from ..precision import LOW_PRECISION, check_low_precision
 from ..scaler import LossScaler
 from . import accelerate as _hp_accelerate
+from . import require
 
 __all__ = ["HalfprecCallback", "HalfprecTrainer", "HalfprecTrainerMixin", "check_training_args"]
 
 
-def _import_transformers():
-    try:
-        import transformers
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "halfprec.integrations.hf needs the transformers package: pip install 'halfprec[integrations]'"
-        ) from e
-    return transformers
-
-
-transformers = _import_transformers()
+transformers = require("transformers", "hf")
 
 
 def _check_trainer_hooks() -> None:

@@ -48,15 +48,11 @@ import torch
 from ..optim.base import MixedPrecisionOptimizer
 from ..precision import DTYPES
 from ..scaler import LossScaler
+from . import require
 
-try:
-    from lightning.fabric.plugins import Precision as _FabricPrecision
-    from lightning.pytorch.plugins.precision import Precision as _TrainerPrecision
-    from lightning_utilities import apply_to_collection
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "halfprec.integrations.lightning needs the lightning package: pip install 'halfprec[integrations]'"
-    ) from e
+_FabricPrecision = require("lightning.fabric.plugins", "lightning").Precision
+_TrainerPrecision = require("lightning.pytorch.plugins.precision", "lightning").Precision
+apply_to_collection = require("lightning_utilities", "lightning").apply_to_collection
 
 __all__ = ["HalfprecFabricPrecision", "HalfprecPrecision", "setup_fabric"]
 
@@ -111,9 +107,11 @@ class _Common:
             torch.set_default_dtype(default)
 
     # --- wrapping ---------------------------------------------------------------------------------------
-    def _wrap(
+    def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
     ) -> MixedPrecisionOptimizer:
+        """``optimizer`` as a ``MixedPrecisionOptimizer`` over the params this plugin cast (their fp32 values
+        become the masters); an already-built halfprec optimizer is used as it is."""
         optimizer = _unwrap(optimizer)
         if isinstance(optimizer, MixedPrecisionOptimizer):
             mp = optimizer  # already owns masters and a loss scale (MixedPrecisionOptimizer, FusedAdamW, ...)
@@ -152,8 +150,8 @@ class _Common:
                 stacklevel=4,
             )
 
-    def _release_fp32(self) -> None:
-        # Params outside every optimizer stay 16-bit; their fp32 tensors are not needed any more.
+    def release_fp32(self) -> None:
+        """Drop the fp32 copies kept for wrapping: params outside every optimizer stay 16-bit."""
         self._fp32.clear()
 
     def _mp(self, optimizer: Any = None) -> MixedPrecisionOptimizer:
@@ -269,7 +267,7 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         # every fit (and Tuner.lr_find) connects its optimizers anew: only this fit's are the plugin's
         self._optimizers = []
         for optimizer in optimizers:
-            mp = self._wrap(optimizer)
+            mp = self.wrap_optimizer(optimizer)
             if mp.max_grad_norm is not None and clip_val:
                 raise ValueError(
                     f"the MixedPrecisionOptimizer clips at max_grad_norm={mp.max_grad_norm!r} and the Trainer has "
@@ -279,7 +277,7 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
             self._base_clip[id(mp)] = mp.max_grad_norm
             by_id[id(_unwrap(optimizer))] = by_id[id(mp)] = by_id[id(getattr(mp, "optimizer", mp))] = mp
             wrapped.append(mp)
-        self._release_fp32()
+        self.release_fp32()
         for config in lr_schedulers:
             scheduler = config.scheduler
             mp = by_id.get(id(getattr(scheduler, "optimizer", None)))
@@ -355,7 +353,7 @@ def setup_fabric(
     step (``fabric.clip_gradients(..., error_if_nonfinite=False)`` also works on the masters, but raises on
     an fp16 overflow step with the default ``error_if_nonfinite=True``).
     """
-    plugin = getattr(fabric, "_precision", None)
+    plugin = fabric.strategy.precision
     if not isinstance(plugin, HalfprecFabricPrecision):
         raise ValueError(
             f"fabric has the precision plugin {type(plugin).__name__}; build it with "
@@ -366,8 +364,8 @@ def setup_fabric(
         # that fabric.setup would move the module away from.
         module.to(fabric.device)
     plugin.convert_module(module)  # the fp32 tensors are remembered, the params cast
-    wrapped = [plugin._wrap(opt, max_grad_norm) for opt in _as_list(optimizers)]
-    plugin._release_fp32()
+    wrapped = [plugin.wrap_optimizer(opt, max_grad_norm) for opt in _as_list(optimizers)]
+    plugin.release_fp32()
     return fabric.setup(module, *wrapped, **setup_kwargs)
 
 

@@ -232,6 +232,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         """The model's params in param-group order, frozen ones included (what state dicts index)."""
         return list(self._model_params)
 
+    def _backward_params(self) -> list[torch.nn.Parameter]:
+        """The params whose ``.grad`` a backward fills, before the step reads them (the scale guard's view)."""
+        return self._model_params
+
     # --- the contract: read-only results ----------------------------------------------------------------
     @property
     def step_was_skipped(self) -> bool:
@@ -299,7 +303,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._scale_guard.check(self.model_params(), self.loss_scaler)
+        self._scale_guard.check(self._backward_params(), self.loss_scaler)
         self._step()
         return loss
 

@@ -110,8 +110,8 @@ class ScaleGuard:
             return
         self.warned = True
         warn_caller(
-            f"halfprec: step() after a backward that was not loss-scaled: the grads are unscaled by the loss scale "
-            f"{loss_scaler.loss_scale:g} and so are that many times too small. Call mp.backward(loss) or "
-            "mp.scale_loss(loss).backward() instead of loss.backward().",
+            "halfprec: step() after a backward that was not loss-scaled: the grads are divided by the loss scale "
+            "(mp.loss_scale, 65536 at fp16's default) and so are that many times too small. Call mp.backward(loss) "
+            "or mp.scale_loss(loss).backward() instead of loss.backward().",
             RuntimeWarning,
         )

@@ -324,7 +324,7 @@ class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
             )
         if not capturing:
             check_unfrozen(self._frozen)
-            self._scale_guard.check(self.model_params(), self.loss_scaler)
+            self._scale_guard.check(self._backward_params(), self.loss_scaler)
             self._reporter.drain()
             self._adopt_grads()
             for chunk in self._chunks:

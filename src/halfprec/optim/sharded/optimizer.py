@@ -134,6 +134,9 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         )
         self._stepped = False  # a step() ran since zero_grad(); another needs a new backward first
 
+    def _backward_params(self) -> list[torch.nn.Parameter]:
+        return self._params  # the reducer's hooks may have consumed their grads already (stage 2)
+
     # --- construction --------------------------------------------------------------------------------
     def _init_flat(self) -> None:
         originals: dict[torch.Tensor, torch.Tensor] = {}
