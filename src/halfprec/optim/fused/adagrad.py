@@ -93,20 +93,6 @@ class FusedAdagrad(FusedOptimizer):
             EPS=group["eps"],
         )
 
-    def _launch_update(self, chunk) -> None:
-        from ...kernels.update import adagrad_update
-
-        param = chunk.master if chunk.param is None else chunk.param
-        adagrad_update(
-            param,
-            chunk.grad,
-            chunk.master,
-            chunk.state["sum"],
-            chunk.update_table,
-            self._pscal,
-            self._scalars,
-        )
-
     def _export_state(self, i: int, step: float) -> dict[str, Any]:
         chunk, local = self._where[i]
         return {

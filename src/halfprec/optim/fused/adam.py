@@ -106,21 +106,6 @@ class FusedAdam(FusedOptimizer):
             DECOUPLED=dec,
         )  # fmt: skip
 
-    def _launch_update(self, chunk) -> None:
-        from ...kernels.update import adam_update
-
-        param = chunk.master if chunk.param is None else chunk.param
-        adam_update(
-            param,
-            chunk.grad,
-            chunk.master,
-            chunk.state["exp_avg"],
-            chunk.state["exp_avg_sq"],
-            chunk.update_table,
-            self._pscal,
-            self._scalars,
-        )
-
     def _export_state(self, i: int, step: float) -> dict[str, Any]:
         if step == 0:
             return {}

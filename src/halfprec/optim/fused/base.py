@@ -198,7 +198,13 @@ class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
         raise NotImplementedError
 
     def _launch_update(self, chunk: Chunk) -> None:
-        raise NotImplementedError
+        from ...kernels.update import update
+
+        state = [chunk.state[name] for name in self._state_names_for_build() if name in chunk.state]
+        param = chunk.master if chunk.param is None else chunk.param
+        update(
+            self._KIND, param, chunk.grad, chunk.master, state, chunk.update_table, self._pscal, self._scalars
+        )
 
     def _init_state(self) -> None:
         """Eager state that the torch optimizer creates in its constructor (Adagrad's ``sum``)."""

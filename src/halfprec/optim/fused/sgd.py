@@ -115,20 +115,6 @@ class FusedSGD(FusedOptimizer):
             WEIGHT_DECAY=group["weight_decay"], NESTEROV=1.0 if group["nesterov"] else 0.0,
         )  # fmt: skip
 
-    def _launch_update(self, chunk) -> None:
-        from ...kernels.update import sgd_update
-
-        param = chunk.master if chunk.param is None else chunk.param
-        sgd_update(
-            param,
-            chunk.grad,
-            chunk.master,
-            chunk.state.get("momentum_buffer"),
-            chunk.update_table,
-            self._pscal,
-            self._scalars,
-        )
-
     def _group_of(self, i: int) -> dict[str, Any]:
         p = self._trainable[i]
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
