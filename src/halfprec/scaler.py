@@ -69,6 +69,12 @@ class LossScaler:
         return self._ensure()["scale"].device
 
     @property
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The live 0-d state tensors by name (``scale``; a dynamic scaler's ``growth_tracker`` and
+        ``hysteresis_left``), for kernels that update them in place; empty until the state is placed."""
+        return dict(self._state)
+
+    @property
     def scale(self) -> torch.Tensor:
         """The current scale as a 0-d fp32 tensor on the state's device (no sync)."""
         return self._ensure()["scale"]

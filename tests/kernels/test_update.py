@@ -14,7 +14,7 @@ def test_param_store_rounds_to_nearest_even(dtype):
     from halfprec.kernels.slots import ADAM_PSCAL as S
     from halfprec.kernels.slots import PSCAL_WIDTH, Kind
     from halfprec.kernels.update import update
-    from halfprec.optim.fused.buffers import build_table
+    from halfprec.optim.layout import build_table
 
     n = 4112  # a multiple of 16, as chunks are padded
     g = torch.Generator().manual_seed(0)

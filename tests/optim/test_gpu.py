@@ -172,9 +172,9 @@ def test_eager_step_runs_no_torch_op_but_the_report_copy(skipped):
             set_grads(b, grads)
             fused.step()
             continue
-        for i, (p, g) in enumerate(zip(b, grads, strict=True)):
+        for p, g in zip(b, grads, strict=True):
             p.grad.copy_(g)  # .grad is the flat buffer's view now, as after a backward
-            fused._mark(i)  # what the post-accumulate-grad hook does
+        fused.mark_grads()  # what the post-accumulate-grad hooks do
         fused.flush_reports()
         with _AtenOps() as ops:
             fused.step()

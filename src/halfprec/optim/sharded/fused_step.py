@@ -58,12 +58,12 @@ class FusedLocalStep:
 
         cls = fused_class(optimizer)
         self.optimizer = optimizer
-        self.kind = cls._KIND
-        self.hp_row = cls._hp_row
+        self.kind = cls.KIND  # the fused optimizers' per-algorithm protocol (fused/base.py)
+        self.hp_row = cls.hp_row
         self.master = flat_master
         self.device = flat_master.device
         self.sgd = isinstance(optimizer, torch.optim.SGD)  # no step counter; a buffer only with momentum
-        self.state_names = ("momentum_buffer",) if self.sgd else cls._STATE_NAMES
+        self.state_names = cls.STATE_NAMES
         # the pieces in local order; k indexes every per-piece device array
         self.pieces = sorted(layout.pieces, key=lambda pc: pc.local)
         self.params = [piece_params[pc.param] for pc in self.pieces]
