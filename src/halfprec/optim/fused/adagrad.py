@@ -28,17 +28,9 @@ class FusedAdagrad(FusedOptimizer):
     _EAGER_STATE = True
 
     def __init__(
-        self,
-        params,
-        lr: float = 1e-2,
-        lr_decay: float = 0.0,
-        weight_decay: float = 0.0,
-        initial_accumulator_value: float = 0.0,
-        eps: float = 1e-10,
-        *,
-        maximize: bool = False,
-        **options: Any,
-    ) -> None:
+        self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False, **options: Any,
+    ) -> None:  # fmt: skip
         hyper = dict(
             lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
             initial_accumulator_value=initial_accumulator_value, maximize=maximize,

@@ -36,23 +36,15 @@ class FusedAdam(FusedOptimizer):
     _DECOUPLED = False
 
     def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        *,
-        decoupled_weight_decay: bool | None = None,
-        amsgrad: bool = False,
-        maximize: bool = False,
-        **options: Any,
-    ) -> None:
+        self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+        weight_decay: float = 0.0, *, decoupled_weight_decay: bool | None = None, amsgrad: bool = False,
+        maximize: bool = False, **options: Any,
+    ) -> None:  # fmt: skip
         decoupled = self._DECOUPLED if decoupled_weight_decay is None else bool(decoupled_weight_decay)
-        hyper = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
+        hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled)
+        super().__init__(
+            params, hyper | dict(amsgrad=amsgrad, maximize=maximize, capturable=False), **options
         )
-        super().__init__(params, hyper | dict(capturable=False, decoupled_weight_decay=decoupled), **options)
 
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
         for name in ("lr", "eps", "weight_decay"):
@@ -78,12 +70,7 @@ class FusedAdamW(FusedAdam):
     _DECOUPLED = True
 
     def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        **kwargs: Any,
-    ) -> None:
+        self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+        weight_decay: float = 1e-2, **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)

@@ -29,14 +29,9 @@ class FusedLamb(FusedAdam):
     KIND = Kind.LAMB
 
     def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.01,
-        **kwargs: Any,
-    ) -> None:
+        self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+        weight_decay: float = 0.01, **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
         from ...kernels.lamb import trust_table
 

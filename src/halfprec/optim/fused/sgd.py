@@ -29,17 +29,9 @@ class FusedSGD(FusedOptimizer):
     STATE_NAMES = ("momentum_buffer",)  # with momentum only
 
     def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        *,
-        maximize: bool = False,
-        **options: Any,
-    ) -> None:
+        self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+        nesterov: bool = False, *, maximize: bool = False, **options: Any,
+    ) -> None:  # fmt: skip
         hyper = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
             maximize=maximize,
