@@ -45,6 +45,7 @@ __all__ = [
     "aligned",
     "aligned_offsets",
     "build_table",
+    "chunk_params",
 ]
 
 PAD = ALIGN  # elements per rank a sharded bucket is padded to (64 bytes of fp32 per shard boundary)
@@ -144,6 +145,20 @@ class Chunk:
         return build_table(self.offsets, [p.numel() for p in self.params], indices, block, self.device)
 
 
+def chunk_params(
+    params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor], *, flat_params: bool = False
+) -> list[tuple[Chunk, list[int]]]:
+    """``params`` (with their ``sources``) in one ``Chunk`` per (device, dtype), in first-seen order; each chunk
+    with the indices in ``params`` of its own params."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    return [
+        (Chunk([params[i] for i in idx], [sources[i] for i in idx], flat_params=flat_params), idx)
+        for idx in groups.values()
+    ]
+
+
 class MasterStore:
     """All master chunks of one optimizer, and the mapping between model params and their masters."""
 
@@ -158,12 +173,9 @@ class MasterStore:
 
         Returns ``{param: master}``.
         """
-        by_key: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
-        for p in params:
-            by_key.setdefault((p.device, p.dtype), []).append(p)
+        params = list(params)
         mapping = {}
-        for group in by_key.values():
-            chunk = Chunk(group, [originals.get(p, p) for p in group])
+        for chunk, _ in chunk_params(params, [originals.get(p, p) for p in params]):
             masters = [torch.nn.Parameter(v, requires_grad=True) for v in chunk.master_views]
             self.chunks.append(chunk)
             self.masters.append(masters)

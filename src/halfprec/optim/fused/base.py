@@ -39,7 +39,7 @@ from ...kernels.slots import Kind
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_options, check_unfrozen, tell_schedulers
-from ..layout import Chunk
+from ..layout import Chunk, chunk_params
 from .grads import GradViews
 from .results import DeviceResults, SkipReporter
 
@@ -170,17 +170,13 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._group_of = group_of
         self._index = {p: i for i, p in enumerate(trainable)}
         self._frozen = [p for p in self._all if p not in self._index]  # frozen when built: never trained
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, p in enumerate(trainable):
-            by_dtype.setdefault(p.dtype, []).append(i)
         self._chunks: list[Chunk] = []
         # per chunk: the rows of the norm and update kernels (layout.build_table)
         self._norm_tables: list[torch.Tensor] = []
         self._update_tables: list[torch.Tensor] = []
         self._where: list[tuple[Chunk, int]] = [None] * len(trainable)  # type: ignore[list-item]
-        for idx in by_dtype.values():
-            params = [trainable[i] for i in idx]
-            chunk = Chunk(params, [originals.get(p, p.data) for p in params], flat_params=True)
+        sources = [originals.get(p, p.data) for p in trainable]
+        for chunk, idx in chunk_params(trainable, sources, flat_params=True):  # one per dtype
             self._chunks.append(chunk)
             self._norm_tables.append(chunk.table(idx, cfg.norm_block))
             self._update_tables.append(chunk.table(idx, cfg.update_block))
@@ -237,19 +233,10 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     def _launch_update(self, k: int) -> None:
         from ...kernels.update import update
 
-        chunk = self._chunks[k]
+        chunk, table = self._chunks[k], self._update_tables[k]
         state = [chunk.state[name] for name in self.STATE_NAMES if name in chunk.state]
         param = chunk.data if chunk.param is None else chunk.param
-        update(
-            self.KIND,
-            param,
-            chunk.grad,
-            chunk.data,
-            state,
-            self._update_tables[k],
-            self._pscal,
-            self._scalars,
-        )
+        update(self.KIND, param, chunk.grad, chunk.data, state, table, self._pscal, self._scalars)
 
     def _state_view(self, name: str, i: int) -> torch.Tensor:
         chunk, local = self._where[i]
@@ -279,8 +266,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     def mark_grads(self) -> None:
         """Count every trainable param's ``.grad`` as this step's (what backward's hooks do per param): for callers
         that write the flat grad buffers themselves, e.g. a benchmark replaying a captured step."""
-        for i in range(len(self._trainable)):
-            self._grads.mark(i)
+        for i, p in enumerate(self._trainable):
+            if p.grad is not None:
+                self._grads.mark(i)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this step's grads. ``set_to_none=False`` zeroes the flat buffers and keeps ``.grad`` as views
