@@ -28,9 +28,7 @@ import triton.language as tl
 from .settings import settings
 from .slots import ALIGN, PSCAL_SLOTS, PSCAL_WIDTH, Kind
 
-__all__ = ["PARAM_CODES", "param_arg", "update"]
-
-PARAM_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+__all__ = ["param_arg", "update"]
 
 # Kernels may read only constexpr globals; Triton folds them and keys its cache on their values.
 _ALIGN = tl.constexpr(ALIGN)
@@ -127,10 +125,9 @@ def _update_kernel(
 
 def param_arg(param: torch.Tensor, master: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The param buffer as the kernels take it, and its ``PARAM`` code (fp32 params: the master itself)."""
-    code = PARAM_CODES[param.dtype]
-    if code == 0:
+    if param.dtype == torch.float32:
         return master, 0
-    if code == 2:
+    if param.dtype == torch.bfloat16:
         return param.view(torch.int16), 2
     return param, 1
 

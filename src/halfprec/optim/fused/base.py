@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ...kernels.slots import Kind
+from ...kernels.slots import HP_WIDTH, PSCAL_WIDTH, Kind
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_options, check_unfrozen, tell_schedulers
@@ -136,7 +136,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._validate_group(self.param_groups[-1], len(self.param_groups) - 1)
 
     def _build(self) -> None:
-        from ...kernels.norm import HP_WIDTH, PSCAL_WIDTH
         from ...kernels.settings import settings
 
         cfg = settings()

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ...kernels.slots import HP_WIDTH, PSCAL_WIDTH
 from ..checks import tell_schedulers
 from ..layout import ALIGN, Layout
 
@@ -52,7 +53,6 @@ class FusedLocalStep:
         piece_params: dict[int, torch.nn.Parameter],
         flat_master: torch.Tensor,
     ) -> None:
-        from ...kernels.norm import HP_WIDTH, PSCAL_WIDTH
         from ...kernels.settings import settings
         from ..select import fused_class
 
