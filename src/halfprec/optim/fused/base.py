@@ -139,7 +139,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         from ...kernels.settings import settings
 
         cfg = settings()
-        self._all: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
+        # the model's params in group order, frozen ones included (what the state dict indexes)
+        self._model_params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
         trainable, group_of, originals = [], [], {}
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -168,7 +169,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._trainable = trainable
         self._group_of = group_of
         self._index = {p: i for i, p in enumerate(trainable)}
-        self._frozen = [p for p in self._all if p not in self._index]  # frozen when built: never trained
+        # frozen when built: never trained
+        self._frozen = [p for p in self._model_params if p not in self._index]
         self._chunks: list[Chunk] = []
         # per chunk: the rows of the norm and update kernels (layout.build_table)
         self._norm_tables: list[torch.Tensor] = []
@@ -366,11 +368,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         """0-d device tensor: 1.0 when the last step was skipped (no sync)."""
         return self._scalars[0]
 
-    @property
-    def _model_params(self) -> list[torch.nn.Parameter]:
-        """The model's params in group order, frozen ones included (what the state dict indexes)."""
-        return self._all
-
     def master_params(self) -> list[torch.Tensor]:
         """Views of the fp32 masters, in param order (fp32 params are their own masters)."""
         return [chunk.master_views[local] for chunk, local in self._where]
@@ -428,7 +425,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 "dtype": str(p.dtype),
                 "master": p in self._index and p.dtype != torch.float32,
             }
-            for p in self._all
+            for p in self._model_params
         ]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -463,14 +460,14 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                     buf.zero_()
             self._init_state()
             saved_state = {int(k): v for k, v in inner["state"].items()}
-            for k, p in enumerate(self._all):
+            for k, p in enumerate(self._model_params):
                 i = self._index.get(p)
                 if i is not None and k in saved_state:
                     steps[i] = self._import_state(i, saved_state[k])
             self._steps.copy_(torch.tensor(steps or [0.0], dtype=torch.float32))
             if state_dict is not None:
                 for k, value in state_dict["masters"].items():
-                    chunk, local = self._where[self._index[self._all[int(k)]]]
+                    chunk, local = self._where[self._index[self._model_params[int(k)]]]
                     chunk.master_views[local].copy_(value)
                 for chunk in self._chunks:
                     if chunk.param is not None:
