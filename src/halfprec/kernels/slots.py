@@ -92,7 +92,7 @@ class AdagradHp(NamedTuple):
 # ``t`` is the param's step count after this step; bc1 = 1 - beta1**t and bc2 = 1 - beta2**t are computed in fp64
 # and cast once, as torch does with its Python-double scalars.
 class AdamScalars(NamedTuple):
-    """Adam, AdamW (``update._adam_kernel``) and LAMB (``lamb.py``)."""
+    """Adam, AdamW (``update.py``) and LAMB (``lamb.py``)."""
 
     ACTIVE: int = 0  # 1.0 when the param got a grad and the step is not skipped, else 0.0 (every algorithm)
     STEP_SIZE: int = 1  # Adam: lr / bc1; LAMB: 1 / bc1 (LAMB applies lr after the trust ratio)
