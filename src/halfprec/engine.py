@@ -96,7 +96,11 @@ def initialize(
         from .optim.sharded import ShardedMixedPrecisionOptimizer  # noqa: PLC0415 - needs torch.distributed
 
         mp = ShardedMixedPrecisionOptimizer(
-            optimizer, named_parameters=model, stage=config.zero_stage, reduce_dtype=config.reduce_dtype, **options
+            optimizer,
+            named_parameters=model,
+            stage=config.zero_stage,
+            reduce_dtype=config.reduce_dtype,
+            **options,
         )
     else:
         mp = MixedPrecisionOptimizer(optimizer, **options)

@@ -69,6 +69,12 @@ class LossScaler:
         return self._ensure()["scale"].device
 
     @property
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The live 0-d state tensors by name (``scale``; a dynamic scaler's ``growth_tracker`` and
+        ``hysteresis_left``), for kernels that update them in place; empty until the state is placed."""
+        return dict(self._state)
+
+    @property
     def scale(self) -> torch.Tensor:
         """The current scale as a 0-d fp32 tensor on the state's device (no sync)."""
         return self._ensure()["scale"]
@@ -255,15 +261,11 @@ class DynamicLossScaler(LossScaler):
         min_scale: float = 1.0,
     ) -> None:
         checked = check_dynamic_settings(
-            {
-                "init_scale": init_scale,
-                "growth_factor": growth_factor,
-                "backoff_factor": backoff_factor,
-                "growth_interval": growth_interval,
-                "hysteresis": hysteresis,
-                "min_scale": min_scale,
-            }
-        )
+            dict(
+                init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
+            )
+        )  # fmt: skip
         super().__init__(checked["init_scale"])
         self.growth_factor = checked["growth_factor"]
         self.backoff_factor = checked["backoff_factor"]
@@ -311,12 +313,7 @@ class DynamicLossScaler(LossScaler):
 
     def _config(self) -> dict[str, Any]:
         return {
-            "init_scale": self._init_scale,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "hysteresis": self.hysteresis,
-            "min_scale": self.min_scale,
+            key: self._init_scale if key == "init_scale" else getattr(self, key) for key in DYNAMIC_SETTINGS
         }
 
     def settings(self) -> dict[str, Any]:
@@ -340,7 +337,7 @@ class DynamicLossScaler(LossScaler):
         return adjusted
 
     def _load_config(self, state_dict: dict[str, Any]) -> None:
-        for key in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale"):
-            if key in state_dict:
+        for key in DYNAMIC_SETTINGS:
+            if key != "init_scale" and key in state_dict:
                 setattr(self, key, type(getattr(self, key))(state_dict[key]))
         super()._load_config(state_dict)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from halfprec.optim.fused.buffers import build_table
+from halfprec.optim.layout import build_table
 
 from ..optim.helpers import DEVICE
 from ..optim.tolerances import tol

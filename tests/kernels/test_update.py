@@ -12,9 +12,9 @@ from ..optim.helpers import DEVICE
 def test_param_store_rounds_to_nearest_even(dtype):
     from halfprec.kernels.settings import settings
     from halfprec.kernels.slots import ADAM_PSCAL as S
-    from halfprec.kernels.slots import PSCAL_WIDTH
-    from halfprec.kernels.update import adam_update
-    from halfprec.optim.fused.buffers import build_table
+    from halfprec.kernels.slots import PSCAL_WIDTH, Kind
+    from halfprec.kernels.update import update
+    from halfprec.optim.layout import build_table
 
     n = 4112  # a multiple of 16, as chunks are padded
     g = torch.Generator().manual_seed(0)
@@ -38,15 +38,15 @@ def test_param_store_rounds_to_nearest_even(dtype):
     param, grad, m, v, table, pscal, scalars = (
         t.to(DEVICE) for t in (param, grad, m, v, table, pscal, scalars)
     )
-    adam_update(param, grad, master.clone().to(DEVICE), m, v, table, pscal, scalars)
+    update(Kind.ADAM, param, grad, master.clone().to(DEVICE), (m, v), table, pscal, scalars)
     got, want = param.cpu().view(torch.int16), expected.view(torch.int16)
     assert torch.equal(got, want)
 
 
 def test_inactive_param_is_not_touched():
-    from halfprec.kernels.slots import PSCAL_WIDTH
+    from halfprec.kernels.slots import PSCAL_WIDTH, Kind
     from halfprec.kernels.slots import SGD_PSCAL as S
-    from halfprec.kernels.update import sgd_update
+    from halfprec.kernels.update import update
 
     n = 128
     param = torch.full((n,), 7.0, dtype=torch.float16)
@@ -56,5 +56,5 @@ def test_inactive_param_is_not_touched():
     pscal[0, S.LR] = 1.0
     param, master, grad, pscal = (t.to(DEVICE) for t in (param, master, grad, pscal))
     table = torch.tensor([[0, n, 0]], device=DEVICE)
-    sgd_update(param, grad, master, None, table, pscal, torch.ones(8, device=DEVICE))
+    update(Kind.SGD, param, grad, master, (), table, pscal, torch.ones(8, device=DEVICE))
     assert (master == 7.0).all() and (param == 7.0).all()

@@ -56,6 +56,19 @@ def set_grads(params, grads):
         p.grad = None if g is None else g.clone()
 
 
+def run_both(ref, fused, a, b, steps, *, scale=1.0, none_at=None, seed=0):
+    """``steps`` steps of both paths on the same grads (step ``s``: seed ``seed + s``; ``none_at(s)``: the indices
+    of the params that get no grad)."""
+    for s in range(steps):
+        grads = random_grads(a, seed + s, scale=scale, none=none_at(s) if none_at else ())
+        set_grads(a, grads)
+        set_grads(b, grads)
+        ref.step()
+        fused.step()
+        ref.zero_grad()
+        fused.zero_grad()
+
+
 def assert_same_state(ref, fused, dtype):
     """Compare masters, every state tensor and counters of the two paths' (same-format) state dicts."""
     sr, sf = ref.state_dict(), fused.state_dict()
@@ -74,7 +87,7 @@ def assert_same_state(ref, fused, dtype):
             else:
                 torch.testing.assert_close(w.cpu(), v.cpu(), **tol("state", dtype))
     # fp32 params (own masters): compare the params themselves
-    for p, q in zip(ref._model_params, fused._all, strict=True):
+    for p, q in zip(ref.model_params(), fused.model_params(), strict=True):
         if p.dtype == torch.float32:
             torch.testing.assert_close(q.detach().cpu(), p.detach().cpu(), **tol("master", dtype))
     assert sr["skipped_steps"] == sf["skipped_steps"]
@@ -82,9 +95,8 @@ def assert_same_state(ref, fused, dtype):
 
 
 def assert_params_are_rounded_masters(fused):
-    for chunk in fused._chunks:
-        if chunk.param is None:
-            continue
-        for p, m in zip(chunk.params, chunk.master_views, strict=True):
+    trained = [p for p in fused.model_params() if p.requires_grad]
+    for p, m in zip(trained, fused.master_params(), strict=True):
+        if p.dtype != torch.float32:
             want = m.to(p.dtype)
             assert torch.equal(p.detach().view(torch.int16), want.view(torch.int16))

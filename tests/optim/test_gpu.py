@@ -9,22 +9,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import halfprec
 from halfprec.optim import FusedAdagrad, FusedAdamW, FusedSGD
 
-from .helpers import assert_params_are_rounded_masters, assert_same_state, pair, random_grads, set_grads
+from .helpers import (
+    assert_params_are_rounded_masters,
+    assert_same_state,
+    pair,
+    random_grads,
+    run_both,
+    set_grads,
+)
 
 pytestmark = pytest.mark.gpu
 
 SIZES = [9, 41, 341, 4231, 1, 127, 4097, 2**16 + 3, (1024, 1031)]
 
 
-def _run(ref, fused, a, b, steps, scale=1.0):
-    for s in range(steps):
-        grads = random_grads(a, s, scale=scale, none={2} if s == 1 else ())
-        set_grads(a, grads)
-        set_grads(b, grads)
-        ref.step()
-        fused.step()
-        ref.zero_grad()
-        fused.zero_grad()
+def _none_at(s):
+    return {2} if s == 1 else ()  # param 2 gets no grad at step 1
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,7 @@ def _run(ref, fused, a, b, steps, scale=1.0):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_matches_torch_path(torch_cls, fused_cls, hp, dtype):
     ref, fused, a, b = pair(torch_cls, fused_cls, SIZES, dtype, hp, device="cuda", max_grad_norm=1.0)
-    _run(ref, fused, a, b, 4)
+    run_both(ref, fused, a, b, 4, none_at=_none_at)
     assert_same_state(ref, fused, dtype)
     assert_params_are_rounded_masters(fused)
 
@@ -55,7 +55,7 @@ def test_dynamic_scaler_skip_on_cuda():
         max_grad_norm=1.0,
         scaler=scaler,
     )
-    _run(ref, fused, a, b, 2, scale=2.0**8)
+    run_both(ref, fused, a, b, 2, scale=2.0**8, none_at=_none_at)
     grads = random_grads(a, 7)
     grads[0][0] = float("nan")
     set_grads(a, grads)
@@ -172,9 +172,9 @@ def test_eager_step_runs_no_torch_op_but_the_report_copy(skipped):
             set_grads(b, grads)
             fused.step()
             continue
-        for i, (p, g) in enumerate(zip(b, grads, strict=True)):
+        for p, g in zip(b, grads, strict=True):
             p.grad.copy_(g)  # .grad is the flat buffer's view now, as after a backward
-            fused._mark(i)  # what the post-accumulate-grad hook does
+        fused.mark_grads()  # what the post-accumulate-grad hooks do
         fused.flush_reports()
         with _AtenOps() as ops:
             fused.step()

@@ -108,6 +108,8 @@ def test_mixed_precision_optimizer_factory_takes_the_torch_path_off_cuda():
 def test_mixed_precision_optimizer_factory_takes_the_fused_path_on_cuda():
     import halfprec
 
-    opt = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(_p("cuda"), lr=0.5), impl="auto", max_grad_norm=1.0)
+    opt = halfprec.MixedPrecisionOptimizer(
+        torch.optim.AdamW(_p("cuda"), lr=0.5), impl="auto", max_grad_norm=1.0
+    )
     assert isinstance(opt, FusedAdamW) and opt.param_groups[0]["lr"] == 0.5
     assert isinstance(opt, halfprec.MixedPrecisionOptimizer)  # every strategy is the public class

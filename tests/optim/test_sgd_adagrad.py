@@ -12,22 +12,11 @@ from .helpers import (
     assert_params_are_rounded_masters,
     assert_same_state,
     pair,
-    random_grads,
+    run_both,
     set_grads,
 )
 
 SIZES = [9, 41, 341, 4231, 1, 127]
-
-
-def _run(ref, fused, a, b, steps, none_at=None):
-    for s in range(steps):
-        grads = random_grads(a, s, none=none_at(s) if none_at else ())
-        set_grads(a, grads)
-        set_grads(b, grads)
-        ref.step()
-        fused.step()
-        ref.zero_grad()
-        fused.zero_grad()
 
 
 @pytest.mark.parametrize(
@@ -41,7 +30,7 @@ def _run(ref, fused, a, b, steps, none_at=None):
 def test_sgd_matches_torch_path(hp, dtype, clip):
     ref, fused, a, b = pair(torch.optim.SGD, FusedSGD, SIZES, dtype, hp, max_grad_norm=clip)
     # param 2 first gets a grad at step 2: its momentum buffer starts then (a copy of the grad)
-    _run(ref, fused, a, b, 4, none_at=lambda s: {2} if s < 2 else ())
+    run_both(ref, fused, a, b, 4, none_at=lambda s: {2} if s < 2 else ())
     assert_same_state(ref, fused, dtype)
     assert_params_are_rounded_masters(fused)
 
@@ -55,7 +44,7 @@ def test_sgd_matches_torch_path(hp, dtype, clip):
 )
 def test_adagrad_matches_torch_path(hp, dtype):
     ref, fused, a, b = pair(torch.optim.Adagrad, FusedAdagrad, SIZES, dtype, hp, max_grad_norm=1.0)
-    _run(ref, fused, a, b, 3, none_at=lambda s: {1} if s == 1 else ())
+    run_both(ref, fused, a, b, 3, none_at=lambda s: {1} if s == 1 else ())
     assert_same_state(ref, fused, dtype)
     assert_params_are_rounded_masters(fused)
 

@@ -21,14 +21,16 @@ import triton.language as tl
 
 from .settings import settings
 from .slots import ADAM_PSCAL
-from .update import _adam_moments, _grad_and_master, _param_arg, _pscal_row, _row, _store_param
+from .update import _adam_moments, _grad_and_master, _pscal_row, _row, _store, param_arg
 
 __all__ = ["lamb_update", "trust_table"]
 
 
 @triton.jit
-def _lamb_u(m, v, p, inv_bc1, bc2_sqrt, eps, wd):
-    return (m * inv_bc1) / (tl.sqrt(v) / bc2_sqrt + eps) + wd * p
+def _lamb_u(m, v, p, inv_bc1_ptr, bc2_sqrt_ptr, eps_ptr, wd_ptr):
+    # the scalars are pointers into the param's pscal row
+    denom = tl.sqrt(v) / tl.load(bc2_sqrt_ptr) + tl.load(eps_ptr)
+    return (m * tl.load(inv_bc1_ptr)) / denom + tl.load(wd_ptr) * p
 
 
 @triton.jit
@@ -38,22 +40,10 @@ def _lamb_stage_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     start, end, ps = _row(table_ptr, pscal_ptr, pid, True)
-    active = tl.load(ps + S.ACTIVE)
-    if active != 0.0:
-        inv_bc1 = tl.load(ps + S.STEP_SIZE)
-        bc2_sqrt = tl.load(ps + S.BC2_SQRT)
-        omb1 = tl.load(ps + S.OMB1)
-        b2 = tl.load(ps + S.BETA2)
-        omb2 = tl.load(ps + S.OMB2)
-        eps = tl.load(ps + S.EPS)
-        wd = tl.load(ps + S.WD_RAW)
+    if tl.load(ps + S.ACTIVE) != 0.0:
         offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        m, v = _adam_moments(m, v, g, omb1, b2, omb2)
-        u = _lamb_u(m, v, p, inv_bc1, bc2_sqrt, eps, wd)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
+        m, v = _adam_moments(m_ptr, v_ptr, offs, mask, g, ps + S.OMB1, ps + S.BETA2, ps + S.OMB2)
+        u = _lamb_u(m, v, p, ps + S.STEP_SIZE, ps + S.BC2_SQRT, ps + S.EPS, ps + S.WD_RAW)
         tl.store(part_ptr + pid * 2, tl.sum(p * p, axis=0))
         tl.store(part_ptr + pid * 2 + 1, tl.sum(u * u, axis=0))
 
@@ -64,8 +54,7 @@ def _lamb_trust_kernel(part_ptr, rows_ptr, pscal_ptr, S: tl.constexpr, BLOCK: tl
     first = tl.load(rows_ptr + pid * 3)
     last = tl.load(rows_ptr + pid * 3 + 1)
     ps = _pscal_row(pscal_ptr, tl.load(rows_ptr + pid * 3 + 2))
-    active = tl.load(ps + S.ACTIVE)
-    if active != 0.0:
+    if tl.load(ps + S.ACTIVE) != 0.0:
         offs = tl.arange(0, BLOCK)
         pp = tl.zeros([BLOCK], dtype=tl.float32)
         uu = tl.zeros([BLOCK], dtype=tl.float32)
@@ -86,23 +75,15 @@ def _lamb_apply_kernel(
     S: tl.constexpr, PARAM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     start, end, ps = _row(table_ptr, pscal_ptr, tl.program_id(0), True)
-    active = tl.load(ps + S.ACTIVE)
-    if active != 0.0:
-        inv_bc1 = tl.load(ps + S.STEP_SIZE)
-        bc2_sqrt = tl.load(ps + S.BC2_SQRT)
-        eps = tl.load(ps + S.EPS)
-        lr = tl.load(ps + S.LR)
-        wd = tl.load(ps + S.WD_RAW)
-        trust = tl.load(ps + S.TRUST)
+    if tl.load(ps + S.ACTIVE) != 0.0:
         offs = start + tl.arange(0, BLOCK)
         mask = offs < end
         p = tl.load(master_ptr + offs, mask=mask, other=0.0)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        u = _lamb_u(m, v, p, inv_bc1, bc2_sqrt, eps, wd)
-        p = p - (lr * trust) * u
-        tl.store(master_ptr + offs, p, mask=mask)
-        _store_param(param_ptr, offs, p, mask, PARAM)
+        u = _lamb_u(m, v, p, ps + S.STEP_SIZE, ps + S.BC2_SQRT, ps + S.EPS, ps + S.WD_RAW)
+        p = p - (tl.load(ps + S.LR) * tl.load(ps + S.TRUST)) * u
+        _store(master_ptr, param_ptr, offs, p, mask, PARAM)
 
 
 def trust_table(update_table: torch.Tensor) -> torch.Tensor:
@@ -126,7 +107,7 @@ def lamb_update(
     if n == 0:
         return
     cfg = settings()
-    p, code = _param_arg(param, master)
+    p, code = param_arg(param, master)
     _lamb_stage_kernel[(n,)](
         grad, master, exp_avg, exp_avg_sq, table, pscal, scalars, partials,
         S=ADAM_PSCAL, BLOCK=cfg.update_block, num_warps=cfg.update_warps,

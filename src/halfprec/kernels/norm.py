@@ -28,13 +28,13 @@ import triton.language as tl
 
 from .scaler import _dynamic_step, scaler_args
 from .settings import settings
-from .slots import HP_SLOTS, HP_WIDTH, PSCAL_SLOTS, PSCAL_WIDTH, Kind
+from .slots import HP_SLOTS, HP_WIDTH, PSCAL_SLOTS, Kind
 from .update import _ALIGN, _pscal_row
 
 if TYPE_CHECKING:
     from ..scaler import DynamicLossScaler
 
-__all__ = ["PSCAL_WIDTH", "HP_WIDTH", "sumsq", "finalize"]
+__all__ = ["sumsq", "finalize"]
 
 # Kernels may read only constexpr globals; Triton folds them and keys its cache on their values.
 _HP_WIDTH = tl.constexpr(HP_WIDTH)

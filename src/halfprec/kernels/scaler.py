@@ -87,7 +87,7 @@ def fusable(scaler: LossScaler, device: torch.device | str) -> bool:
     subnormals and overflowing factors (anything else keeps ``scaler.update``, the torch ops)."""
     if not isinstance(scaler, DynamicLossScaler) or type(scaler).update is not DynamicLossScaler.update:
         return False
-    state = scaler._state
+    state = scaler.state_tensors
     try:
         scale, tracker, left = state["scale"], state["growth_tracker"], state["hysteresis_left"]
     except KeyError:
@@ -111,7 +111,7 @@ def fusable(scaler: LossScaler, device: torch.device | str) -> bool:
 def scaler_args(scaler: DynamicLossScaler) -> tuple:
     """``(tracker, left, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale)`` kernel args,
     read from the scaler at every step (``load_state_dict`` may change the configuration)."""
-    state = scaler._state
+    state = scaler.state_tensors
     return (
         state["growth_tracker"],
         state["hysteresis_left"],

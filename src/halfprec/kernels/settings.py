@@ -13,29 +13,21 @@ blocks there.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 __all__ = ["LaunchSettings", "settings"]
 
 
+@dataclass(frozen=True, kw_only=True)
 class LaunchSettings:
     """Block sizes (elements per program) and warps per kernel."""
 
-    def __init__(
-        self,
-        *,
-        update_block: int,
-        update_warps: int,
-        norm_block: int,
-        norm_warps: int,
-        final_block: int,
-        final_warps: int,
-    ) -> None:
-        self.update_block = update_block
-        self.update_warps = update_warps
-        self.norm_block = norm_block
-        self.norm_warps = norm_warps
-        self.final_block = final_block
-        self.final_warps = final_warps
+    update_block: int
+    update_warps: int
+    norm_block: int
+    norm_warps: int
+    final_block: int
+    final_warps: int
 
 
 _GPU = LaunchSettings(

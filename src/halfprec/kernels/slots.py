@@ -3,8 +3,9 @@
 Legend (one row of each table per group or per param):
 
 - ``hp``, fp64 [groups, HP_WIDTH]: a group's hyper-parameters. Written on the host by each fused optimizer's
-  ``_hp_row`` (through ``hp_row``) and copied to the device before each step (a 0-d device tensor value is
-  copied in place, so CUDA graphs see its changes); read only by the finalize program (``norm.py``).
+  ``hp_row`` classmethod (through ``hp_row`` here) and copied to the device before each step (a 0-d device
+  tensor value is copied in place, so CUDA graphs see its changes); read only by the finalize program
+  (``norm.py``).
 - ``pscal``, fp32 [params, PSCAL_WIDTH]: a param's scalars for this step. Written by the finalize program from
   the param's group row and step count; read by the update kernels (``update.py``, ``lamb.py``), except
   ``AdamScalars.TRUST``, which LAMB's trust pass writes between its stage and apply passes.
@@ -54,13 +55,13 @@ class Kind(IntEnum):
 
 
 # Elements. Each param of the fused layout starts and ends at a multiple of ALIGN, so ``ALIGNED`` rows may tell
-# Triton so and get vectorised loads and stores (``optim/_buffers.py`` pads to the same 16).
+# Triton so and get vectorised loads and stores (``optim/layout.py`` pads to the same 16).
 ALIGN = 16
 HP_WIDTH = 8
 PSCAL_WIDTH = 16
 
 
-# --- hp: fp64, written by ``_hp_row`` on the host, read by the finalize program --------------------------------
+# --- hp: fp64, written by ``hp_row`` on the host, read by the finalize program ---------------------------------
 class AdamHp(NamedTuple):
     """Adam, AdamW and LAMB."""
 
@@ -91,7 +92,7 @@ class AdagradHp(NamedTuple):
 # ``t`` is the param's step count after this step; bc1 = 1 - beta1**t and bc2 = 1 - beta2**t are computed in fp64
 # and cast once, as torch does with its Python-double scalars.
 class AdamScalars(NamedTuple):
-    """Adam, AdamW (``update._adam_kernel``) and LAMB (``lamb.py``)."""
+    """Adam, AdamW (``update.py``) and LAMB (``lamb.py``)."""
 
     ACTIVE: int = 0  # 1.0 when the param got a grad and the step is not skipped, else 0.0 (every algorithm)
     STEP_SIZE: int = 1  # Adam: lr / bc1; LAMB: 1 / bc1 (LAMB applies lr after the trust ratio)

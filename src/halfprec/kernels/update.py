@@ -1,4 +1,4 @@
-"""Pass 2 of the fused step: one update kernel per algorithm over a flat chunk of params.
+"""Pass 2 of the fused step: the update kernel of Adam/AdamW, SGD and Adagrad over a flat chunk of params.
 
 Each program covers part of one param (``table`` row: start, end, param index) and first reads that param's
 ``ACTIVE`` scalar written by the finalize pass: 0 when the step is skipped or the param got no grad, and then
@@ -10,7 +10,8 @@ gives the same bits in the interpreter and on the GPU). ``PARAM`` = 0 for fp32 p
 masters, 1 for fp16, 2 for bf16 (passed as an int16 view). ``ALIGNED``: every row starts and ends at a
 multiple of ``ALIGN`` elements (the fused optimizers' padded layout), which lets Triton vectorise; the sharded
 optimizer's pieces cut params anywhere, so their unaligned head and tail rows run with ``ALIGNED=False``.
-``S``: the algorithm's table of ``pscal`` slots (``slots.py``).
+``KIND`` picks the algorithm (``slots.Kind``) and ``S`` is its table of ``pscal`` slots (``slots.py``); each
+branch compiles only for its own ``KIND``.
 
 The ``@triton.jit`` helpers here are shared with ``lamb.py`` and ``norm.py``; Triton inlines them, so they cost
 nothing at run time.
@@ -18,30 +19,33 @@ nothing at run time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
 from .settings import settings
-from .slots import ADAGRAD_PSCAL, ADAM_PSCAL, ALIGN, PSCAL_WIDTH, SGD_PSCAL
+from .slots import ALIGN, PSCAL_SLOTS, PSCAL_WIDTH, Kind
 
-__all__ = ["adam_update", "sgd_update", "adagrad_update", "PARAM_CODES"]
-
-PARAM_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+__all__ = ["param_arg", "update"]
 
 # Kernels may read only constexpr globals; Triton folds them and keys its cache on their values.
 _ALIGN = tl.constexpr(ALIGN)
 _PSCAL_WIDTH = tl.constexpr(PSCAL_WIDTH)
+_ADAM, _SGD = tl.constexpr(int(Kind.ADAM)), tl.constexpr(int(Kind.SGD))
 
 
 @triton.jit
-def _store_param(param_ptr, offs, x, mask, PARAM: tl.constexpr):
+def _store(master_ptr, param_ptr, offs, p, mask, PARAM: tl.constexpr):
+    # the new fp32 master, then the 16-bit param rounded to nearest even (PARAM 0: the master is the param)
+    tl.store(master_ptr + offs, p, mask=mask)
     if PARAM == 1:
-        tl.store(param_ptr + offs, x.to(tl.float16), mask=mask)
+        tl.store(param_ptr + offs, p.to(tl.float16), mask=mask)
     elif PARAM == 2:
-        b = x.to(tl.uint32, bitcast=True)
+        b = p.to(tl.uint32, bitcast=True)
         r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        r = tl.where(x != x, (b >> 16) | 0x40, r)
+        r = tl.where(p != p, (b >> 16) | 0x40, r)
         tl.store(param_ptr + offs, r.to(tl.int16), mask=mask)
 
 
@@ -77,128 +81,71 @@ def _lerp(a, b, w):
 
 
 @triton.jit
-def _adam_moments(m, v, g, omb1, b2, omb2):
-    m = _lerp(m, g, omb1)
-    v = v * b2
-    v = v + (omb2 * g) * g
+def _adam_moments(m_ptr, v_ptr, offs, mask, g, omb1_ptr, b2_ptr, omb2_ptr):
+    # Adam's and LAMB's moments of one block, stored and returned; the scalars are pointers into the pscal row
+    m = _lerp(tl.load(m_ptr + offs, mask=mask, other=0.0), g, tl.load(omb1_ptr))
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0) * tl.load(b2_ptr)
+    v = v + (tl.load(omb2_ptr) * g) * g
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
     return m, v
 
 
 @triton.jit
-def _adam_kernel(
-    param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, table_ptr, pscal_ptr, scalars_ptr,
-    S: tl.constexpr, PARAM: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+def _update_kernel(
+    param_ptr, grad_ptr, master_ptr, a_ptr, b_ptr, table_ptr, pscal_ptr, scalars_ptr,
+    S: tl.constexpr, KIND: tl.constexpr, PARAM: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    # a, b: the state (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer; Adagrad: sum)
     start, end, ps = _row(table_ptr, pscal_ptr, tl.program_id(0), ALIGNED)
-    active = tl.load(ps + S.ACTIVE)
-    if active != 0.0:
-        step_size = tl.load(ps + S.STEP_SIZE)
-        bc2_sqrt = tl.load(ps + S.BC2_SQRT)
-        decay = tl.load(ps + S.DECAY)
-        wd = tl.load(ps + S.WD)
-        omb1 = tl.load(ps + S.OMB1)
-        b2 = tl.load(ps + S.BETA2)
-        omb2 = tl.load(ps + S.OMB2)
-        eps = tl.load(ps + S.EPS)
+    if tl.load(ps + S.ACTIVE) != 0.0:
         offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        p = p * decay  # decoupled decay (AdamW): 1 - lr * wd, else 1
-        g = g + p * wd  # L2 decay (Adam): wd, else 0
-        m, v = _adam_moments(m, v, g, omb1, b2, omb2)
-        denom = tl.sqrt(v) / bc2_sqrt + eps
-        p = p - step_size * (m / denom)
-        tl.store(master_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        _store_param(param_ptr, offs, p, mask, PARAM)
+        if KIND == _ADAM:
+            p = p * tl.load(ps + S.DECAY)  # decoupled decay (AdamW): 1 - lr * wd, else 1
+            g = g + p * tl.load(ps + S.WD)  # L2 decay (Adam): wd, else 0
+            m, v = _adam_moments(a_ptr, b_ptr, offs, mask, g, ps + S.OMB1, ps + S.BETA2, ps + S.OMB2)
+            denom = tl.sqrt(v) / tl.load(ps + S.BC2_SQRT) + tl.load(ps + S.EPS)
+            p = p - tl.load(ps + S.STEP_SIZE) * (m / denom)
+        elif KIND == _SGD:
+            g = g + p * tl.load(ps + S.WD)
+            if tl.load(ps + S.HAS_MOMENTUM) != 0.0:
+                mom = tl.load(ps + S.MOMENTUM)
+                buf = tl.load(a_ptr + offs, mask=mask, other=0.0)
+                buf = tl.where(tl.load(ps + S.FIRST) != 0.0, g, buf * mom + tl.load(ps + S.OMD) * g)
+                tl.store(a_ptr + offs, buf, mask=mask)
+                g = tl.where(tl.load(ps + S.NESTEROV) != 0.0, g + mom * buf, buf)
+            p = p - tl.load(ps + S.LR) * g
+        else:  # Adagrad
+            g = g + p * tl.load(ps + S.WD)
+            s = tl.load(a_ptr + offs, mask=mask, other=0.0) + g * g
+            tl.store(a_ptr + offs, s, mask=mask)
+            p = p - tl.load(ps + S.CLR) * (g / (tl.sqrt(s) + tl.load(ps + S.EPS)))
+        _store(master_ptr, param_ptr, offs, p, mask, PARAM)
 
 
-@triton.jit
-def _sgd_kernel(
-    param_ptr, grad_ptr, master_ptr, buf_ptr, table_ptr, pscal_ptr, scalars_ptr,
-    S: tl.constexpr, PARAM: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    start, end, ps = _row(table_ptr, pscal_ptr, tl.program_id(0), ALIGNED)
-    active = tl.load(ps + S.ACTIVE)
-    if active != 0.0:
-        lr = tl.load(ps + S.LR)
-        mom = tl.load(ps + S.MOMENTUM)
-        omd = tl.load(ps + S.OMD)
-        wd = tl.load(ps + S.WD)
-        first = tl.load(ps + S.FIRST)
-        nesterov = tl.load(ps + S.NESTEROV)
-        has_mom = tl.load(ps + S.HAS_MOMENTUM)
-        offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
-        g = g + p * wd
-        if has_mom != 0.0:
-            buf = tl.load(buf_ptr + offs, mask=mask, other=0.0)
-            buf = tl.where(first != 0.0, g, buf * mom + omd * g)
-            tl.store(buf_ptr + offs, buf, mask=mask)
-            g = tl.where(nesterov != 0.0, g + mom * buf, buf)
-        p = p - lr * g
-        tl.store(master_ptr + offs, p, mask=mask)
-        _store_param(param_ptr, offs, p, mask, PARAM)
-
-
-@triton.jit
-def _adagrad_kernel(
-    param_ptr, grad_ptr, master_ptr, sum_ptr, table_ptr, pscal_ptr, scalars_ptr,
-    S: tl.constexpr, PARAM: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    start, end, ps = _row(table_ptr, pscal_ptr, tl.program_id(0), ALIGNED)
-    active = tl.load(ps + S.ACTIVE)
-    if active != 0.0:
-        clr = tl.load(ps + S.CLR)
-        wd = tl.load(ps + S.WD)
-        eps = tl.load(ps + S.EPS)
-        offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
-        s = tl.load(sum_ptr + offs, mask=mask, other=0.0)
-        g = g + p * wd
-        s = s + g * g
-        std = tl.sqrt(s) + eps
-        p = p - clr * (g / std)
-        tl.store(master_ptr + offs, p, mask=mask)
-        tl.store(sum_ptr + offs, s, mask=mask)
-        _store_param(param_ptr, offs, p, mask, PARAM)
-
-
-def _param_arg(param: torch.Tensor, master: torch.Tensor) -> tuple[torch.Tensor, int]:
-    code = PARAM_CODES[param.dtype]
-    if code == 0:
+def param_arg(param: torch.Tensor, master: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The param buffer as the kernels take it, and its ``PARAM`` code (fp32 params: the master itself)."""
+    if param.dtype == torch.float32:
         return master, 0
-    if code == 2:
+    if param.dtype == torch.bfloat16:
         return param.view(torch.int16), 2
     return param, 1
 
 
-def _launch(kernel, slots, param, grad, master, state, table, pscal, scalars, aligned: bool) -> None:
+def update(
+    kind: Kind, param, grad, master, state: Sequence[torch.Tensor], table, pscal, scalars, *, aligned=True
+) -> None:
+    """The update pass of Adam/AdamW, SGD or Adagrad over one flat chunk (decay kind, momentum etc. per param in
+    ``pscal``). ``state``: the algorithm's fp32 state buffers (exp_avg and exp_avg_sq; momentum_buffer, or none
+    when no group has momentum; sum)."""
     n = table.shape[0]
     if n == 0:
         return
     cfg = settings()
-    p, code = _param_arg(param, master)
-    kernel[(n,)](
-        p, grad, master, *state, table, pscal, scalars,
-        S=slots, PARAM=code, ALIGNED=aligned, BLOCK=cfg.update_block, num_warps=cfg.update_warps,
+    p, code = param_arg(param, master)
+    a, b = (*state, master, master)[:2]  # pointers the algorithm does not read
+    _update_kernel[(n,)](
+        p, grad, master, a, b, table, pscal, scalars,
+        S=PSCAL_SLOTS[kind], KIND=int(kind), PARAM=code, ALIGNED=aligned, BLOCK=cfg.update_block,
+        num_warps=cfg.update_warps,
     )  # fmt: skip
-
-
-def adam_update(
-    param, grad, master, exp_avg, exp_avg_sq, table, pscal, scalars, *, aligned: bool = True
-) -> None:
-    """Adam/AdamW update of one flat chunk (decay kind per param in ``pscal``)."""
-    _launch(
-        _adam_kernel, ADAM_PSCAL, param, grad, master, (exp_avg, exp_avg_sq), table, pscal, scalars, aligned
-    )
-
-
-def sgd_update(param, grad, master, momentum_buffer, table, pscal, scalars, *, aligned: bool = True) -> None:
-    """SGD update (momentum, dampening, nesterov per param in ``pscal``); ``momentum_buffer`` may be None."""
-    buf = master if momentum_buffer is None else momentum_buffer
-    _launch(_sgd_kernel, SGD_PSCAL, param, grad, master, (buf,), table, pscal, scalars, aligned)
-
-
-def adagrad_update(param, grad, master, state_sum, table, pscal, scalars, *, aligned: bool = True) -> None:
-    """Adagrad update of one flat chunk."""
-    _launch(_adagrad_kernel, ADAGRAD_PSCAL, param, grad, master, (state_sum,), table, pscal, scalars, aligned)

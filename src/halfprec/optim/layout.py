@@ -2,15 +2,13 @@
 
 * ``ALIGN`` (the kernels' vector width, ``kernels/slots.py``) pads every param's slot in a flat buffer, so a
   kernel block never straddles two params unaligned; padding stays zero in every buffer;
-* ``aligned_offsets``: where each param of a chunk starts: the exact strategy's FP32 master chunks
-  (``MasterChunk``, below) and the fused strategy's buffers (``fused/buffers.py``) lay params out this way;
+* ``aligned_offsets``: where each param of a chunk starts;
+* ``Chunk``: the params of one (device, dtype) in flat buffers at those offsets with their fp32 masters: the exact
+  strategy's masters (``MasterStore``, whose ``nn.Parameter`` views the wrapped optimizer steps) and the fused
+  strategy's param, grad, master and state buffers (``build_table`` cuts them into kernel blocks);
 * ``Layout``: the sharded strategy's coordinates (buckets split into one shard per rank, and the *pieces* of
   params a rank holds). Its params sit back to back inside a bucket (a shard boundary cuts through params
   anyway); buckets are padded to ``world_size * ALIGN``.
-
-Exact-path masters: a ``MasterChunk`` owns the flat master data of one (device, model dtype) (allocated at
-construction), a flat fp32 gradient buffer (allocated on the first gradient copy, never at construction) and the
-``nn.Parameter`` views that the wrapped optimizer sees.
 
 Sharded coordinates (all in elements):
 
@@ -22,7 +20,7 @@ Sharded coordinates (all in elements):
   optimizer state. A shard may cut through params: the part of a param inside one rank's shard is a *piece*.
   World size 1 is the unsharded case: one shard per bucket, every param one whole piece.
 
-Pure Python index math apart from the master chunks: the unit tests build layouts for any world size.
+Pure Python index math apart from the chunks: the unit tests build layouts for any world size.
 """
 
 from __future__ import annotations
@@ -41,11 +39,13 @@ __all__ = [
     "PAD",
     "Bucket",
     "Layout",
-    "MasterChunk",
+    "Chunk",
     "MasterStore",
     "Piece",
     "aligned",
     "aligned_offsets",
+    "build_table",
+    "chunk_params",
 ]
 
 PAD = ALIGN  # elements per rank a sharded bucket is padded to (64 bytes of fp32 per shard boundary)
@@ -65,60 +65,125 @@ def aligned_offsets(numels: Iterable[int]) -> tuple[list[int], int]:
     return offsets, total
 
 
-class MasterChunk:
-    """Masters for the params of one device and one 16-bit dtype, in one flat fp32 buffer."""
+def build_table(
+    offsets: Sequence[int], sizes: Sequence[int], indices: Sequence[int], block: int, device: torch.device
+) -> torch.Tensor:
+    """The fused kernels' int64 [programs, 3] rows (start, end, param index) splitting every param into blocks of
+    at most ``block`` elements without crossing a param boundary, so each program reads one param's scalars.
+    Rows end at the param's ``ALIGN``-padded end: with block starts and ends known to be multiples of 16 the
+    compiler vectorises the loads and the mask (unaligned ends made every access scalar: 1.56x the floor)."""
+    rows: list[tuple[int, int, int]] = []
+    for off, n, gi in zip(offsets, sizes, indices, strict=True):
+        end = off + aligned(n)
+        rows.extend((s, min(s + block, end), gi) for s in range(off, end, block))
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(device)
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor]) -> None:
+
+class Chunk:
+    """The params of one device and dtype, laid out flat at ``ALIGN``-padded offsets, and their fp32 masters.
+
+    * ``data``: the fp32 masters, filled from ``sources`` (each param's best fp32 value); ``master_views`` are
+      the per-param views of it;
+    * ``param``: with ``flat_params``, the 16-bit buffer the params' ``.data`` become views of (fp32 params become
+      views of ``data`` instead: they are their own masters, and ``param`` stays None);
+    * ``grad``: a flat grad buffer and its ``grad_views``, made by ``make_grad`` at the first grad;
+    * ``state``: flat fp32 optimizer state buffers by name, added by ``add_state`` at the first update.
+
+    Padding is zero in every buffer and an update keeps it zero (zero grad, zero master, zero state).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        sources: Sequence[torch.Tensor],
+        *,
+        flat_params: bool = False,
+    ) -> None:
         self.params = list(params)
         self.device = self.params[0].device
-        self.model_dtype = self.params[0].dtype
-        self.offsets, total = aligned_offsets(p.numel() for p in self.params)
-        self.numel = total
-        self.data = torch.zeros(total, dtype=torch.float32, device=self.device)
+        self.dtype = self.params[0].dtype
+        self.offsets, self.numel = aligned_offsets(p.numel() for p in self.params)
+        self.data = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        self.master_views = self.views(self.data)
+        self.param: torch.Tensor | None = None
         self.grad: torch.Tensor | None = None
-        self.masters: list[torch.nn.Parameter] = []
-        for p, src, off in zip(self.params, sources, self.offsets, strict=True):
-            view = self.data[off : off + p.numel()].view(p.shape)
-            view.copy_(src.detach())
-            self.masters.append(torch.nn.Parameter(view, requires_grad=True))
+        self.grad_views: list[torch.Tensor] = []
+        self.state: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for m, src in zip(self.master_views, sources, strict=True):
+                m.copy_(src)
+            if not flat_params:
+                return
+            if self.dtype != torch.float32:
+                self.param = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+                for p, v in zip(self.params, self.views(self.param), strict=True):
+                    v.copy_(p.data)
+            for p, v in zip(
+                self.params, self.views(self.data if self.param is None else self.param), strict=True
+            ):
+                p.data = v
 
-    def grad_views(self) -> list[torch.Tensor]:
-        if self.grad is None:
-            self.grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        return [
-            self.grad[off : off + p.numel()].view(p.shape)
-            for p, off in zip(self.params, self.offsets, strict=True)
-        ]
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each param's view of one of the chunk's flat buffers, in param order."""
+        return [self.view(flat, k) for k in range(len(self.params))]
+
+    def view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
+        """Param ``k``'s view of one of the chunk's flat buffers."""
+        p, off = self.params[k], self.offsets[k]
+        return flat[off : off + p.numel()].view(p.shape)
+
+    def make_grad(self, dtype: torch.dtype) -> None:
+        self.grad = torch.zeros(self.numel, dtype=dtype, device=self.device)
+        self.grad_views = self.views(self.grad)
+
+    def add_state(self, name: str) -> None:
+        if name not in self.state:
+            self.state[name] = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+
+    def table(self, indices: Sequence[int], block: int) -> torch.Tensor:
+        """``build_table`` over this chunk's params; ``indices``: their indices in the kernels' per-param arrays."""
+        return build_table(self.offsets, [p.numel() for p in self.params], indices, block, self.device)
+
+
+def chunk_params(
+    params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor], *, flat_params: bool = False
+) -> list[tuple[Chunk, list[int]]]:
+    """``params`` (with their ``sources``) in one ``Chunk`` per (device, dtype), in first-seen order; each chunk
+    with the indices in ``params`` of its own params."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    return [
+        (Chunk([params[i] for i in idx], [sources[i] for i in idx], flat_params=flat_params), idx)
+        for idx in groups.values()
+    ]
 
 
 class MasterStore:
     """All master chunks of one optimizer, and the mapping between model params and their masters."""
 
     def __init__(self) -> None:
-        self.chunks: list[MasterChunk] = []
-        self._grad_views: dict[int, list[torch.Tensor]] = {}
+        self.chunks: list[Chunk] = []
+        self.masters: list[
+            list[torch.nn.Parameter]
+        ] = []  # per chunk: the Parameters the inner optimizer steps
 
     def add(self, params: Iterable[torch.nn.Parameter], originals: dict[torch.Tensor, torch.Tensor]) -> dict:
         """Create masters for ``params`` (16-bit, trainable); ``originals`` maps a param to its best fp32 value.
 
         Returns ``{param: master}``.
         """
-        by_key: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
-        for p in params:
-            by_key.setdefault((p.device, p.dtype), []).append(p)
+        params = list(params)
         mapping = {}
-        for group in by_key.values():
-            chunk = MasterChunk(group, [originals.get(p, p) for p in group])
+        for chunk, _ in chunk_params(params, [originals.get(p, p) for p in params]):
+            masters = [torch.nn.Parameter(v, requires_grad=True) for v in chunk.master_views]
             self.chunks.append(chunk)
-            mapping.update(zip(chunk.params, chunk.masters, strict=True))
+            self.masters.append(masters)
+            mapping.update(zip(chunk.params, masters, strict=True))
         return mapping
 
-    def pairs(self) -> Iterable[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
-        for chunk in self.chunks:
-            yield from zip(chunk.params, chunk.masters, strict=True)
-
     def master_params(self) -> list[torch.nn.Parameter]:
-        return [m for chunk in self.chunks for m in chunk.masters]
+        return [m for masters in self.masters for m in masters]
 
     def model_params(self) -> list[torch.nn.Parameter]:
         return [p for chunk in self.chunks for p in chunk.params]
@@ -142,11 +207,10 @@ class MasterStore:
         """
         filled_dst: list[torch.Tensor] = []
         filled_src: list[torch.Tensor] = []
-        for i, chunk in enumerate(self.chunks):
-            views = self._grad_views.get(i)
-            if views is None:
-                views = self._grad_views[i] = chunk.grad_views()
-            for p, m, view in zip(chunk.params, chunk.masters, views, strict=True):
+        for chunk, masters in zip(self.chunks, self.masters, strict=True):
+            if chunk.grad is None:
+                chunk.make_grad(torch.float32)
+            for p, m, view in zip(chunk.params, masters, chunk.grad_views, strict=True):
                 if p.grad is None:
                     m.grad = None
                     continue

@@ -1,9 +1,10 @@
-"""FusedOptimizer: the shared machinery of the fused optimizers (buffers, grad marking, the two passes).
+"""FusedOptimizer: the shared machinery of the fused optimizers (buffers, the two passes, checkpoint state).
 
 A step, all on the device (no host sync, so it can be captured in a CUDA graph):
 
-1. norm pass: one kernel per chunk over the 16-bit grads of the params that got a grad, unscaled by the loss
-   scale read from device memory: partial sums of squares and non-finite counts;
+1. norm pass: one kernel per chunk over the 16-bit grads of the params that got a grad (``grads.py`` says how
+   they are marked), unscaled by the loss scale read from device memory: partial sums of squares and
+   non-finite counts;
 2. finalize: one program decides the skip, the clip coefficient, advances per-param step counters, clears the
    grad marks and, for a ``DynamicLossScaler``, runs the scaler's update (``kernels/scaler.py``; any other
    scaler updates with its own torch ops after the update pass);
@@ -12,11 +13,18 @@ A step, all on the device (no host sync, so it can be captured in a CUDA graph):
 An eager step is three Triton launches per chunk at most and one non-blocking copy of the skip report: on a
 skipped step, which is mostly host time, every launch saved counts.
 
-Which params got a grad: a post-accumulate-grad hook marks the param and, when ``.grad`` is not the param's
-view of the flat grad buffer (after ``zero_grad(set_to_none=True)`` or ``model.zero_grad()`` detached it, or
-on the first backward), copies the fresh grad into the view and re-attaches it. Outside graph capture,
-``step()`` also adopts a ``.grad`` assigned by hand and unmarks params whose ``.grad`` was set to None. A view
-is never mistaken for a gradient: an unmarked param is not updated and its counter does not advance.
+Each algorithm (``adam.py``, ``sgd.py``, ``adagrad.py``, ``lamb.py``) is a subclass that passes its
+hyper-parameters to ``FusedOptimizer.__init__`` and keeps this protocol, which the sharded optimizer's fused
+local step (``sharded/fused_step.py``) reads too:
+
+* ``KIND``: the ``kernels.slots.Kind`` that picks the finalize program's branch and the update kernel;
+* ``STATE_NAMES``: the torch names of its elementwise state, each a flat fp32 buffer per chunk here;
+* ``hp_row(group)``: a param group's row of the hyper-parameter table the finalize program reads.
+
+Checkpoints are in the generic path's format, so they move between the paths: ``state_dict()`` returns what
+``MixedPrecisionOptimizer.state_dict()`` returns (``format``, a torch-format ``optimizer`` state dict, ``masters``
+of 16-bit params by param index, ``params``, ``scaler``, ``skipped_steps``); ``load_state_dict()`` takes that, or
+a plain torch optimizer state dict.
 """
 
 from __future__ import annotations
@@ -27,14 +35,18 @@ from typing import Any
 
 import torch
 
+from ...kernels.slots import HP_WIDTH, PSCAL_WIDTH, Kind
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_options, check_unfrozen, tell_schedulers
-from ._skip_report import SkipReporter
-from .buffers import Chunk
-from .checkpoint import CheckpointMixin
+from ..layout import Chunk, chunk_params
+from .grads import GradViews
+from .results import DeviceResults, SkipReporter
 
-__all__ = ["FusedOptimizer"]
+__all__ = ["FusedOptimizer", "check_number"]
+
+# implementation flags torch's optimizers keep in every group; the fused step is none of them
+_TORCH_FLAGS = {"foreach": None, "differentiable": False, "fused": None}
 
 
 def _value(v: Any) -> Any:
@@ -45,21 +57,34 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
-    """The fused strategy of ``MixedPrecisionOptimizer``; subclasses set ``_KIND``, ``_STATE_NAMES`` and the
-    per-algorithm hooks below. It owns its param groups (``optimizer`` is None) and holds its state in flat
-    buffers, allocated at the first real update: construction allocates only the masters and the flat 16-bit
-    param buffer the params become views of."""
+def check_number(name: str, value: Any, lo: float, hi: float | None, index: int) -> None:
+    """ValueError unless ``lo <= value`` (and ``value < hi``), naming the group and the value."""
+    v = float(value)
+    if not (v >= lo and (hi is None or v < hi)):
+        bound = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
+        raise ValueError(f"param group {index}: {name} must be {bound}, got {value!r}")
+
+
+class FusedOptimizer(MixedPrecisionOptimizer):
+    """The fused strategy of ``MixedPrecisionOptimizer`` (see the module docstring for the protocol its subclasses
+    keep). It owns its param groups (``optimizer`` is None) and holds its state in flat buffers, allocated at the
+    first real update: construction allocates only the masters and the flat 16-bit param buffer the params
+    become views of.
+
+    Every subclass takes, after its hyper-parameters, the keyword-only options of ``MixedPrecisionOptimizer``:
+    ``loss_scaler``, ``max_grad_norm``, ``skip_nonfinite`` and ``param_dtype``.
+    """
 
     impl = "triton"
 
-    _KIND: int = -1
-    _STATE_NAMES: tuple[str, ...] = ()
+    KIND: Kind
+    STATE_NAMES: tuple[str, ...] = ()
+    _EAGER_STATE = False  # torch creates the state in its constructor (Adagrad): exported before any step too
 
     def __init__(
         self,
         params,
-        defaults: dict[str, Any],
+        hyper: dict[str, Any],
         *,
         loss_scaler: LossScaler | None = None,
         max_grad_norm: float | None = None,
@@ -84,7 +109,8 @@ class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
         self._init_options(
             max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype
         )
-        torch.optim.Optimizer.__init__(self, params, defaults)  # owns its groups: not a wrapper's __init__
+        # owns its groups: not a wrapper's __init__
+        torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})
         self._build()
         self._built = True
         self._init_scaler(
@@ -95,9 +121,8 @@ class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
             dynamic=self.loss_scaler.is_dynamic,
             min_scale=getattr(self.loss_scaler, "min_scale", 1.0),
         )
-        self._stepped = False
         self._state_ready = False  # state buffers exist (allocated at the first step, a load or an export)
-        self._s = _DeviceResults(self)
+        self._s = DeviceResults(self._scalars, self._reporter)
         self._replaced: weakref.ref | None = None  # the torch optimizer this one replaced, if any
 
     # --- construction --------------------------------------------------------------------------------
@@ -111,11 +136,11 @@ class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
         self._validate_group(self.param_groups[-1], len(self.param_groups) - 1)
 
     def _build(self) -> None:
-        from ...kernels.norm import HP_WIDTH, PSCAL_WIDTH
         from ...kernels.settings import settings
 
         cfg = settings()
-        self._all: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
+        # the model's params in group order, frozen ones included (what the state dict indexes)
+        self._model_params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
         trainable, group_of, originals = [], [], {}
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -135,150 +160,123 @@ class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
                 f"trainable params span several devices {sorted(map(str, devices))}; build one "
                 "fused optimizer per device"
             )
-        self._device = devices.pop() if devices else torch.device("cpu")
-        if self._device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        self._device = dev = devices.pop() if devices else torch.device("cpu")
+        if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
-                f"the fused optimizers run on CUDA params, got params on {self._device}; move the "
+                f"the fused optimizers run on CUDA params, got params on {dev}; move the "
                 "model to CUDA or use the torch path"
             )
         self._trainable = trainable
+        self._group_of = group_of
         self._index = {p: i for i, p in enumerate(trainable)}
-        self._frozen = [p for p in self._all if p not in self._index]  # frozen when built: never trained
-        dev = self._device
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, p in enumerate(trainable):
-            by_dtype.setdefault(p.dtype, []).append(i)
+        # frozen when built: never trained
+        self._frozen = [p for p in self._model_params if p not in self._index]
         self._chunks: list[Chunk] = []
+        # per chunk: the rows of the norm and update kernels (layout.build_table)
+        self._norm_tables: list[torch.Tensor] = []
+        self._update_tables: list[torch.Tensor] = []
         self._where: list[tuple[Chunk, int]] = [None] * len(trainable)  # type: ignore[list-item]
-        partial_offset = 0
-        self._partial_slices: list[tuple[int, int]] = []
-        for idx in by_dtype.values():
-            chunk = Chunk(
-                [trainable[i] for i in idx],
-                idx,
-                originals,
-                norm_block=cfg.norm_block,
-                update_block=cfg.update_block,
-            )
+        sources = [originals.get(p, p.data) for p in trainable]
+        for chunk, idx in chunk_params(trainable, sources, flat_params=True):  # one per dtype
             self._chunks.append(chunk)
+            self._norm_tables.append(chunk.table(idx, cfg.norm_block))
+            self._update_tables.append(chunk.table(idx, cfg.update_block))
             for local, i in enumerate(idx):
                 self._where[i] = (chunk, local)
-            n = chunk.norm_table.shape[0]
-            self._partial_slices.append((partial_offset, n))
-            partial_offset += n
-        n_params = len(trainable)
-        self._sq = torch.zeros(max(partial_offset, 1), dtype=torch.float32, device=dev)
-        self._bad = torch.zeros(max(partial_offset, 1), dtype=torch.float32, device=dev)
-        self._flags = torch.zeros(max(n_params, 1), dtype=torch.int32, device=dev)
-        self._steps = torch.zeros(max(n_params, 1), dtype=torch.float32, device=dev)
+        n_partials = max(sum(t.shape[0] for t in self._norm_tables), 1)  # one per norm program
+        n = max(len(trainable), 1)
+        self._sq = torch.zeros(n_partials, dtype=torch.float32, device=dev)
+        self._bad = torch.zeros(n_partials, dtype=torch.float32, device=dev)
+        self._steps = torch.zeros(n, dtype=torch.float32, device=dev)
         self._pgroup = torch.tensor(group_of or [0], dtype=torch.int32).to(dev)
-        self._pscal = torch.zeros(max(n_params, 1), PSCAL_WIDTH, dtype=torch.float32, device=dev)
+        self._pscal = torch.zeros(n, PSCAL_WIDTH, dtype=torch.float32, device=dev)
         self._hp = torch.zeros(len(self.param_groups), HP_WIDTH, dtype=torch.float64, device=dev)
         self._hp_key: Any = None
         self._scalars = torch.zeros(8, dtype=torch.float32, device=dev)
-        self._marked = [False] * n_params
-        # where each param's grad view starts (the views live as long as the optimizer): one int compare per
-        # param in step(), which is host time on a skipped step
-        self._view_ptrs: list[int | None] = [None] * n_params  # filled when a chunk's grad buffer is made
-        self._param_ptrs = [p.data_ptr() for p in trainable]  # the params are views of the flat buffers
-        ref = weakref.ref(self)
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(_make_hook(ref, i)) for i, p in enumerate(trainable)
-        ]
-
-    def _state_names_for_build(self) -> tuple[str, ...]:
-        return self._STATE_NAMES
+        self._grads = GradViews(trainable, self._where, dev)
 
     # --- per-algorithm hooks (subclasses) --------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
         raise NotImplementedError
 
     @classmethod
-    def _hp_row(cls, group: dict[str, Any]) -> list[Any]:
+    def hp_row(cls, group: dict[str, Any]) -> list[Any]:
+        """The group's row of the finalize program's hyper-parameter table (``kernels/slots.py``)."""
         raise NotImplementedError
 
-    def _launch_update(self, chunk: Chunk) -> None:
-        raise NotImplementedError
+    def _refuse_flags(
+        self, group: dict[str, Any], index: int, flags: tuple[str, ...], torch_name: str
+    ) -> None:
+        for flag in flags:
+            if group.get(flag, False):
+                raise ValueError(
+                    f"param group {index}: {flag}=True is not supported by {type(self).__name__}; use the torch "
+                    f"path (halfprec.MixedPrecisionOptimizer over {torch_name})"
+                )
+
+    def _needed_state(self) -> tuple[str, ...]:
+        """The state buffers the next step needs (SGD needs its momentum buffer only with momentum)."""
+        return self.STATE_NAMES
 
     def _init_state(self) -> None:
         """Eager state that the torch optimizer creates in its constructor (Adagrad's ``sum``)."""
 
+    def _ensure_state(self) -> None:
+        """Allocate the state buffers, as torch does at a param's first update (Adagrad's ``sum`` filled with its
+        initial value, as its constructor would): at every step, or a load or export that needs them."""
+        for chunk in self._chunks:
+            for name in self._needed_state():
+                chunk.add_state(name)
+        if not self._state_ready:
+            self._init_state()
+            self._state_ready = True
+
+    def _launch_update(self, k: int) -> None:
+        from ...kernels.update import update
+
+        chunk, table = self._chunks[k], self._update_tables[k]
+        state = [chunk.state[name] for name in self.STATE_NAMES if name in chunk.state]
+        param = chunk.data if chunk.param is None else chunk.param
+        update(self.KIND, param, chunk.grad, chunk.data, state, table, self._pscal, self._scalars)
+
+    def _state_view(self, name: str, i: int) -> torch.Tensor:
+        chunk, local = self._where[i]
+        return chunk.view(chunk.state[name], local)
+
     def _export_state(self, i: int, step: float) -> dict[str, Any]:
-        raise NotImplementedError
+        """Param ``i``'s torch-format state (``step`` and the state buffers; none before its first step)."""
+        if step == 0 and not self._EAGER_STATE:
+            return {}
+        state: dict[str, Any] = {"step": torch.tensor(step, dtype=torch.float32)}
+        return state | {name: self._state_view(name, i).clone() for name in self.STATE_NAMES}
 
     def _import_state(self, i: int, saved: dict[str, Any]) -> float:
         """Copy a torch-format state entry into the buffers; return the step count to set."""
-        raise NotImplementedError
+        step = float(saved.get("step", 0.0))
+        if step == 0:
+            return 0.0  # no state yet (Adagrad's constructor-made one: keep ours, a 16-bit copy is not exact)
+        for name in self.STATE_NAMES:
+            self._state_view(name, i).copy_(saved[name])
+        return step
 
-    def _prepare_step(self) -> None:
-        """Lazy allocations before a step (never during capture)."""
-
-    def _ensure_state(self) -> None:
-        """Allocate the state buffers, as torch does at a param's first update (Adagrad's ``sum`` filled with its
-        initial value, as its constructor would): at the first step, or a load or export that needs them."""
-        if self._state_ready:
-            return
-        for chunk in self._chunks:
-            for name in self._state_names_for_build():
-                chunk.add_state(name)
-        self._init_state()
-        self._state_ready = True
-
-    def _grad_views(self, chunk: Chunk) -> list[torch.Tensor]:
-        """The chunk's grad views, its flat grad buffer made at the first grad it gets (not at construction)."""
-        if chunk.grad is None:
-            chunk.make_grad()
-            for local, i in enumerate(chunk.indices):
-                self._view_ptrs[i] = chunk.grad_views[local].data_ptr()
-        return chunk.grad_views
+    def _group(self, i: int) -> dict[str, Any]:
+        """Param ``i``'s group."""
+        return self.param_groups[self._group_of[i]]
 
     # --- grads ---------------------------------------------------------------------------------------
-    def _mark(self, i: int) -> None:
-        p = self._trainable[i]
-        chunk, local = self._where[i]
-        view = self._grad_views(chunk)[local]
-        g = p.grad
-        if g is not None and g.data_ptr() != view.data_ptr():
-            with torch.no_grad():
-                view.copy_(g)
-            p.grad = view
-        self._flags[i].fill_(1)
-        self._marked[i] = True
-
-    def _adopt_grads(self) -> None:
+    def mark_grads(self) -> None:
+        """Count every trainable param's ``.grad`` as this step's (what backward's hooks do per param): for callers
+        that write the flat grad buffers themselves, e.g. a benchmark replaying a captured step."""
         for i, p in enumerate(self._trainable):
-            if p.data_ptr() != self._param_ptrs[i]:
-                raise RuntimeError(
-                    f"the param of shape {tuple(p.shape)} no longer lives in {type(self).__name__}'s flat buffer "
-                    "(replaced by model.to(), .half()/.float(), load_state_dict(assign=True) or a .data "
-                    "assignment after the optimizer was built), so its updates would not reach the model; "
-                    "build the optimizer after the model is in its final dtype and device"
-                )
-            g = p.grad
-            if g is None:
-                if self._marked[i]:
-                    self._flags[i].fill_(0)
-                    self._marked[i] = False
-                continue
-            if g.data_ptr() != self._view_ptrs[i]:
-                self._mark(i)
+            if p.grad is not None:
+                self._grads.mark(i)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this step's grads. ``set_to_none=False`` zeroes the flat buffers and keeps ``.grad`` as views
         (the next backward then needs no copy); params that get no grad are still not updated."""
         for p in self._frozen:
             p.grad = None  # as torch's zero_grad clears every param of the groups
-        if set_to_none:
-            for p in self._trainable:
-                p.grad = None
-        else:
-            for chunk in self._chunks:
-                views = self._grad_views(chunk)
-                chunk.grad.zero_()
-                for p, view in zip(chunk.params, views, strict=True):
-                    p.grad = view
-        self._flags.zero_()
-        self._marked = [False] * len(self._trainable)
+        self._grads.clear(self._chunks, set_to_none)
 
     def unscale_(self) -> None:
         raise RuntimeError(
@@ -289,7 +287,7 @@ class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
 
     # --- the step --------------------------------------------------------------------------------------
     def _upload_hyper(self, capturing: bool) -> None:
-        rows = [[_value(v) for v in self._hp_row(g)] for g in self.param_groups]
+        rows = [[_value(v) for v in self.hp_row(g)] for g in self.param_groups]
         key = tuple(tuple(None if torch.is_tensor(v) else v for v in row) for row in rows)
         if key != self._hp_key:
             if capturing:
@@ -326,49 +324,33 @@ class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
             check_unfrozen(self._frozen)
             self._scale_guard.check(self._backward_params(), self.loss_scaler)
             self._reporter.drain()
-            self._adopt_grads()
+            self._grads.adopt(type(self).__name__)
             for chunk in self._chunks:
-                self._grad_views(chunk)
+                self._grads.views(chunk)
             self._ensure_state()
-            self._prepare_step()
         self._upload_hyper(capturing)
         scale = self.loss_scaler.scale
-        for chunk, (off, n) in zip(self._chunks, self._partial_slices, strict=True):
-            norm.sumsq(
-                chunk.grad,
-                chunk.norm_table,
-                self._flags,
-                scale,
-                self._sq[off : off + n],
-                self._bad[off : off + n],
-            )
-        sq_n = sum(n for _, n in self._partial_slices)
+        flags = self._grads.flags
+        off = 0
+        for chunk, table in zip(self._chunks, self._norm_tables, strict=True):
+            n = table.shape[0]
+            norm.sumsq(chunk.grad, table, flags, scale, self._sq[off : off + n], self._bad[off : off + n])
+            off += n
         fused_scaler = self.loss_scaler if scaler_kernel.fusable(self.loss_scaler, self._device) else None
         norm.finalize(
-            self._sq[:sq_n],
-            self._bad[:sq_n],
-            scale,
-            self._scalars,
-            self.max_grad_norm,
-            self._flags,
-            self._steps,
-            self._pgroup,
-            self._hp,
-            self._pscal,
-            check=self._checks_grads,
-            kind=self._KIND,
-            scaler=fused_scaler,
-        )
-        for chunk in self._chunks:
-            self._launch_update(chunk)
+            self._sq[:off], self._bad[:off], scale, self._scalars, self.max_grad_norm, flags, self._steps,
+            self._pgroup, self._hp, self._pscal, check=self._checks_grads, kind=self.KIND, scaler=fused_scaler,
+        )  # fmt: skip
+        for k in range(len(self._chunks)):
+            self._launch_update(k)
         if fused_scaler is None and type(self.loss_scaler).update is not LossScaler.update:
             self.loss_scaler.update(self._scalars[0])
             self._scalars[5].copy_(self.loss_scaler.scale)
-        self._marked = [False] * len(self._trainable)
+        self._grads.consumed()
         if not capturing:
             self._reporter.record(self._scalars)
             self._tell_schedulers()
-        self._stepped = True
+        self._s.stepped = True
         return loss
 
     def adopt_scheduler_target(self, optimizer: torch.optim.Optimizer) -> None:
@@ -387,21 +369,16 @@ class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
         """0-d device tensor: 1.0 when the last step was skipped (no sync)."""
         return self._scalars[0]
 
-    @property
-    def _model_params(self) -> list[torch.nn.Parameter]:
-        """The model's params in group order, frozen ones included (what the state dict indexes)."""
-        return self._all
-
     def master_params(self) -> list[torch.Tensor]:
         """Views of the fp32 masters, in param order (fp32 params are their own masters)."""
-        return [self._where[i][0].master_views[self._where[i][1]] for i in range(len(self._trainable))]
+        return [chunk.master_views[local] for chunk, local in self._where]
 
     def refresh_masters(self) -> None:
         """Copy the model's current weights into the masters (after an external weights-only load)."""
         with torch.no_grad():
             for chunk in self._chunks:
                 if chunk.param is not None:
-                    chunk.master.copy_(chunk.param)
+                    chunk.data.copy_(chunk.param)
 
     def flush_reports(self) -> None:
         """Wait for and log the skip reports of all steps so far (syncs)."""
@@ -410,42 +387,91 @@ class FusedOptimizer(CheckpointMixin, MixedPrecisionOptimizer):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self._trainable)} params, loss_scaler={self.loss_scaler!r})"
 
+    # --- checkpoint state (see the module docstring) ------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        self._reporter.drain(wait=True)
+        self._ensure_state()
+        steps = self._steps.cpu().tolist()
+        state: dict[int, dict[str, Any]] = {}
+        masters: dict[int, torch.Tensor] = {}
+        groups = []
+        k = 0
+        for group in self.param_groups:
+            saved = {key: v for key, v in group.items() if key != "params"}
+            saved["params"] = list(range(k, k + len(group["params"])))
+            groups.append(saved)
+            for p in group["params"]:
+                i = self._index.get(p)
+                if i is not None:
+                    exported = self._export_state(i, steps[i])
+                    if exported:
+                        state[k] = exported
+                    if p.dtype != torch.float32:
+                        chunk, local = self._where[i]
+                        masters[k] = chunk.master_views[local].clone()
+                k += 1
+        return {
+            "format": self._FORMAT,
+            "optimizer": {"state": state, "param_groups": groups},
+            "masters": masters,
+            "params": self._param_entries(),
+            "scaler": self.loss_scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
 
-class _DeviceResults:
-    """The fused step's record (``results.StepState``'s attribute names): its values live in device memory, written
-    by the finalize program without a host sync, and reading one syncs."""
+    def _param_entries(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "shape": list(p.shape),
+                "dtype": str(p.dtype),
+                "master": p in self._index and p.dtype != torch.float32,
+            }
+            for p in self._model_params
+        ]
 
-    unscaled = False  # the fused step never unscales grads in place
-
-    def __init__(self, opt: FusedOptimizer) -> None:
-        self._opt = opt
-
-    def _read(self, slot: int) -> float | None:
-        return float(self._opt._scalars[slot].item()) if self._opt._stepped else None
-
-    @property
-    def step_was_skipped(self) -> bool:
-        value = bool(self._read(0))
-        self._opt._reporter.drain()
-        return value
-
-    @property
-    def grad_norm(self) -> float | None:
-        return self._read(1)
-
-    @property
-    def step_loss_scale(self) -> float | None:
-        return self._read(4)
-
-    @property
-    def skipped_steps(self) -> int:
-        return int(self._opt._scalars[3].item())
-
-
-def _make_hook(ref: weakref.ref, i: int):
-    def hook(param: torch.Tensor) -> None:
-        opt = ref()
-        if opt is not None:
-            opt._mark(i)
-
-    return hook
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the generic path's checkpoint format, or a plain torch optimizer state dict (masters are then
+        taken from the model's current weights)."""
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"expected a state dict, got {type(state_dict).__name__}")
+        if state_dict.get("format") == self._FORMAT:
+            self._check_compatible(state_dict["params"])
+            inner = state_dict["optimizer"]
+        elif "state" in state_dict and "param_groups" in state_dict:
+            inner, state_dict = state_dict, None
+        else:
+            raise ValueError(f"not a halfprec or torch optimizer state dict (keys {sorted(state_dict)[:6]})")
+        saved_groups = inner["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups, strict=True)
+        ):
+            raise ValueError(
+                "state dict has a different number of param groups or params per group than this optimizer"
+            )
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            group.update((key, v) for key, v in saved.items() if key != "params")
+        for gi, group in enumerate(self.param_groups):
+            self._validate_group(group, gi)
+        self._hp_key = None
+        steps = [0.0] * len(self._trainable)
+        with torch.no_grad():
+            self._ensure_state()
+            for chunk in self._chunks:
+                for buf in chunk.state.values():
+                    buf.zero_()
+            self._init_state()
+            saved_state = {int(k): v for k, v in inner["state"].items()}
+            for k, p in enumerate(self._model_params):
+                i = self._index.get(p)
+                if i is not None and k in saved_state:
+                    steps[i] = self._import_state(i, saved_state[k])
+            self._steps.copy_(torch.tensor(steps or [0.0], dtype=torch.float32))
+            if state_dict is not None:
+                for k, value in state_dict["masters"].items():
+                    chunk, local = self._where[self._index[self._model_params[int(k)]]]
+                    chunk.master_views[local].copy_(value)
+                for chunk in self._chunks:
+                    if chunk.param is not None:
+                        chunk.param.copy_(chunk.data)  # round to nearest even
+                self.loss_scaler.load_state_dict(state_dict["scaler"])
+                self._scalars[3].fill_(float(state_dict["skipped_steps"]))

@@ -26,48 +26,34 @@ __all__ = ["FusedLamb"]
 class FusedLamb(FusedAdam):
     """LAMB over fp16/bf16 params with FP32 masters (see the module docstring for the math)."""
 
-    _KIND = Kind.LAMB
+    KIND = Kind.LAMB
 
     def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.01,
-        **kwargs: Any,
-    ) -> None:
-        kwargs.setdefault("decoupled_weight_decay", False)
+        self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+        weight_decay: float = 0.01, **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
         from ...kernels.lamb import trust_table
 
-        self._trust_rows = [trust_table(c.update_table) for c in self._chunks]
+        self._trust_rows = [trust_table(t) for t in self._update_tables]
         self._lamb_partials = [
-            torch.zeros(max(c.update_table.shape[0], 1), 2, device=self._device) for c in self._chunks
+            torch.zeros(max(t.shape[0], 1), 2, device=self._device) for t in self._update_tables
         ]
 
     @classmethod
-    def _hp_row(cls, group: dict[str, Any]) -> list[Any]:
+    def hp_row(cls, group: dict[str, Any]) -> list[Any]:
         b1, b2 = group["betas"]
         # L2-style decay: LAMB adds wd * p to its update itself (DECOUPLED stays 0)
         return hp_row(
             ADAM_HP, LR=group["lr"], BETA1=b1, BETA2=b2, EPS=group["eps"], WEIGHT_DECAY=group["weight_decay"]
         )
 
-    def _launch_update(self, chunk) -> None:
+    def _launch_update(self, k: int) -> None:
         from ...kernels.lamb import lamb_update
 
-        k = self._chunks.index(chunk)
-        param = chunk.master if chunk.param is None else chunk.param
+        chunk = self._chunks[k]
         lamb_update(
-            param,
-            chunk.grad,
-            chunk.master,
-            chunk.state["exp_avg"],
-            chunk.state["exp_avg_sq"],
-            chunk.update_table,
-            self._trust_rows[k],
-            self._lamb_partials[k],
-            self._pscal,
-            self._scalars,
-        )
+            chunk.data if chunk.param is None else chunk.param, chunk.grad, chunk.data,
+            chunk.state["exp_avg"], chunk.state["exp_avg_sq"], self._update_tables[k], self._trust_rows[k],
+            self._lamb_partials[k], self._pscal, self._scalars,
+        )  # fmt: skip

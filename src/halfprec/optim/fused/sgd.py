@@ -16,11 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ...kernels.slots import SGD_HP, Kind, hp_row
-from .adam import _check_number
-from .base import FusedOptimizer
+from .base import FusedOptimizer, check_number
 
 __all__ = ["FusedSGD"]
 
@@ -28,46 +25,22 @@ __all__ = ["FusedSGD"]
 class FusedSGD(FusedOptimizer):
     """SGD with built-in FP32 masters for fp16/bf16 params (``maximize`` is not supported)."""
 
-    _KIND = Kind.SGD
+    KIND = Kind.SGD
+    STATE_NAMES = ("momentum_buffer",)  # with momentum only
 
     def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        *,
-        maximize: bool = False,
-        loss_scaler=None,
-        max_grad_norm: float | None = None,
-        skip_nonfinite: bool = True,
-        param_dtype: torch.dtype | None = None,
-    ) -> None:
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
+        self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+        nesterov: bool = False, *, maximize: bool = False, **options: Any,
+    ) -> None:  # fmt: skip
+        hyper = dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
             maximize=maximize,
-            foreach=None,
-            differentiable=False,
-            fused=None,
-        )
-        super().__init__(
-            params,
-            defaults,
-            loss_scaler=loss_scaler,
-            max_grad_norm=max_grad_norm,
-            skip_nonfinite=skip_nonfinite,
-            param_dtype=param_dtype,
-        )
+        )  # fmt: skip
+        super().__init__(params, hyper, **options)
         self._momentum_was_zero: list[bool] | None = None  # per group, at the last step
 
-    def _state_names_for_build(self) -> tuple[str, ...]:
-        return ("momentum_buffer",) if any(float(g["momentum"]) != 0 for g in self.param_groups) else ()
+    def _needed_state(self) -> tuple[str, ...]:
+        return self.STATE_NAMES if any(float(g["momentum"]) != 0 for g in self.param_groups) else ()
 
     def _upload_hyper(self, capturing: bool) -> None:
         # torch starts a momentum buffer at a param's first step *with momentum*; the kernel knows only the
@@ -88,66 +61,33 @@ class FusedSGD(FusedOptimizer):
         super().load_state_dict(state_dict)
         self._momentum_was_zero = None  # the loaded groups and buffers are the new starting point
 
-    def _prepare_step(self) -> None:
-        if any(float(g["momentum"]) != 0 for g in self.param_groups):
-            for chunk in self._chunks:
-                chunk.add_state("momentum_buffer")
-
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
-        _check_number("lr", group["lr"], 0.0, None, index)
-        _check_number("momentum", group["momentum"], 0.0, None, index)
-        _check_number("weight_decay", group["weight_decay"], 0.0, None, index)
+        for name in ("lr", "momentum", "weight_decay"):
+            check_number(name, group[name], 0.0, None, index)
         if group["nesterov"] and (float(group["momentum"]) <= 0 or float(group["dampening"]) != 0):
             raise ValueError(
                 f"param group {index}: nesterov=True needs momentum > 0 and dampening = 0, got "
                 f"momentum={group['momentum']!r}, dampening={group['dampening']!r}"
             )
-        if group.get("maximize", False):
-            raise ValueError(
-                f"param group {index}: maximize=True is not supported by FusedSGD; use the torch "
-                "path (halfprec.MixedPrecisionOptimizer over torch.optim.SGD)"
-            )
+        self._refuse_flags(group, index, ("maximize",), "torch.optim.SGD")
 
     @classmethod
-    def _hp_row(cls, group: dict[str, Any]) -> list[Any]:
+    def hp_row(cls, group: dict[str, Any]) -> list[Any]:
         return hp_row(
             SGD_HP, LR=group["lr"], MOMENTUM=group["momentum"], DAMPENING=group["dampening"],
             WEIGHT_DECAY=group["weight_decay"], NESTEROV=1.0 if group["nesterov"] else 0.0,
         )  # fmt: skip
 
-    def _launch_update(self, chunk) -> None:
-        from ...kernels.update import sgd_update
-
-        param = chunk.master if chunk.param is None else chunk.param
-        sgd_update(
-            param,
-            chunk.grad,
-            chunk.master,
-            chunk.state.get("momentum_buffer"),
-            chunk.update_table,
-            self._pscal,
-            self._scalars,
-        )
-
-    def _group_of(self, i: int) -> dict[str, Any]:
-        p = self._trainable[i]
-        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
-
     def _export_state(self, i: int, step: float) -> dict[str, Any]:
-        if (
-            step == 0
-            or float(self._group_of(i)["momentum"]) == 0
-            or "momentum_buffer" not in self._where[i][0].state
-        ):
+        chunk, _ = self._where[i]
+        if step == 0 or float(self._group(i)["momentum"]) == 0 or "momentum_buffer" not in chunk.state:
             return {}
-        chunk, local = self._where[i]
-        return {"momentum_buffer": chunk.state_views("momentum_buffer")[local].clone()}
+        return {"momentum_buffer": self._state_view("momentum_buffer", i).clone()}
 
     def _import_state(self, i: int, saved: dict[str, Any]) -> float:
         buf = saved.get("momentum_buffer")
         if buf is None:
             return 0.0
-        chunk, local = self._where[i]
-        chunk.add_state("momentum_buffer")
-        chunk.state_views("momentum_buffer")[local].copy_(buf)
+        self._where[i][0].add_state("momentum_buffer")
+        self._state_view("momentum_buffer", i).copy_(buf)
         return 1.0

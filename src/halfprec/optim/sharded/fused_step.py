@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ...kernels.slots import HP_WIDTH, PSCAL_WIDTH
 from ..checks import tell_schedulers
 from ..layout import ALIGN, Layout
 
@@ -52,18 +53,17 @@ class FusedLocalStep:
         piece_params: dict[int, torch.nn.Parameter],
         flat_master: torch.Tensor,
     ) -> None:
-        from ...kernels.norm import HP_WIDTH, PSCAL_WIDTH
         from ...kernels.settings import settings
         from ..select import fused_class
 
         cls = fused_class(optimizer)
         self.optimizer = optimizer
-        self.kind = cls._KIND
-        self.hp_row = cls._hp_row
+        self.kind = cls.KIND  # the fused optimizers' per-algorithm protocol (fused/base.py)
+        self.hp_row = cls.hp_row
         self.master = flat_master
         self.device = flat_master.device
         self.sgd = isinstance(optimizer, torch.optim.SGD)  # no step counter; a buffer only with momentum
-        self.state_names = ("momentum_buffer",) if self.sgd else cls._STATE_NAMES
+        self.state_names = cls.STATE_NAMES
         # the pieces in local order; k indexes every per-piece device array
         self.pieces = sorted(layout.pieces, key=lambda pc: pc.local)
         self.params = [piece_params[pc.param] for pc in self.pieces]
@@ -137,8 +137,7 @@ class FusedLocalStep:
         """Update every piece whose param got a grad on some rank (``used_anywhere[layout index] > 0``);
         ``coef``: the clip coefficient as a device scalar, or None."""
         from ...kernels.norm import finalize
-        from ...kernels.slots import Kind
-        from ...kernels.update import adagrad_update, adam_update, sgd_update
+        from ...kernels.update import update
         from ..select import unsupported_flag
 
         groups = self.optimizer.param_groups
@@ -178,14 +177,16 @@ class FusedLocalStep:
             self.pscal, check=False, kind=self.kind,
         )  # fmt: skip
         self.scalars[2].copy_(self.one if coef is None else coef)
+        state = [self.buffers[name] for name in self.state_names if name in self.buffers]
         for table, aligned in ((self.aligned, True), (self.loose, False)):
-            args = (self.master, grad_shard, self.master)
-            tail = (table, self.pscal, self.scalars)
-            if self.kind == Kind.ADAM:
-                adam_update(
-                    *args, self.buffers["exp_avg"], self.buffers["exp_avg_sq"], *tail, aligned=aligned
-                )
-            elif self.kind == Kind.ADAGRAD:
-                adagrad_update(*args, self.buffers["sum"], *tail, aligned=aligned)
-            else:
-                sgd_update(*args, self.buffers.get("momentum_buffer"), *tail, aligned=aligned)
+            update(
+                self.kind,
+                self.master,
+                grad_shard,
+                self.master,
+                state,
+                table,
+                self.pscal,
+                self.scalars,
+                aligned=aligned,
+            )

@@ -1,8 +1,9 @@
-"""Skip reports of the fused optimizers without a host sync in ``step()``.
+"""What a fused step leaves behind, read without a host sync in ``step()``: the step record and the skip reports.
 
-Each step copies its device scalars (found_inf, norm, coefficient, skipped count, scale used, scale after: the
-first six of the optimizer's ``scalars``) into a pinned host buffer with one non-blocking copy and records an
-event. Records whose event has completed are logged at a later step (or when the caller reads a result, which
+``DeviceResults`` is the fused optimizers' ``results.StepState``: the same attribute names, its values in the
+device scalars the finalize program writes; reading one syncs. ``SkipReporter`` logs skipped steps: each step
+copies its device scalars (found_inf, norm, coefficient, skipped count, scale used, scale after: the first six
+of the optimizer's ``scalars``) into a pinned host buffer with one non-blocking copy and records an event. Records whose event has completed are logged at a later step (or when the caller reads a result, which
 syncs anyway): each skip is reported once. Buffers and events are reused once processed, so a step allocates
 nothing and creates no event (a skipped step is mostly host time).
 """
@@ -15,7 +16,7 @@ import torch
 
 from ..results import SkipLog
 
-__all__ = ["SkipReporter"]
+__all__ = ["DeviceResults", "SkipReporter"]
 
 _MAX_PENDING = 64
 _WIDTH = 6
@@ -70,3 +71,36 @@ class SkipReporter:
             skipped_so_far=int(skipped),
             at_min_scale=self._dynamic and before <= self._min_scale,
         )
+
+
+class DeviceResults:
+    """The fused step's record (``results.StepState``'s attribute names) over ``scalars``, the finalize program's
+    (found_inf, grad_norm, coefficient, skipped_steps, loss scale used, loss scale after)."""
+
+    unscaled = False  # the fused step never unscales grads in place
+
+    def __init__(self, scalars: torch.Tensor, reporter: SkipReporter) -> None:
+        self.scalars = scalars
+        self.reporter = reporter
+        self.stepped = False  # set by the first step: until then the per-step results are None
+
+    def _read(self, slot: int) -> float | None:
+        return float(self.scalars[slot].item()) if self.stepped else None
+
+    @property
+    def step_was_skipped(self) -> bool:
+        value = bool(self._read(0))
+        self.reporter.drain()
+        return value
+
+    @property
+    def grad_norm(self) -> float | None:
+        return self._read(1)
+
+    @property
+    def step_loss_scale(self) -> float | None:
+        return self._read(4)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.scalars[3].item())

@@ -1,0 +1,108 @@
+"""Which params of a fused optimizer got a grad this step, with their grads kept as views of the flat grad buffers.
+
+A post-accumulate-grad hook marks the param and, when ``.grad`` is not the param's view of the flat grad buffer
+(after ``zero_grad(set_to_none=True)`` or ``model.zero_grad()`` detached it, or on the first backward), copies
+the fresh grad into the view and re-attaches it. Outside graph capture, ``step()`` also adopts a ``.grad``
+assigned by hand and unmarks params whose ``.grad`` was set to None (``adopt``). A view is never mistaken for a
+gradient: an unmarked param is not updated and its counter does not advance. The marks live in ``flags`` (int32
+per param, on the device), which the finalize program reads and clears.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from ..layout import Chunk
+
+__all__ = ["GradViews"]
+
+
+class GradViews:
+    """The grad marks of ``params``; ``where[i]`` is param ``i``'s (chunk, position in the chunk)."""
+
+    def __init__(
+        self, params: Sequence[torch.nn.Parameter], where: Sequence[tuple[Chunk, int]], device: torch.device
+    ) -> None:
+        self.params = list(params)
+        self.where = list(where)
+        self.flags = torch.zeros(max(len(self.params), 1), dtype=torch.int32, device=device)
+        self._marked = [False] * len(self.params)
+        # where each param's grad view starts (the views live as long as the optimizer): one int compare per
+        # param in adopt(), which is host time on a skipped step
+        self._view_ptrs: list[int | None] = [None] * len(
+            self.params
+        )  # filled when a chunk's grad buffer is made
+        self._param_ptrs = [p.data_ptr() for p in self.params]  # the params are views of the flat buffers
+        mark = weakref.WeakMethod(self.mark)  # the hooks must not keep the optimizer alive
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(_on_grad, mark, i))
+
+    def views(self, chunk: Chunk) -> list[torch.Tensor]:
+        """The chunk's grad views, its flat grad buffer made at the first grad it gets (not at construction)."""
+        if chunk.grad is None:
+            chunk.make_grad(chunk.dtype)
+            for i, (c, local) in enumerate(self.where):
+                if c is chunk:
+                    self._view_ptrs[i] = chunk.grad_views[local].data_ptr()
+        return chunk.grad_views
+
+    def mark(self, i: int) -> None:
+        """Param ``i`` got a grad: make ``.grad`` its view of the flat buffer (copying a fresh tensor in)."""
+        p = self.params[i]
+        chunk, local = self.where[i]
+        view = self.views(chunk)[local]
+        g = p.grad
+        if g is not None and g.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(g)
+            p.grad = view
+        self.flags[i].fill_(1)
+        self._marked[i] = True
+
+    def adopt(self, owner: str) -> None:
+        """Mark grads assigned by hand and unmark params whose ``.grad`` was set to None (``owner``: the
+        optimizer's name, for the error when a param no longer lives in the flat buffer)."""
+        for i, p in enumerate(self.params):
+            if p.data_ptr() != self._param_ptrs[i]:
+                raise RuntimeError(
+                    f"the param of shape {tuple(p.shape)} no longer lives in {owner}'s flat buffer "
+                    "(replaced by model.to(), .half()/.float(), load_state_dict(assign=True) or a .data "
+                    "assignment after the optimizer was built), so its updates would not reach the model; "
+                    "build the optimizer after the model is in its final dtype and device"
+                )
+            g = p.grad
+            if g is None:
+                if self._marked[i]:
+                    self.flags[i].fill_(0)
+                    self._marked[i] = False
+                continue
+            if g.data_ptr() != self._view_ptrs[i]:
+                self.mark(i)
+
+    def consumed(self) -> None:
+        """A step read the marks (the finalize program cleared ``flags``)."""
+        self._marked = [False] * len(self.params)
+
+    def clear(self, chunks: Sequence[Chunk], set_to_none: bool) -> None:
+        """``zero_grad``: ``.grad`` to None, or the flat buffers zeroed with ``.grad`` kept as views."""
+        if set_to_none:
+            for p in self.params:
+                p.grad = None
+        else:
+            for chunk in chunks:
+                views = self.views(chunk)
+                chunk.grad.zero_()
+                for p, view in zip(chunk.params, views, strict=True):
+                    p.grad = view
+        self.flags.zero_()
+        self.consumed()
+
+
+def _on_grad(mark: weakref.WeakMethod, i: int, param: torch.Tensor) -> None:
+    bound = mark()
+    if bound is not None:
+        bound(i)
