@@ -326,6 +326,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             )
         self._check_compatible(state_dict["params"])
         check_saved_groups(state_dict, self.param_groups, self.loss_scaler)
+        self.check_algorithm(state_dict.get("algorithm"), state_dict["optimizer"]["param_groups"])
 
     def _check_compatible(self, saved: list[dict[str, Any]]) -> None:
         mine = self._param_entries()
@@ -473,6 +474,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         params = self._index_params()
         out = {
             "format": self._FORMAT,
+            "algorithm": self.algorithm(),
             "optimizer": self.optimizer.state_dict(),
             "masters": {i: p.detach() for i, p in enumerate(params) if p in masters},
             "params": self._param_entries(),
@@ -499,6 +501,34 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
 
     def __repr__(self) -> str:
         return f"MixedPrecisionOptimizer({self.optimizer!r}, loss_scaler={self.loss_scaler!r})"
+
+    # --- checkpoint checks: which optimizer a state belongs to -------------------------------------------
+    def algorithm(self) -> str:
+        """The torch optimizer whose update this one runs (``"AdamW"``, ``"SGD"``; ``FusedAdamW`` runs
+        ``"AdamW"``): what checkpoints record, so that a load refuses another optimizer's state."""
+        return type(self if self.optimizer is None else self.optimizer).__name__.removeprefix("Fused")
+
+    def check_algorithm(
+        self, saved: str | None, groups: list[dict[str, Any]], where: str = "state dict"
+    ) -> None:
+        """Raise ValueError when a checkpoint's state is another optimizer's: ``saved`` is the algorithm it
+        recorded (None in checkpoints that predate the record: then its param groups must hold every
+        hyper-parameter of this optimizer's ``defaults``, which another algorithm's groups do not)."""
+        mine = self.algorithm()
+        if saved is None:
+            # flags torch added over its versions (its __setstate__ fills them in): not an algorithm's own
+            keys = set(self.defaults) - {"foreach", "fused", "capturable", "differentiable", "maximize",
+                                         "decoupled_weight_decay"}  # fmt: skip
+            missing = sorted({k for g in groups for k in keys if k not in g})
+            if not missing:
+                return
+            saved = f"an optimizer without {missing}"
+        if saved != mine:
+            raise ValueError(
+                f"the {where} was saved by {saved}, this optimizer is {mine}: another optimizer's state cannot be "
+                f"loaded (its moments would be misread); build {saved} as when it was saved, or load only the "
+                "weights"
+            )
 
 
 def _role(entry: dict[str, Any]) -> str:

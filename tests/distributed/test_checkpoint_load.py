@@ -1,0 +1,257 @@
+"""``halfprec.distributed.checkpoint`` loads that apply completely or change nothing, refuse another optimizer's
+state, and take every ``MixedPrecisionOptimizer`` (exact, fused, sharded) -- issue 16 items 2 and 3, issue 20 hole 2.
+
+The fused optimizer runs on CPU through the Triton interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from halfprec import MixedPrecisionOptimizer
+from halfprec.distributed import ShardedMixedPrecisionOptimizer, checkpoint
+
+
+def _model(dtype=torch.float16, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).to(dtype)
+
+
+def _train(model, opt, steps, start=0):
+    for step in range(start, start + steps):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 5, generator=gen).to(next(model.parameters()).dtype)
+        opt.backward(model(x).float().square().mean())
+        opt.step()
+        opt.zero_grad()
+
+
+def _snapshot(model, opt):
+    """Every tensor and counter a load could change: weights, the optimizer's state dict (masters, state,
+    groups, scaler, skipped steps), deep-copied."""
+
+    def copy(value):
+        if torch.is_tensor(value):
+            return value.detach().clone()
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(copy(v) for v in value)
+        return value
+
+    sharded = isinstance(opt, ShardedMixedPrecisionOptimizer)
+    return copy(
+        {
+            "weights": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            "masters": [m.detach() for m in opt.master_params()] if not sharded else [opt.flat_master],
+            "skipped": opt.skipped_steps,
+        }
+    )
+
+
+def _assert_same(a, b, where="") -> None:
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert sorted(map(str, a)) == sorted(map(str, b)), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path / 'store'}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# --- the fused optimizer (issue 20 hole 2) -------------------------------------------------------------------
+def _fused(model):
+    opt = MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), impl="triton"
+    )
+    assert isinstance(opt, MixedPrecisionOptimizer) and opt.impl == "triton"
+    return opt
+
+
+@pytest.mark.parametrize("first", [0, 3])
+def test_fused_optimizer_round_trip_resumes_bit_for_bit(tmp_path, first):
+    model = _model()
+    opt = _fused(model)
+    _train(model, opt, first)
+    checkpoint.save(opt, tmp_path / "ck", named_parameters=model)
+    _train(model, opt, 2, start=first)
+
+    resumed_model = _model(seed=1)  # other weights: everything must come from the checkpoint
+    resumed = _fused(resumed_model)
+    checkpoint.load(resumed, tmp_path / "ck", named_parameters=resumed_model)
+    _train(resumed_model, resumed, 2, start=first)
+    _assert_same(_snapshot(model, opt), _snapshot(resumed_model, resumed))
+
+
+def test_fused_and_exact_checkpoints_load_into_each_other(tmp_path):
+    model = _model()
+    exact = MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), impl="torch"
+    )
+    _train(model, exact, 2)
+    checkpoint.save(exact, tmp_path / "exact", named_parameters=model)
+    fused_model = _model(seed=1)
+    fused = _fused(fused_model)
+    checkpoint.load(fused, tmp_path / "exact", named_parameters=fused_model)
+    _assert_same(model.state_dict(), fused_model.state_dict())
+    checkpoint.save(fused, tmp_path / "fused", named_parameters=fused_model)
+    back_model = _model(seed=2)
+    back = MixedPrecisionOptimizer(
+        torch.optim.AdamW(back_model.parameters(), lr=1e-2, weight_decay=0.1), impl="torch"
+    )
+    checkpoint.load(back, tmp_path / "fused", named_parameters=back_model)
+    _assert_same(_snapshot(model, exact), _snapshot(back_model, back))
+
+
+# --- failed loads change nothing (issue 16 item 2) --------------------------------------------------------
+def _two_groups(model, cls=torch.optim.AdamW, **kw):
+    first, second = list(model[0].parameters()), list(model[2].parameters())
+    return cls([{"params": first}, {"params": second, "lr": 1e-3}], lr=1e-2, **kw)
+
+
+def test_unsharded_load_of_another_group_layout_changes_nothing(tmp_path):
+    model = _model()
+    opt = MixedPrecisionOptimizer(_two_groups(model))
+    _train(model, opt, 2)
+    checkpoint.save(opt, tmp_path / "ck", named_parameters=model)
+
+    other = _model(seed=1)
+    one_group = MixedPrecisionOptimizer(torch.optim.AdamW(other.parameters(), lr=1e-2))
+    _train(other, one_group, 1)
+    before = _snapshot(other, one_group)
+    with pytest.raises(ValueError, match="2 param groups, this optimizer 1"):
+        checkpoint.load(one_group, tmp_path / "ck", named_parameters=other)
+    _assert_same(before, _snapshot(other, one_group))
+
+
+def test_sharded_load_of_another_group_layout_changes_nothing(tmp_path, one_rank):
+    model = _model(torch.bfloat16)
+    opt = ShardedMixedPrecisionOptimizer(_two_groups(model), named_parameters=model)
+    _train(model, opt, 2)
+    checkpoint.save(opt, tmp_path / "ck")
+
+    other = _model(torch.bfloat16, seed=1)
+    one_group = ShardedMixedPrecisionOptimizer(
+        torch.optim.AdamW(other.parameters(), lr=1e-2), named_parameters=other
+    )
+    _train(other, one_group, 1)
+    before = _snapshot(other, one_group)
+    with pytest.raises(ValueError, match="2 param groups, this optimizer 1"):
+        checkpoint.load(one_group, tmp_path / "ck")
+    _assert_same(before, _snapshot(other, one_group))
+
+
+def test_a_bad_counter_is_refused_before_any_write(tmp_path):
+    model = _model()
+    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(model, opt, 2)
+    checkpoint.save(opt, tmp_path / "ck", named_parameters=model)
+    items = checkpoint_items(tmp_path / "ck")
+    items["counters/skipped_steps"] = torch.tensor(-1, dtype=torch.int64)
+    rewrite(tmp_path / "ck", items)
+
+    other = _model(seed=1)
+    fresh = MixedPrecisionOptimizer(torch.optim.AdamW(other.parameters(), lr=1e-2))
+    before = _snapshot(other, fresh)
+    with pytest.raises(ValueError, match="skipped_steps"):
+        checkpoint.load(fresh, tmp_path / "ck", named_parameters=other)
+    _assert_same(before, _snapshot(other, fresh))
+
+
+def checkpoint_items(path):
+    from halfprec.distributed import read_checkpoint
+
+    return read_checkpoint(path)
+
+
+def rewrite(path, items) -> None:
+    """Write ``items`` as the checkpoint at ``path`` (plain DCP save, the manifest kept)."""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    manifest = (path / "manifest.json").read_text()
+    shutil.rmtree(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(items, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    (path / "manifest.json").write_text(manifest)
+
+
+# --- another optimizer's checkpoint (issue 16 item 3) ---------------------------------------------------------
+@pytest.mark.parametrize("other", [torch.optim.SGD, torch.optim.Adagrad])
+def test_another_optimizers_checkpoint_is_refused_naming_both(tmp_path, other):
+    model = _model()
+    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(model, opt, 2)
+    checkpoint.save(opt, tmp_path / "ck", named_parameters=model)
+
+    fresh_model = _model(seed=1)
+    fresh = MixedPrecisionOptimizer(other(fresh_model.parameters(), lr=1e-2))
+    before = _snapshot(fresh_model, fresh)
+    with pytest.raises(ValueError, match=rf"saved by AdamW, this optimizer is {other.__name__}"):
+        checkpoint.load(fresh, tmp_path / "ck", named_parameters=fresh_model)
+    _assert_same(before, _snapshot(fresh_model, fresh))
+
+
+def test_another_optimizers_checkpoint_without_the_record_is_refused(tmp_path):
+    """Checkpoints written before the optimizer's name was recorded: told apart by their hyper-parameters."""
+    model = _model()
+    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(model, opt, 2)
+    checkpoint.save(opt, tmp_path / "ck", named_parameters=model)
+    items = {k: v for k, v in checkpoint_items(tmp_path / "ck").items() if not k.startswith("kind/")}
+    rewrite(tmp_path / "ck", items)
+
+    same_model = _model(seed=1)
+    same = MixedPrecisionOptimizer(torch.optim.AdamW(same_model.parameters(), lr=1e-2))
+    checkpoint.load(same, tmp_path / "ck", named_parameters=same_model)  # still loads
+    _assert_same(model.state_dict(), same_model.state_dict())
+    sgd_model = _model(seed=1)
+    sgd = MixedPrecisionOptimizer(torch.optim.SGD(sgd_model.parameters(), lr=1e-2, momentum=0.9))
+    with pytest.raises(ValueError, match=r"without \['dampening', 'momentum'.*this optimizer is SGD"):
+        checkpoint.load(sgd, tmp_path / "ck", named_parameters=sgd_model)
+
+
+def test_another_loss_scalers_checkpoint_is_refused(tmp_path):
+    import halfprec
+
+    model = _model()
+    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))  # fp16: dynamic scaling
+    _train(model, opt, 1)
+    checkpoint.save(opt, tmp_path / "ck", named_parameters=model)
+    fresh_model = _model(seed=1)
+    fresh = MixedPrecisionOptimizer(
+        torch.optim.AdamW(fresh_model.parameters(), lr=1e-2), loss_scaler=halfprec.StaticLossScaler(8.0)
+    )
+    before = _snapshot(fresh_model, fresh)
+    with pytest.raises(ValueError, match="DynamicLossScaler.*StaticLossScaler"):
+        checkpoint.load(fresh, tmp_path / "ck", named_parameters=fresh_model)
+    _assert_same(before, _snapshot(fresh_model, fresh))
