@@ -11,6 +11,7 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
+from tests.test_checkpoint_load import assert_same_tree, copy_tree, engine_snapshot
 
 from halfprec import MixedPrecisionOptimizer
 from halfprec.distributed import ShardedMixedPrecisionOptimizer, checkpoint
@@ -32,42 +33,17 @@ def _train(model, opt, steps, start=0):
 
 def _snapshot(model, opt):
     """Every tensor and counter a load could change: weights, the optimizer's state dict (masters, state,
-    groups, scaler, skipped steps), deep-copied."""
-
-    def copy(value):
-        if torch.is_tensor(value):
-            return value.detach().clone()
-        if isinstance(value, dict):
-            return {k: copy(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(copy(v) for v in value)
-        return value
-
+    groups, scaler, skipped steps)."""
     sharded = isinstance(opt, ShardedMixedPrecisionOptimizer)
-    return copy(
+    return copy_tree(
         {
             "weights": model.state_dict(),
             "optimizer": opt.state_dict(),
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-            "masters": [m.detach() for m in opt.master_params()] if not sharded else [opt.flat_master],
+            "masters": [opt.flat_master] if sharded else opt.master_params(),
             "skipped": opt.skipped_steps,
         }
     )
-
-
-def _assert_same(a, b, where="") -> None:
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert sorted(map(str, a)) == sorted(map(str, b)), where
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
 
 
 @pytest.fixture
@@ -106,7 +82,7 @@ def test_fused_optimizer_round_trip_resumes_bit_for_bit(tmp_path, first):
     resumed = _fused(resumed_model)
     checkpoint.load(resumed, tmp_path / "ck", named_parameters=resumed_model)
     _train(resumed_model, resumed, 2, start=first)
-    _assert_same(_snapshot(model, opt), _snapshot(resumed_model, resumed))
+    assert_same_tree(_snapshot(model, opt), _snapshot(resumed_model, resumed))
 
 
 def test_fused_and_exact_checkpoints_load_into_each_other(tmp_path):
@@ -119,14 +95,14 @@ def test_fused_and_exact_checkpoints_load_into_each_other(tmp_path):
     fused_model = _model(seed=1)
     fused = _fused(fused_model)
     checkpoint.load(fused, tmp_path / "exact", named_parameters=fused_model)
-    _assert_same(model.state_dict(), fused_model.state_dict())
+    assert_same_tree(model.state_dict(), fused_model.state_dict())
     checkpoint.save(fused, tmp_path / "fused", named_parameters=fused_model)
     back_model = _model(seed=2)
     back = MixedPrecisionOptimizer(
         torch.optim.AdamW(back_model.parameters(), lr=1e-2, weight_decay=0.1), impl="torch"
     )
     checkpoint.load(back, tmp_path / "fused", named_parameters=back_model)
-    _assert_same(_snapshot(model, exact), _snapshot(back_model, back))
+    assert_same_tree(_snapshot(model, exact), _snapshot(back_model, back))
 
 
 # --- failed loads change nothing (issue 16 item 2) --------------------------------------------------------
@@ -147,7 +123,7 @@ def test_unsharded_load_of_another_group_layout_changes_nothing(tmp_path):
     before = _snapshot(other, one_group)
     with pytest.raises(ValueError, match="2 param groups, this optimizer 1"):
         checkpoint.load(one_group, tmp_path / "ck", named_parameters=other)
-    _assert_same(before, _snapshot(other, one_group))
+    assert_same_tree(before, _snapshot(other, one_group))
 
 
 def test_sharded_load_of_another_group_layout_changes_nothing(tmp_path, one_rank):
@@ -164,7 +140,7 @@ def test_sharded_load_of_another_group_layout_changes_nothing(tmp_path, one_rank
     before = _snapshot(other, one_group)
     with pytest.raises(ValueError, match="2 param groups, this optimizer 1"):
         checkpoint.load(one_group, tmp_path / "ck")
-    _assert_same(before, _snapshot(other, one_group))
+    assert_same_tree(before, _snapshot(other, one_group))
 
 
 def test_a_bad_counter_is_refused_before_any_write(tmp_path):
@@ -181,7 +157,7 @@ def test_a_bad_counter_is_refused_before_any_write(tmp_path):
     before = _snapshot(other, fresh)
     with pytest.raises(ValueError, match="skipped_steps"):
         checkpoint.load(fresh, tmp_path / "ck", named_parameters=other)
-    _assert_same(before, _snapshot(other, fresh))
+    assert_same_tree(before, _snapshot(other, fresh))
 
 
 def checkpoint_items(path):
@@ -218,7 +194,7 @@ def test_another_optimizers_checkpoint_is_refused_naming_both(tmp_path, other):
     before = _snapshot(fresh_model, fresh)
     with pytest.raises(ValueError, match=rf"saved by AdamW, this optimizer is {other.__name__}"):
         checkpoint.load(fresh, tmp_path / "ck", named_parameters=fresh_model)
-    _assert_same(before, _snapshot(fresh_model, fresh))
+    assert_same_tree(before, _snapshot(fresh_model, fresh))
 
 
 def test_another_optimizers_checkpoint_without_the_record_is_refused(tmp_path):
@@ -233,7 +209,7 @@ def test_another_optimizers_checkpoint_without_the_record_is_refused(tmp_path):
     same_model = _model(seed=1)
     same = MixedPrecisionOptimizer(torch.optim.AdamW(same_model.parameters(), lr=1e-2))
     checkpoint.load(same, tmp_path / "ck", named_parameters=same_model)  # still loads
-    _assert_same(model.state_dict(), same_model.state_dict())
+    assert_same_tree(model.state_dict(), same_model.state_dict())
     sgd_model = _model(seed=1)
     sgd = MixedPrecisionOptimizer(torch.optim.SGD(sgd_model.parameters(), lr=1e-2, momentum=0.9))
     with pytest.raises(ValueError, match=r"without \['dampening', 'momentum'.*this optimizer is SGD"):
@@ -254,4 +230,24 @@ def test_another_loss_scalers_checkpoint_is_refused(tmp_path):
     before = _snapshot(fresh_model, fresh)
     with pytest.raises(ValueError, match="DynamicLossScaler.*StaticLossScaler"):
         checkpoint.load(fresh, tmp_path / "ck", named_parameters=fresh_model)
-    _assert_same(before, _snapshot(fresh_model, fresh))
+    assert_same_tree(before, _snapshot(fresh_model, fresh))
+
+
+def test_zero_engine_load_of_another_group_layout_changes_nothing(tmp_path, one_rank):
+    """The engine reads and checks the DCP optimizer part before it loads the weights."""
+    import halfprec
+
+    def engine(groups, seed):
+        model = _model(torch.float32, seed)
+        params = _two_groups(model) if groups == 2 else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return halfprec.initialize(model, params, precision="bf16", zero_stage=1)
+
+    saved = engine(2, 0)
+    _train(saved.module, saved, 2)
+    saved.save_checkpoint(tmp_path / "ck")
+    other = engine(1, 1)
+    _train(other.module, other, 1)
+    before = engine_snapshot(other)
+    with pytest.raises(ValueError, match="2 param groups, this optimizer 1"):
+        other.load_checkpoint(tmp_path / "ck")
+    assert_same_tree(before, engine_snapshot(other))

@@ -187,6 +187,11 @@ def prepare(
     published tag is immutable. A replace of this tag that died midway is undone first (``atomic.recover``), and
     the leftovers of killed saves that no live process holds are removed (:func:`_remove_leftovers`).
     """
+    if not os.fspath(directory):
+        raise ValueError(
+            "checkpoint directory is '' (it would write into the current directory); pass a directory such as "
+            "'checkpoints' (or '.' to mean the current directory)"
+        )
     root = Path(directory)
     final = root / check_tag(tag)
     if keep_last is not None and (
