@@ -338,7 +338,7 @@ class Engine:
             if outcome[0] is not None:
                 raise RuntimeError(f"save_checkpoint failed on rank 0: {outcome[0]}")
             dckpt.save(self.optimizer, tmp / "optimizer")
-            torch.save(ckpt.rng_state(), tmp / f"rng-{rank}.pt")
+            ckpt.save_pt(ckpt.rng_state(), tmp / f"rng-{rank}.pt")
             dist.barrier(group)
             if rank == 0:
                 ckpt.stage(tmp, weights=self.module.state_dict(), files={"engine": engine_state})
