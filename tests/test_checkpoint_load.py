@@ -41,6 +41,14 @@ def assert_same_tree(a, b, where="") -> None:
         assert a == b, (where, a, b)
 
 
+def assert_refused_unchanged(snapshot, load, error, match: str) -> None:
+    """``load()`` raises ``error`` matching ``match``, and ``snapshot()`` is the same after as before."""
+    before = snapshot()
+    with pytest.raises(error, match=match):
+        load()
+    assert_same_tree(before, snapshot())
+
+
 def engine_snapshot(engine) -> dict:
     """Everything a load may change: weights, grads, the optimizer's state dict (masters, state, groups,
     scaler, skipped steps), counters, scheduler and RNG."""
@@ -94,10 +102,12 @@ def _mp_snapshot(model, mp) -> dict:
 def test_plain_load_of_another_optimizers_state_is_refused_naming_both(other):
     _, adamw = _mp()
     model, mp = _mp(other, seed=1)
-    before = _mp_snapshot(model, mp)
-    with pytest.raises(ValueError, match=rf"saved by AdamW, this optimizer is {other.__name__}"):
-        mp.load_state_dict(adamw.state_dict())
-    assert_same_tree(before, _mp_snapshot(model, mp))
+    assert_refused_unchanged(
+        lambda: _mp_snapshot(model, mp),
+        lambda: mp.load_state_dict(adamw.state_dict()),
+        ValueError,
+        rf"saved by AdamW, this optimizer is {other.__name__}",
+    )
 
 
 def _bad_master(sd):
@@ -125,10 +135,9 @@ def test_plain_load_with_a_bad_value_changes_nothing(damage, message):
     sd = saved.state_dict()
     damage(sd)
     model, mp = _mp(seed=1)
-    before = _mp_snapshot(model, mp)
-    with pytest.raises(ValueError, match=message):
-        mp.load_state_dict(sd)
-    assert_same_tree(before, _mp_snapshot(model, mp))
+    assert_refused_unchanged(
+        lambda: _mp_snapshot(model, mp), lambda: mp.load_state_dict(sd), ValueError, message
+    )
 
 
 # --- Engine.load_checkpoint --------------------------------------------------------------------------------
@@ -146,10 +155,12 @@ def test_engine_load_of_another_optimizers_checkpoint_is_refused_naming_both(tmp
     engine.save_checkpoint(tmp_path)
     other = _sgd_engine()
     train(other, 1)
-    before = engine_snapshot(other)
-    with pytest.raises(ckpt.CheckpointError, match="saved by AdamW, this optimizer is SGD"):
-        other.load_checkpoint(tmp_path)
-    assert_same_tree(before, engine_snapshot(other))
+    assert_refused_unchanged(
+        lambda: engine_snapshot(other),
+        lambda: other.load_checkpoint(tmp_path),
+        ckpt.CheckpointError,
+        "saved by AdamW, this optimizer is SGD",
+    )
 
 
 @pytest.mark.parametrize(
@@ -171,10 +182,12 @@ def test_engine_load_that_fails_in_a_later_part_changes_nothing(tmp_path, name, 
     _reseal(path, name, state)
     other = build("fp16", seed=5)
     train(other, 1)
-    before = engine_snapshot(other)
-    with pytest.raises((ckpt.CheckpointError, ValueError), match=message):
-        other.load_checkpoint(tmp_path)
-    assert_same_tree(before, engine_snapshot(other))
+    assert_refused_unchanged(
+        lambda: engine_snapshot(other),
+        lambda: other.load_checkpoint(tmp_path),
+        (ckpt.CheckpointError, ValueError),
+        message,
+    )
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

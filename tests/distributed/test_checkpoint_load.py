@@ -6,12 +6,10 @@ The fused optimizer runs on CPU through the Triton interpreter (``TRITON_INTERPR
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
-import torch.distributed as dist
-from tests.test_checkpoint_load import assert_same_tree, copy_tree, engine_snapshot
+from test_checkpoint_hparams import one_rank  # noqa: F401 - the fixture: one gloo rank in this process
+from tests.test_checkpoint_load import assert_refused_unchanged, assert_same_tree, copy_tree, engine_snapshot
 
 from halfprec import MixedPrecisionOptimizer
 from halfprec.distributed import ShardedMixedPrecisionOptimizer, checkpoint
@@ -44,21 +42,6 @@ def _snapshot(model, opt):
             "skipped": opt.skipped_steps,
         }
     )
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path / 'store'}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 # --- the fused optimizer (issue 20 hole 2) -------------------------------------------------------------------
@@ -120,13 +103,16 @@ def test_unsharded_load_of_another_group_layout_changes_nothing(tmp_path):
     other = _model(seed=1)
     one_group = MixedPrecisionOptimizer(torch.optim.AdamW(other.parameters(), lr=1e-2))
     _train(other, one_group, 1)
-    before = _snapshot(other, one_group)
-    with pytest.raises(ValueError, match="2 param groups, this optimizer 1"):
-        checkpoint.load(one_group, tmp_path / "ck", named_parameters=other)
-    assert_same_tree(before, _snapshot(other, one_group))
+    assert_refused_unchanged(
+        lambda: _snapshot(other, one_group),
+        lambda: checkpoint.load(one_group, tmp_path / "ck", named_parameters=other),
+        ValueError,
+        "2 param groups, this optimizer 1",
+    )
 
 
-def test_sharded_load_of_another_group_layout_changes_nothing(tmp_path, one_rank):
+@pytest.mark.usefixtures("one_rank")
+def test_sharded_load_of_another_group_layout_changes_nothing(tmp_path):
     model = _model(torch.bfloat16)
     opt = ShardedMixedPrecisionOptimizer(_two_groups(model), named_parameters=model)
     _train(model, opt, 2)
@@ -137,10 +123,12 @@ def test_sharded_load_of_another_group_layout_changes_nothing(tmp_path, one_rank
         torch.optim.AdamW(other.parameters(), lr=1e-2), named_parameters=other
     )
     _train(other, one_group, 1)
-    before = _snapshot(other, one_group)
-    with pytest.raises(ValueError, match="2 param groups, this optimizer 1"):
-        checkpoint.load(one_group, tmp_path / "ck")
-    assert_same_tree(before, _snapshot(other, one_group))
+    assert_refused_unchanged(
+        lambda: _snapshot(other, one_group),
+        lambda: checkpoint.load(one_group, tmp_path / "ck"),
+        ValueError,
+        "2 param groups, this optimizer 1",
+    )
 
 
 def test_a_bad_counter_is_refused_before_any_write(tmp_path):
@@ -154,10 +142,12 @@ def test_a_bad_counter_is_refused_before_any_write(tmp_path):
 
     other = _model(seed=1)
     fresh = MixedPrecisionOptimizer(torch.optim.AdamW(other.parameters(), lr=1e-2))
-    before = _snapshot(other, fresh)
-    with pytest.raises(ValueError, match="skipped_steps"):
-        checkpoint.load(fresh, tmp_path / "ck", named_parameters=other)
-    assert_same_tree(before, _snapshot(other, fresh))
+    assert_refused_unchanged(
+        lambda: _snapshot(other, fresh),
+        lambda: checkpoint.load(fresh, tmp_path / "ck", named_parameters=other),
+        ValueError,
+        "skipped_steps",
+    )
 
 
 def checkpoint_items(path):
@@ -191,10 +181,12 @@ def test_another_optimizers_checkpoint_is_refused_naming_both(tmp_path, other):
 
     fresh_model = _model(seed=1)
     fresh = MixedPrecisionOptimizer(other(fresh_model.parameters(), lr=1e-2))
-    before = _snapshot(fresh_model, fresh)
-    with pytest.raises(ValueError, match=rf"saved by AdamW, this optimizer is {other.__name__}"):
-        checkpoint.load(fresh, tmp_path / "ck", named_parameters=fresh_model)
-    assert_same_tree(before, _snapshot(fresh_model, fresh))
+    assert_refused_unchanged(
+        lambda: _snapshot(fresh_model, fresh),
+        lambda: checkpoint.load(fresh, tmp_path / "ck", named_parameters=fresh_model),
+        ValueError,
+        rf"saved by AdamW, this optimizer is {other.__name__}",
+    )
 
 
 def test_another_optimizers_checkpoint_without_the_record_is_refused(tmp_path):
@@ -227,13 +219,16 @@ def test_another_loss_scalers_checkpoint_is_refused(tmp_path):
     fresh = MixedPrecisionOptimizer(
         torch.optim.AdamW(fresh_model.parameters(), lr=1e-2), loss_scaler=halfprec.StaticLossScaler(8.0)
     )
-    before = _snapshot(fresh_model, fresh)
-    with pytest.raises(ValueError, match="DynamicLossScaler.*StaticLossScaler"):
-        checkpoint.load(fresh, tmp_path / "ck", named_parameters=fresh_model)
-    assert_same_tree(before, _snapshot(fresh_model, fresh))
+    assert_refused_unchanged(
+        lambda: _snapshot(fresh_model, fresh),
+        lambda: checkpoint.load(fresh, tmp_path / "ck", named_parameters=fresh_model),
+        ValueError,
+        "DynamicLossScaler.*StaticLossScaler",
+    )
 
 
-def test_zero_engine_load_of_another_group_layout_changes_nothing(tmp_path, one_rank):
+@pytest.mark.usefixtures("one_rank")
+def test_zero_engine_load_of_another_group_layout_changes_nothing(tmp_path):
     """The engine reads and checks the DCP optimizer part before it loads the weights."""
     import halfprec
 
@@ -247,7 +242,9 @@ def test_zero_engine_load_of_another_group_layout_changes_nothing(tmp_path, one_
     saved.save_checkpoint(tmp_path / "ck")
     other = engine(1, 1)
     _train(other.module, other, 1)
-    before = engine_snapshot(other)
-    with pytest.raises(ValueError, match="2 param groups, this optimizer 1"):
-        other.load_checkpoint(tmp_path / "ck")
-    assert_same_tree(before, engine_snapshot(other))
+    assert_refused_unchanged(
+        lambda: engine_snapshot(other),
+        lambda: other.load_checkpoint(tmp_path / "ck"),
+        ValueError,
+        "2 param groups, this optimizer 1",
+    )

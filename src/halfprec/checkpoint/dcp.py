@@ -63,13 +63,17 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-@contextlib.contextmanager
-def _quiet_single_process():
-    """DCP warns that it assumes one process when no group is initialized: that is the intent here."""
+def _run_dcp(state_dict: dict[str, torch.Tensor], group, storage, planner) -> None:
+    """``dcp.save`` to a ``FileSystemWriter`` or ``dcp.load`` from a reader, in a process group or without one
+    (DCP then warns that it assumes a single process: that is the intent here)."""
     with warnings.catch_warnings():
         if not _distributed():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        kwargs = dict(planner=planner, process_group=group, no_dist=not _distributed())
+        if isinstance(storage, FileSystemWriter):
+            dcp.save(state_dict, storage_writer=storage, **kwargs)
+        else:
+            dcp.load(state_dict, storage_reader=storage, **kwargs)
 
 
 def _barrier(group) -> None:
@@ -228,14 +232,7 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
             _fresh_tmp(tmp, path)
             hold.enter_context(held_dir(tmp))  # until committed: no other save takes it for a leftover
         _barrier(group)
-        with _quiet_single_process():
-            dcp.save(
-                state_dict,
-                storage_writer=FileSystemWriter(str(tmp)),
-                planner=ChunkSavePlanner(chunks),
-                process_group=group,
-                no_dist=not _distributed(),
-            )
+        _run_dcp(state_dict, group, FileSystemWriter(str(tmp)), ChunkSavePlanner(chunks))
         _barrier(group)
         if rank == 0:
             _write_manifest(tmp)
@@ -319,14 +316,7 @@ def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, pr
     for item, md in saved.items():
         if item.startswith(("hparam/", "scaler/", "counters/", "group/", "shape/")):
             state_dict[item] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    with _quiet_single_process():
-        dcp.load(
-            state_dict,
-            storage_reader=SafeFileSystemReader(str(path)),
-            planner=ChunkLoadPlanner(chunks),
-            process_group=group,
-            no_dist=not _distributed(),
-        )
+    _run_dcp(state_dict, group, SafeFileSystemReader(str(path)), ChunkLoadPlanner(chunks))
     loaded = _Loaded(path, state_dict)
     loaded.check_params(held, len(optimizer.param_groups))
     hparams = loaded.hparams(optimizer.param_groups)
