@@ -123,6 +123,13 @@ def _check_inputs(model: torch.nn.Module, optimizer: Any, lr_scheduler: Any) -> 
             f"{tuple(foreign[0].shape)}); was it already wrapped by MixedPrecisionOptimizer? Pass a fresh torch "
             "optimizer built over model.parameters()"
         )
+    scheduled = getattr(lr_scheduler, "optimizer", None)
+    if scheduled is not None and scheduled is not optimizer:
+        raise ValueError(
+            f"lr_scheduler {type(lr_scheduler).__name__} was built on another optimizer ({type(scheduled).__name__} "
+            "object at a different address) than the one passed to initialize(): its steps would never reach the "
+            "trained params. Build the scheduler on the optimizer you pass"
+        )
     if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError(
             "ReduceLROnPlateau needs a metric, so the engine cannot step it: leave lr_scheduler=None and call "
@@ -334,7 +341,7 @@ class Engine:
             if outcome[0] is not None:
                 raise RuntimeError(f"save_checkpoint failed on rank 0: {outcome[0]}")
             dckpt.save(self.optimizer, tmp / "optimizer")
-            torch.save(ckpt.rng_state(), tmp / f"rng-{rank}.pt")
+            ckpt.save_pt(ckpt.rng_state(), tmp / f"rng-{rank}.pt")
             dist.barrier(group)
             if rank == 0:
                 ckpt.stage(tmp, weights=self.module.state_dict(), files={"engine": engine_state})
@@ -354,73 +361,96 @@ class Engine:
         """Restore weights, masters, optimizer and scaler state, counters, scheduler and RNG; return client_state.
 
         ``load_optimizer_states=False`` loads the weights only and refreshes the masters from them. Everything is
-        checked before the model is touched (model, param groups, loss-scaler kind): a failed load changes nothing.
-        The loss scaler's settings stay those of this engine's config (a warning lists any that the checkpoint had
-        otherwise); its dynamic state (scale, growth tracker, hysteresis budget) comes from the checkpoint.
+        read and checked before the first write (model, param groups, the optimizer's and the loss scaler's
+        kinds, their values, counters): a failed load changes nothing. Grads of an unfinished accumulation are
+        cleared, so the next step sees only what follows the load. The loss scaler's settings stay those of this
+        engine's config (a warning lists any that the checkpoint had otherwise); its dynamic state (scale,
+        growth tracker, hysteresis budget) comes from the checkpoint.
         """
         path = ckpt.resolve(directory, tag)
         manifest = ckpt.read_manifest(path)
         weights = ckpt.load_weights(path, manifest)
         _check_weights(self.module, weights, path)
         engine_state = ckpt.load_pt(path, "engine")
+        counters = _check_engine_state(path, engine_state)
         sharded_files = ckpt.layout_of(path, manifest) == ckpt.ENGINE_SHARDED
-        optim_state = None
-        # everything is checked before anything changes: a failed load leaves model and optimizer as they were
-        if load_optimizer_states and self._sharded and not sharded_files:
-            raise ckpt.CheckpointError(
-                f"{path} holds an unsharded optimizer state (optimizer.pt); a ZeRO-{self.config.zero_stage} engine "
-                "loads checkpoints saved by a sharded engine, or pass load_optimizer_states=False"
-            )
-        if load_optimizer_states and not sharded_files:
-            optim_state = ckpt.load_pt(path, "optimizer")
         if load_optimizer_states:
-            check_scaler_kind(path, engine_state, optim_state, self.optimizer.loss_scaler, self.config)
-        if optim_state is not None and not self._sharded:
-            try:
-                self.optimizer.check_state_dict(optim_state)
-            except ValueError as e:
-                raise ckpt.CheckpointError(f"{path / 'optimizer.pt'}: {e}") from e
+            load_optimizer = self._staged_optimizer_load(path, engine_state, sharded_files)
+        rng = self._staged_rng(path, engine_state) if load_rng_states else None
         configured = self.optimizer.loss_scaler.state_dict() if load_optimizer_states else {}
+        # nothing has changed so far; from here on every step is a write
+        self.optimizer.zero_grad(set_to_none=True)  # an unfinished accumulation's grads
         self.module.load_state_dict(weights, strict=True)
-        if not load_optimizer_states:
-            self.optimizer.refresh_masters()
-        elif sharded_files:
-            from .distributed import checkpoint as dckpt
-
-            dckpt.load(self.optimizer, path / "optimizer", named_parameters=self.module)
-        else:
-            self.optimizer.load_state_dict(optim_state)
         if load_optimizer_states:
+            load_optimizer()
             keep_scaler_settings(path, self.optimizer.loss_scaler, configured)
-        self.global_step = int(engine_state["global_step"])
-        self.micro_step = self._stepped_micro = int(engine_state["micro_step"])
+        else:
+            self.optimizer.refresh_masters()
+        self.global_step, self.micro_step = counters
+        self._stepped_micro = self.micro_step
         if (
             load_lr_scheduler_states
             and self.lr_scheduler is not None
             and engine_state["lr_scheduler"] is not None
         ):
             self.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
-        if load_rng_states:
-            self._load_rng(path, engine_state)
+        if rng is not None:
+            ckpt.set_rng_state(rng)
         return engine_state["client_state"]
 
-    def _load_rng(self, path: Path, engine_state: dict[str, Any]) -> None:
+    def _staged_optimizer_load(self, path: Path, engine_state: dict[str, Any], sharded_files: bool):
+        """Read and check the optimizer part of the checkpoint at ``path``; return the function that loads it."""
+        if self._sharded and not sharded_files:
+            raise ckpt.CheckpointError(
+                f"{path} holds an unsharded optimizer state (optimizer.pt); a ZeRO-{self.config.zero_stage} engine "
+                "loads checkpoints saved by a sharded engine, or pass load_optimizer_states=False"
+            )
+        optim_state = None if sharded_files else ckpt.load_pt(path, "optimizer")
+        check_scaler_kind(path, engine_state, optim_state, self.optimizer.loss_scaler, self.config)
+        if sharded_files:
+            from .checkpoint.dcp import staged_load
+
+            return staged_load(self.optimizer, path / "optimizer", named_parameters=self.module)
+        try:
+            self.optimizer.check_state_dict(optim_state)
+        except ValueError as e:
+            raise ckpt.CheckpointError(f"{path / 'optimizer.pt'}: {e}") from e
+        return lambda: self.optimizer.load_state_dict(optim_state)
+
+    def _staged_rng(self, path: Path, engine_state: dict[str, Any]) -> Any:
+        """The RNG states to restore (None, with a warning, when the checkpoint has none for this rank)."""
         if "rng" in engine_state:
-            ckpt.set_rng_state(engine_state["rng"])
-            return
+            return engine_state["rng"]
         rank = 0
         if self._sharded:
             import torch.distributed as dist
 
             rank = dist.get_rank(self.optimizer.process_group)
         if (path / f"rng-{rank}.pt").exists():
-            ckpt.set_rng_state(ckpt.load_pt(path, f"rng-{rank}"))
-        else:
-            warnings.warn(
-                f"{path} has no RNG state for rank {rank} (saved at a smaller world size); RNG states not restored",
-                RuntimeWarning,
-                stacklevel=3,
+            return ckpt.load_pt(path, f"rng-{rank}")
+        warnings.warn(
+            f"{path} has no RNG state for rank {rank} (saved at a smaller world size); RNG states not restored",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def _check_engine_state(path: Path, engine_state: Any) -> tuple[int, int]:
+    """``(global_step, micro_step)`` of a checkpoint's ``engine.pt``, checked before anything is loaded."""
+    if not isinstance(engine_state, dict):
+        raise ckpt.CheckpointError(f"{path / 'engine.pt'} holds a {type(engine_state).__name__}, not a dict")
+    counters = []
+    for key in ("global_step", "micro_step"):
+        value = engine_state.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ckpt.CheckpointError(
+                f"{path / 'engine.pt'}: {key} must be a non-negative int, got {value!r}"
             )
+        counters.append(value)
+    if not isinstance(engine_state.get("client_state"), dict):
+        raise ckpt.CheckpointError(f"{path / 'engine.pt'}: client_state is not a dict")
+    return counters[0], counters[1]
 
 
 def _check_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:

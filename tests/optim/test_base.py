@@ -138,12 +138,14 @@ def test_construction_peak_on_the_gpu(impl):
     assert float(param[0]) == 0.5 and mp.state_dict()["optimizer"]["state"] == {}  # inert: no synthetic step
 
 
-def test_distributed_checkpoint_refuses_the_fused_strategy_by_name(tmp_path):
-    """It takes ``isinstance(opt, MixedPrecisionOptimizer)`` now, and the fused strategy keeps its state in flat
-    buffers: a clear refusal, never a checkpoint of 16-bit params saved as masters."""
-    from halfprec.distributed import checkpoint
+def test_distributed_checkpoint_takes_the_fused_strategy(tmp_path):
+    """It takes ``isinstance(opt, MixedPrecisionOptimizer)``, the fused strategy included (through its
+    ``state_dict``): the masters it saves are the fp32 masters, never the 16-bit params (round trips:
+    tests/distributed/test_checkpoint_load.py)."""
+    from halfprec.distributed import checkpoint, consolidate
 
     model = _model()
     mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), impl="triton")
-    with pytest.raises(ValueError, match=r"does not take the fused FusedAdamW yet; save it with Engine"):
-        checkpoint.save(mp, tmp_path / "c", named_parameters=model)
+    checkpoint.save(mp, tmp_path / "c", named_parameters=model)
+    masters = consolidate(tmp_path / "c")
+    assert all(m.dtype == torch.float32 for m in masters.values())

@@ -11,6 +11,7 @@ Layout of a checkpoint directory (model space: nothing depends on the world size
 ``shape/{name}``               int64 shape of the param; ``group/{name}``: its param-group index
 ``hparam/{group}/{key}``       numeric group hyper-parameters (lr, betas, weight_decay, ...), fp64
 ``scaler/{key}``               loss-scaler state and settings; ``counters/skipped_steps``; ``format/version``
+``kind/optimizer/{name}``      the optimizer (``algorithm()``) and ``kind/scaler/{type}`` the loss scaler: 1
 ``manifest.json``              written by rank 0 last: ``{"format": "halfprec-dcp/1"}`` (``formats.layout_of``)
 =============================  =====================================================================
 
@@ -22,19 +23,22 @@ A save is atomic: every rank writes into ``{path}.tmp`` (held by rank 0, see ``a
 rank 0 commits it to ``path`` with ``atomic.commit``, which replaces an existing ``path`` crash-safely. A rank
 that dies mid-save leaves only ``.tmp`` behind, removed by the next save, and the previous checkpoint untouched.
 
-Every branch on the optimizer's type and every read of its private attributes is in the two functions of the
-section "optimizer access" (:func:`_model_space`, :func:`_set_counters`), to become optimizer methods.
+Every optimizer halfprec builds is taken: a sharded one through its pieces (``model_space()``,
+``restore_counters()``), any other (exact or fused) through ``state_dict()``/``load_state_dict()``, whose format
+every strategy shares; the one branch on the type is :func:`_model_space`. A load reads every item and checks
+everything (names, shapes, groups, the optimizer's and the loss scaler's kinds, counters) before its first write.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,7 +49,8 @@ from ..optim.base import MixedPrecisionOptimizer
 from ..optim.sharded import ShardedMixedPrecisionOptimizer
 from ..optim.sharded.checks import named_trainable
 from ..optim.state import is_elementwise
-from .atomic import commit, fsync_path, held, located, remove_if_dead
+from .atomic import commit, fsync_path, located, remove_if_dead
+from .atomic import held as held_dir  # ``held`` names what a rank holds here
 from .formats import DCP_FORMAT, MANIFEST
 from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, read_metadata, refuse_bytes
 
@@ -58,13 +63,17 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-@contextlib.contextmanager
-def _quiet_single_process():
-    """DCP warns that it assumes one process when no group is initialized: that is the intent here."""
+def _run_dcp(state_dict: dict[str, torch.Tensor], group, storage, planner) -> None:
+    """``dcp.save`` to a ``FileSystemWriter`` or ``dcp.load`` from a reader, in a process group or without one
+    (DCP then warns that it assumes a single process: that is the intent here)."""
     with warnings.catch_warnings():
         if not _distributed():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        kwargs = dict(planner=planner, process_group=group, no_dist=not _distributed())
+        if isinstance(storage, FileSystemWriter):
+            dcp.save(state_dict, storage_writer=storage, **kwargs)
+        else:
+            dcp.load(state_dict, storage_reader=storage, **kwargs)
 
 
 def _barrier(group) -> None:
@@ -76,77 +85,106 @@ def _rank(group) -> int:
     return dist.get_rank(group) if _distributed() else 0
 
 
-# --- optimizer access: the only type branches ----------------------------------------------------------------
-def _model_space(optimizer, named_parameters) -> tuple[list, list, bool]:
-    """``(held, every, sharded)``: ``held`` is ``(name, shape, group, lo, fp32 tensor to save/load,
-    writes_scalars)`` per param this rank holds, ``every`` is ``(name, shape, group)`` per param of the model.
+# --- optimizer access: what this rank holds, in model space ------------------------------------------------
+class _Held(NamedTuple):
+    """One param (or, sharded, this rank's piece of one) as the checkpoint sees it."""
 
-    Reads ``ShardedMixedPrecisionOptimizer.model_space()`` and ``MixedPrecisionOptimizer.model_params()``.
+    name: str
+    shape: tuple[int, ...]
+    group: int
+    lo: int  # first element of the flattened param held here
+    master: torch.Tensor  # fp32 values: saved from it; loaded into it (sharded) or in its place (unsharded)
+    state: dict[str, Any]  # torch-format optimizer state of the held elements
+    scalars: bool  # whether this rank writes the param's 0-d state (the holder of element 0)
+    index: int | None  # unsharded: the param's index in ``state_dict()``
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _model_space(optimizer, named_parameters) -> tuple[list[_Held], list[tuple], dict | None]:
+    """``(held, every, full)``: ``held`` per param this rank holds, ``every`` is ``(name, shape, group)`` per
+    trainable param of the model, ``full`` the unsharded optimizer's ``state_dict()`` (None when sharded).
+
+    A ``ShardedMixedPrecisionOptimizer`` is read through ``model_space()`` (its pieces and their torch state);
+    every other ``MixedPrecisionOptimizer`` (exact or fused) through its ``state_dict()``, which all of them
+    write in one format, and loaded through ``load_state_dict()``.
     """
     if isinstance(optimizer, ShardedMixedPrecisionOptimizer):
         space = list(optimizer.model_space())
-        held = [(n, s, g, piece.lo, p, piece.lo == 0) for n, s, g, piece, p in space if piece is not None]
-        return held, [(n, s, g) for n, s, g, _, _ in space], True
+        held = [
+            _Held(n, tuple(s), g, piece.lo, p, optimizer.state.get(p, {}), piece.lo == 0, None)
+            for n, s, g, piece, p in space
+            if piece is not None
+        ]
+        return held, [(n, tuple(s), g) for n, s, g, _, _ in space], None
     if not isinstance(optimizer, MixedPrecisionOptimizer):
         raise ValueError(
             f"expected a ShardedMixedPrecisionOptimizer or MixedPrecisionOptimizer, got {type(optimizer).__name__}"
         )
-    if optimizer.impl != "torch":
-        # its state lives in flat buffers, not in a torch optimizer's ``state`` keyed by the masters
-        raise ValueError(
-            f"halfprec.distributed.checkpoint does not take the fused {type(optimizer).__name__} yet; save it with "
-            "Engine.save_checkpoint or torch.save(optimizer.state_dict()), or build it with impl='torch'"
-        )
     if named_parameters is None:
         raise ValueError("a MixedPrecisionOptimizer checkpoint is keyed by name: pass named_parameters=model")
-    # the inner optimizer's params (masters, or fp32 params that are their own) pair with the model's params
-    inner = [p for g in optimizer.param_groups for p in g["params"]]
+    full = optimizer.state_dict()
     model = optimizer.model_params()
+    index = {id(p): k for k, p in enumerate(model)}
     names, params, groups = named_trainable(_Groups(model, optimizer.param_groups), named_parameters)
-    master_of = {id(m): i for m, i in zip(model, inner, strict=True)}
-    held = [(n, p.shape, g, 0, master_of[id(p)], True) for n, p, g in zip(names, params, groups, strict=True)]
-    return held, [(n, s, g) for n, s, g, *_ in held], False
+    held = []
+    for name, p, group in zip(names, params, groups, strict=True):
+        k = index[id(p)]
+        master = full["masters"].get(k, p).detach()  # fp32 params are their own masters
+        held.append(
+            _Held(name, tuple(p.shape), group, 0, master, full["optimizer"]["state"].get(k, {}), True, k)
+        )
+    return held, [(h.name, h.shape, h.group) for h in held], full
 
 
-def _set_counters(optimizer, sharded: bool, scaler_state: dict, skipped: int) -> None:
-    """Set the loss scaler's state and the skipped-step counter, once masters, state and groups are in place.
-
-    Sharded: ``restore_counters`` (it also rounds the masters into the model). Unsharded: the optimizer's own
-    ``load_state_dict`` sets its counters and scaler and rounds the masters into the model.
-    """
-    if sharded:
-        optimizer.restore_counters(scaler_state, skipped)
-    else:
-        full = optimizer.state_dict()
-        full["scaler"], full["skipped_steps"] = scaler_state, skipped
-        optimizer.load_state_dict(full)
-
-
-# --- what a checkpoint holds ------------------------------------------------------------------------------
 class _Groups:
-    """The model's params arranged in the inner optimizer's groups (what ``named_trainable`` walks)."""
+    """The model's params arranged in the optimizer's groups (what ``named_trainable`` walks)."""
 
     def __init__(self, model: list, groups: list[dict]) -> None:
         it = iter(model)
         self.param_groups = [{"params": [next(it) for _ in g["params"]]} for g in groups]
 
 
-def _global_items(optimizer, entries_all: list) -> dict[str, torch.Tensor]:
-    items: dict[str, torch.Tensor] = {"format/version": torch.tensor(FORMAT_VERSION, dtype=torch.int64)}
+def _plan(held: list[_Held], state_keys) -> list[tuple[str, _Held, str | None, bool]]:
+    """The items of the held params: ``(item, param, state key or None for the master, elementwise)``, the state
+    keys and whether each is elementwise given by ``state_keys(param)`` (the live state on save, the file on
+    load). A zero-element param has no items: its state stays as it is."""
+    plan = []
+    for h in held:
+        if h.numel:
+            plan.append((f"master/{h.name}", h, None, True))
+            plan += [(f"state/{h.name}/{key}", h, key, elementwise) for key, elementwise in state_keys(h)]
+    return plan
+
+
+# --- what a checkpoint holds besides the params ----------------------------------------------------------
+def _global_items(optimizer, every: list) -> dict[str, torch.Tensor]:
+    one = torch.tensor(1, dtype=torch.int64)
+    items: dict[str, torch.Tensor] = {
+        "format/version": torch.tensor(FORMAT_VERSION, dtype=torch.int64),
+        # which optimizer and loss scaler wrote it, in the item names (items are tensors only)
+        f"kind/optimizer/{optimizer.algorithm()}": one,
+        f"kind/scaler/{type(optimizer.loss_scaler).__name__}": one,
+    }
     for gi, group in enumerate(optimizer.param_groups):
         for key, value in group.items():
             tensor = _hparam_tensor(value)
             if key not in ("params", "param_names") and tensor is not None:
                 items[f"hparam/{gi}/{key}"] = tensor
-    for key, value in optimizer.loss_scaler.state_dict().items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            dtype = torch.int64 if isinstance(value, int) else torch.float64
-            items[f"scaler/{key}"] = torch.tensor(value, dtype=dtype)
+    for key, value in _scaler_numbers(optimizer.loss_scaler.state_dict()).items():
+        dtype = torch.int64 if isinstance(value, int) else torch.float64
+        items[f"scaler/{key}"] = torch.tensor(value, dtype=dtype)
     items["counters/skipped_steps"] = torch.tensor(optimizer.skipped_steps, dtype=torch.int64)
-    for name, shape, group in entries_all:
+    for name, shape, group in every:
         items[f"shape/{name}"] = torch.tensor(list(shape), dtype=torch.int64)
         items[f"group/{name}"] = torch.tensor(group, dtype=torch.int64)
     return items
+
+
+def _scaler_numbers(state: dict[str, Any]) -> dict[str, int | float]:
+    return {k: v for k, v in state.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _hparam_tensor(value: Any) -> torch.Tensor | None:
@@ -167,63 +205,57 @@ def _hparam_tensor(value: Any) -> torch.Tensor | None:
 
 # --- save -------------------------------------------------------------------------------------------------
 def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None) -> Path:
-    """Write ``optimizer`` (sharded or not) to the directory ``path``, atomically. Collective when distributed.
+    """Write ``optimizer`` (any ``MixedPrecisionOptimizer``: exact, fused or sharded) to the directory ``path``,
+    atomically. Collective when distributed.
 
-    ``named_parameters`` (the model) is needed for a ``MixedPrecisionOptimizer``. Returns ``path``.
+    ``named_parameters`` (the model) is needed for an unsharded optimizer. Returns ``path``.
     """
     path = Path(path)
     group = getattr(optimizer, "process_group", process_group)
     rank = _rank(group)
-    entries, every, sharded = _model_space(optimizer, named_parameters)
+    held, every, full = _model_space(optimizer, named_parameters)
     state_dict: dict[str, torch.Tensor] = {}
     chunks: dict[str, tuple[int, int]] = {}
-    writes_replicated = rank == 0 or sharded  # unsharded: every rank holds the same; rank 0 writes it
-    for name, shape, _group, lo, tensor, scalars in entries if writes_replicated else []:
-        numel = math.prod(shape)
-        if numel == 0:
-            continue
-        key = f"master/{name}"
-        state_dict[key] = tensor.detach().reshape(-1)
-        chunks[key] = (lo, numel)
-        for skey, value in optimizer.state.get(tensor, {}).items():
-            item = f"state/{name}/{skey}"
-            if not torch.is_tensor(value):
-                raise ValueError(
-                    f"optimizer state {skey!r} of {name!r} is a {type(value).__name__}, not a tensor; halfprec "
-                    "checkpoints hold tensors only"
-                )
-            if is_elementwise(skey, value, tensor.shape):
-                state_dict[item] = value.detach().reshape(-1)
-                chunks[item] = (lo, numel)
-            elif value.dim() == 0:
-                if scalars:
-                    state_dict[item] = value.detach()
-            else:
-                raise ValueError(
-                    f"optimizer state {skey!r} of {name!r} has shape {tuple(value.shape)}: not elementwise"
-                )
+    # unsharded: every rank holds the same; rank 0 writes it
+    for item, h, key, elementwise in _plan(held if rank == 0 or full is None else [], _live_keys):
+        value = (h.master if key is None else h.state[key]).detach()
+        if elementwise:
+            state_dict[item] = value.reshape(-1)
+            chunks[item] = (h.lo, h.numel)
+        elif h.scalars:
+            state_dict[item] = value
     if rank == 0:
         state_dict.update(_global_items(optimizer, every))
     tmp = path.with_name(path.name + ".tmp")
     with contextlib.ExitStack() as hold:
         if rank == 0:
             _fresh_tmp(tmp, path)
-            hold.enter_context(held(tmp))  # until committed: no other save takes it for a leftover
+            hold.enter_context(held_dir(tmp))  # until committed: no other save takes it for a leftover
         _barrier(group)
-        with _quiet_single_process():
-            dcp.save(
-                state_dict,
-                storage_writer=FileSystemWriter(str(tmp)),
-                planner=ChunkSavePlanner(chunks),
-                process_group=group,
-                no_dist=not _distributed(),
-            )
+        _run_dcp(state_dict, group, FileSystemWriter(str(tmp)), ChunkSavePlanner(chunks))
         _barrier(group)
         if rank == 0:
             _write_manifest(tmp)
             commit(tmp, path)
     _barrier(group)
     return path
+
+
+def _live_keys(h: _Held) -> list[tuple[str, bool]]:
+    keys = []
+    for key, value in h.state.items():
+        if not torch.is_tensor(value):
+            raise ValueError(
+                f"optimizer state {key!r} of {h.name!r} is a {type(value).__name__}, not a tensor; halfprec "
+                "checkpoints hold tensors only"
+            )
+        elementwise = is_elementwise(key, value, h.master.shape)
+        if not elementwise and value.dim() != 0:
+            raise ValueError(
+                f"optimizer state {key!r} of {h.name!r} has shape {tuple(value.shape)}: not elementwise"
+            )
+        keys.append((key, elementwise))
+    return keys
 
 
 def _fresh_tmp(tmp: Path, path: Path) -> None:
@@ -247,7 +279,16 @@ def _write_manifest(tmp: Path) -> None:
 
 # --- load -------------------------------------------------------------------------------------------------
 def load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None) -> None:
-    """Load a checkpoint written at any world size into ``optimizer`` (sharded or not). Collective when distributed."""
+    """Load a checkpoint written at any world size into ``optimizer`` (any ``MixedPrecisionOptimizer``).
+    Collective when distributed. Everything is read and checked before the first write: a failed load changes
+    nothing."""
+    staged_load(optimizer, path, named_parameters=named_parameters, process_group=process_group)()
+
+
+def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None):
+    """Read and check the checkpoint at ``path`` for ``optimizer`` (collective when distributed); return the
+    function that applies it. Raises (ValueError, or CheckpointError for unreadable files) before anything of
+    ``optimizer`` changes, so a caller can check several parts of a checkpoint before applying any."""
     path = located(Path(path))  # a replace that died midway left the previous checkpoint aside
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(
@@ -257,51 +298,54 @@ def load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
     metadata = read_metadata(path)
     saved = metadata.state_dict_metadata
     refuse_bytes(metadata, saved.keys())
-    version = saved.get("format/version")
-    if version is None:
+    if saved.get("format/version") is None:
         raise ValueError(f"{path} is not a halfprec optimizer checkpoint (no format/version item)")
-    entries, every, sharded = _model_space(optimizer, named_parameters)
+    held, every, full = _model_space(optimizer, named_parameters)
     _check_names(path, saved, every)
-
+    _check_kinds(path, saved, optimizer)
     state_dict: dict[str, torch.Tensor] = {}
     chunks: dict[str, int] = {}
-    plans = []  # (tensor, {key: item name})
-    for name, shape, _group, lo, tensor, _ in entries:
-        numel = math.prod(shape)
-        if numel == 0:
-            continue
-        key = f"master/{name}"
-        state_dict[key] = torch.empty(tensor.numel(), dtype=torch.float32)
-        chunks[key] = lo
-        wanted = {}
-        prefix = f"state/{name}/"
-        for item, md in saved.items():
-            if not item.startswith(prefix):
-                continue
-            skey = item[len(prefix) :]
-            if tuple(md.size) == (numel,):
-                state_dict[item] = torch.empty(tensor.numel(), dtype=md.properties.dtype)
-                chunks[item] = lo
-            else:
-                state_dict[item] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-            wanted[skey] = item
-        plans.append((name, shape, tensor, wanted))
+    plan = _plan(held, lambda h: _saved_keys(path, saved, h))
+    for item, h, _key, elementwise in plan:
+        dtype = saved[item].properties.dtype
+        if elementwise:
+            state_dict[item] = torch.empty(h.master.numel(), dtype=dtype)
+            chunks[item] = h.lo
+        else:
+            state_dict[item] = torch.empty((), dtype=dtype)
     for item, md in saved.items():
         if item.startswith(("hparam/", "scaler/", "counters/", "group/", "shape/")):
             state_dict[item] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    with _quiet_single_process():
-        dcp.load(
-            state_dict,
-            storage_reader=SafeFileSystemReader(str(path)),
-            planner=ChunkLoadPlanner(chunks),
-            process_group=group,
-            no_dist=not _distributed(),
-        )
-    _apply(optimizer, sharded, state_dict, plans, set(chunks), path)
+    _run_dcp(state_dict, group, SafeFileSystemReader(str(path)), ChunkLoadPlanner(chunks))
+    loaded = _Loaded(path, state_dict)
+    loaded.check_params(held, len(optimizer.param_groups))
+    hparams = loaded.hparams(optimizer.param_groups)
+    scaler_state = loaded.scaler_state(optimizer.loss_scaler)
+    skipped = loaded.skipped_steps()
+    keys: dict[int, list[tuple[str, bool]]] = {id(h): [] for h in held}
+    for _, h, key, elementwise in plan:
+        if key is not None:
+            keys[id(h)].append((key, elementwise))
+    states = {id(h): loaded.state_of(h, keys[id(h)]) for h in held}
+    if full is None:
+        return lambda: _apply_sharded(optimizer, held, loaded, states, hparams, scaler_state, skipped)
+    for h in held:
+        if h.numel and h.index in full["masters"]:
+            full["masters"][h.index] = loaded.master(h)
+        if h.numel and states[id(h)]:
+            full["optimizer"]["state"][h.index] = states[id(h)]
+        elif h.numel:
+            full["optimizer"]["state"].pop(h.index, None)
+    for gi, values in enumerate(hparams):
+        full["optimizer"]["param_groups"][gi].update(values)
+    full["scaler"], full["skipped_steps"] = scaler_state, skipped
+    optimizer.check_state_dict(full)
+    own = [(h.index, loaded.master(h)) for h in held if h.numel and h.index not in full["masters"]]
+    return lambda: _apply_unsharded(optimizer, full, own)
 
 
-def _check_names(path: Path, saved: dict, names: list) -> None:
-    mine = {n: (s, g) for n, s, g in names if math.prod(s) > 0}
+def _check_names(path: Path, saved: dict, every: list) -> None:
+    mine = {n: (s, g) for n, s, g in every if math.prod(s) > 0}
     theirs = {k[len("master/") :] for k in saved if k.startswith("master/")}
     missing, extra = sorted(set(mine) - theirs), sorted(theirs - set(mine))
     if missing or extra:
@@ -315,43 +359,143 @@ def _check_names(path: Path, saved: dict, names: list) -> None:
             )
 
 
+def _check_kinds(path: Path, saved: dict, optimizer) -> None:
+    """The optimizer and loss scaler that wrote ``path`` are of this optimizer's kinds (ValueError)."""
+    kinds = {k.split("/")[1]: k.split("/", 2)[2] for k in saved if k.startswith("kind/")}
+    groups: dict[
+        int, dict[str, None]
+    ] = {}  # saved numeric hyper-parameter names per group (older checkpoints)
+    for item in saved:
+        if item.startswith("hparam/"):
+            _, gi, key = item.split("/", 2)
+            groups.setdefault(int(gi), {})[key] = None
+    numeric = {k for g in optimizer.param_groups for k, v in g.items() if _hparam_tensor(v) is not None}
+    optimizer.check_algorithm(
+        kinds.get("optimizer"),
+        [{**g, **{k: None for k in optimizer.defaults if k not in numeric}} for g in groups.values()],
+        where=f"checkpoint {path}",
+    )
+    scaler = kinds.get("scaler")
+    if scaler is None:  # older checkpoints: a scaler of another kind has other numeric fields
+        mine = _scaler_numbers(optimizer.loss_scaler.state_dict())
+        theirs = {k[len("scaler/") :] for k in saved if k.startswith("scaler/")}
+        scaler = (
+            type(optimizer.loss_scaler).__name__ if theirs == set(mine) else f"a scaler with {sorted(theirs)}"
+        )
+    try:
+        optimizer.loss_scaler.check_state_dict({"type": scaler})
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path}: {e}") from e
+
+
+def _saved_keys(path: Path, saved: dict, h: _Held) -> list[tuple[str, bool]]:
+    """The state keys saved for ``h`` and whether each is elementwise (ValueError for any other shape)."""
+    prefix, keys = f"state/{h.name}/", []
+    for item, md in saved.items():
+        if item.startswith(prefix):
+            size = tuple(md.size)
+            if size not in ((h.numel,), ()):
+                raise ValueError(f"{path}: {item} has shape {list(size)}, expected [{h.numel}] or a scalar")
+            keys.append((item[len(prefix) :], size == (h.numel,)))
+    return keys
+
+
+class _Loaded:
+    """The items read from a checkpoint, checked and turned into what the optimizer loads (no writes)."""
+
+    def __init__(self, path: Path, items: dict[str, torch.Tensor]) -> None:
+        self.path, self.items = path, items
+
+    def check_params(self, held: list[_Held], groups: int) -> None:
+        saved_groups = {int(k.split("/")[1]) for k in self.items if k.startswith("hparam/")}
+        if saved_groups and max(saved_groups) + 1 != groups:
+            raise ValueError(
+                f"{self.path} has {max(saved_groups) + 1} param groups, this optimizer {groups}: build the "
+                "optimizer with the param groups it was saved with"
+            )
+        for h in held:
+            shape = tuple(self.items[f"shape/{h.name}"].tolist())
+            if shape != h.shape:
+                raise ValueError(
+                    f"{self.path}: param {h.name!r} was saved with shape {list(shape)}, here {list(h.shape)}"
+                )
+            group = int(self.items[f"group/{h.name}"])
+            if group != h.group:
+                raise ValueError(
+                    f"{self.path}: param {h.name!r} was saved in param group {group}, it is in group {h.group} here"
+                )
+
+    def hparams(self, param_groups: list[dict]) -> list[dict[str, Any]]:
+        out = []
+        for gi, group in enumerate(param_groups):
+            values = {}
+            for key, live in group.items():
+                item = self.items.get(f"hparam/{gi}/{key}")
+                if item is not None:
+                    try:
+                        values[key] = _restore_hparam(live, item)
+                    except (ValueError, TypeError) as e:
+                        raise ValueError(
+                            f"{self.path}: hparam/{gi}/{key} {item.tolist()} does not fit {live!r}"
+                        ) from e
+            out.append(values)
+        return out
+
+    def scaler_state(self, scaler) -> dict[str, Any]:
+        state = scaler.state_dict()
+        for key, value in state.items():
+            if f"scaler/{key}" in self.items:
+                state[key] = _number(value, self.items[f"scaler/{key}"].item())
+        try:
+            copy.deepcopy(scaler).load_state_dict(state)  # its own checks, on a copy: nothing changes here
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from e
+        return state
+
+    def skipped_steps(self) -> int:
+        value = self.items.get("counters/skipped_steps")
+        if value is None or value.dtype != torch.int64 or value.dim() or int(value) < 0:
+            raise ValueError(f"{self.path}: counters/skipped_steps is missing or not a non-negative integer")
+        return int(value)
+
+    def master(self, h: _Held) -> torch.Tensor:
+        return self.items[f"master/{h.name}"].view(h.master.shape)
+
+    def state_of(self, h: _Held, keys: list[tuple[str, bool]]) -> dict[str, torch.Tensor]:
+        return {
+            key: self.items[f"state/{h.name}/{key}"].view(h.master.shape) if elementwise
+            else self.items[f"state/{h.name}/{key}"]
+            for key, elementwise in keys
+        }  # fmt: skip
+
+
 @torch.no_grad()
-def _apply(
-    optimizer, sharded: bool, loaded: dict[str, torch.Tensor], plans: list, chunked: set, path: Path
-) -> None:
-    for name, shape, tensor, wanted in plans:
-        if tuple(loaded[f"shape/{name}"].tolist()) != tuple(shape):
-            raise ValueError(
-                f"{path}: param {name!r} was saved with shape {loaded[f'shape/{name}'].tolist()}"
-            )
-        tensor.copy_(loaded[f"master/{name}"].view(tensor.shape))
-        group = optimizer.param_groups[int(loaded[f"group/{name}"])]
-        if not any(p is tensor for p in group["params"]):
-            raise ValueError(
-                f"{path}: param {name!r} was saved in param group {int(loaded[f'group/{name}'])}"
-            )
+def _apply_sharded(optimizer, held, loaded, states, hparams, scaler_state, skipped) -> None:
+    for h in held:
+        if not h.numel:
+            continue
+        h.master.copy_(loaded.master(h))
+        group = optimizer.param_groups[h.group]
         on_device = group.get("capturable", False) or group.get("fused", False)
-        state = {}
-        for skey, item in wanted.items():
-            value = loaded[item]
-            if item in chunked:
-                state[skey] = value.view(tensor.shape).to(tensor.device)
-            else:
-                state[skey] = value.to(tensor.device if on_device else "cpu")
+        state = {
+            key: value.to(h.master.device if value.dim() or on_device else "cpu")
+            for key, value in states[id(h)].items()
+        }
         if state:
-            optimizer.state[tensor] = state
+            optimizer.state[h.master] = state
         else:
-            optimizer.state.pop(tensor, None)
-    for gi, group in enumerate(optimizer.param_groups):
-        for key in list(group):
-            item = f"hparam/{gi}/{key}"
-            if item in loaded:
-                group[key] = _restore_hparam(group[key], loaded[item])
-    scaler_sd = optimizer.loss_scaler.state_dict()
-    for key, value in scaler_sd.items():
-        if f"scaler/{key}" in loaded:
-            scaler_sd[key] = _number(value, loaded[f"scaler/{key}"].item())
-    _set_counters(optimizer, sharded, scaler_sd, int(loaded["counters/skipped_steps"]))
+            optimizer.state.pop(h.master, None)
+    for group, values in zip(optimizer.param_groups, hparams, strict=True):
+        group.update(values)
+    optimizer.restore_counters(scaler_state, skipped)
+
+
+@torch.no_grad()
+def _apply_unsharded(optimizer, full: dict[str, Any], own: list[tuple[int, torch.Tensor]]) -> None:
+    optimizer.load_state_dict(full)
+    params = optimizer.model_params()
+    for index, value in own:  # fp32 params, their own masters
+        params[index].copy_(value)
 
 
 def _restore_hparam(live: Any, saved: torch.Tensor) -> Any:

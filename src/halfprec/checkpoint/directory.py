@@ -46,6 +46,9 @@ __all__ = [
     "stage",
     "seal",
     "publish",
+    "save_pt",
+    "writing",
+    "read_latest",
 ]
 
 LATEST = "latest"
@@ -187,6 +190,11 @@ def prepare(
     published tag is immutable. A replace of this tag that died midway is undone first (``atomic.recover``), and
     the leftovers of killed saves that no live process holds are removed (:func:`_remove_leftovers`).
     """
+    if not os.fspath(directory):
+        raise ValueError(
+            "checkpoint directory is '' (it would write into the current directory); pass a directory such as "
+            "'checkpoints' (or '.' to mean the current directory)"
+        )
     root = Path(directory)
     final = root / check_tag(tag)
     if keep_last is not None and (
@@ -264,11 +272,36 @@ def stage(tmp: Path, *, weights: dict[str, torch.Tensor] | None, files: dict[str
 
     if weights is not None:
         stored, ties = _split_ties(weights)
-        save_file(stored, str(tmp / "model.safetensors"), metadata={"format": "pt", "ties": json.dumps(ties)})
+        file = tmp / "model.safetensors"
+        with writing(file):
+            save_file(stored, str(file), metadata={"format": "pt", "ties": json.dumps(ties)})
         # safetensors writes 0600; every other file gets the mode the umask gives
-        os.chmod(tmp / "model.safetensors", file_mode(tmp))
+        os.chmod(file, file_mode(tmp))
     for name, obj in files.items():
-        torch.save(obj, tmp / f"{name}.pt")
+        save_pt(obj, tmp / f"{name}.pt")
+
+
+def save_pt(obj: Any, file: Path) -> None:
+    """``torch.save(obj, file)``, through a Python file object so that a full disk or a file-size limit surfaces
+    as the OS error (torch's own writer reports it as ``unexpected pos 2560 vs 2452``), named by :func:`writing`."""
+    with writing(file), open(file, "wb") as f:
+        torch.save(obj, f)
+
+
+@contextlib.contextmanager
+def writing(file: Path) -> Iterator[None]:
+    """Turn a failed write of ``file`` into a CheckpointError that names the file and the OS error under it."""
+    try:
+        yield
+    except Exception as e:
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        reason = f"{type(cause).__name__}: {cause}" if cause is not None else f"{type(e).__name__}: {e}"
+        raise CheckpointError(
+            f"cannot write checkpoint file {file}: {reason}; nothing was published (free space or raise the "
+            "file-size limit, then save again)"
+        ) from e
 
 
 def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
@@ -288,7 +321,7 @@ def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
             ties = json.loads((f.metadata() or {}).get("ties", "{}"))
     manifest = {"format": FORMAT, "layout": ENGINE, "tag": tag, "ties": ties, "files": entries, **info}
     manifest["manifest_sha256"] = _manifest_digest(manifest)
-    with open(tmp / MANIFEST, "w") as f:
+    with writing(tmp / MANIFEST), open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
@@ -321,13 +354,23 @@ def publish(root: Path, tag: str, keep_last: int | None) -> None:
 def _published(root: Path) -> list[str]:
     """Tags in publication order, the one ``latest`` names last. A directory written before the log existed
     gets the rule that wrote it: its checkpoints up to ``latest``'s step were published, in step order."""
-    pointer = root / LATEST
-    latest = pointer.read_text().strip() if pointer.exists() else None
+    latest = read_latest(root)
+    if latest is not None and not _TAG.fullmatch(latest):
+        latest = None  # a damaged pointer names no tag; this save replaces it
     try:
         tags = [line.strip() for line in (root / PUBLISHED).read_text().splitlines() if line.strip()]
     except OSError:
         tags = _legacy_published(root, latest)
     return [t for t in tags if t != latest] + ([latest] if latest else [])
+
+
+def read_latest(root: Path) -> str | None:
+    """The text of ``<root>/latest`` (None when there is none). Bytes that are not UTF-8 (a damaged pointer) come
+    back as U+FFFD, which no tag holds, so that the caller's tag check names the damage."""
+    try:
+        return (root / LATEST).read_bytes().decode(errors="replace").strip()
+    except FileNotFoundError:
+        return None
 
 
 def _legacy_published(root: Path, latest: str | None) -> list[str]:

@@ -17,6 +17,7 @@ import torch
 
 from . import read as ckpt
 from .atomic import file_mode, fsync_path, held, remove_leftovers, unique_suffix
+from .directory import writing
 from .formats import DCP, ENGINE_SHARDED, layout_of
 
 __all__ = ["consolidated_weights", "export", "describe"]
@@ -84,7 +85,8 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp3
     try:
         with held(tmp):
             file = tmp / out.name
-            save_file(weights, str(file), metadata={"format": "pt", "source": str(path), "dtype": dtype})
+            with writing(file):
+                save_file(weights, str(file), metadata={"format": "pt", "source": str(path), "dtype": dtype})
             os.chmod(file, file_mode(tmp))  # safetensors writes 0600; checkpoint files follow the umask
             fsync_path(file)
             os.replace(file, out)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .atomic import located
-from .directory import LATEST, CheckpointError, _digest, _manifest_digest, check_tag
+from .directory import LATEST, CheckpointError, _digest, _manifest_digest, check_tag, read_latest
 from .formats import DCP_FORMAT, FORMAT, LEGACY_FORMATS, MANIFEST, layout_of
 
 __all__ = ["resolve", "read_manifest", "load_weights", "load_pt"]
@@ -51,7 +51,7 @@ def resolve(directory: str | os.PathLike, tag: str | None = None, *, tag_option:
                 f"no checkpoint in {root}: {pointer} does not exist; pass {tag_option} with one of: "
                 f"{', '.join(tags)}"
             )
-        tag = pointer.read_text().strip()
+        tag = read_latest(root)
         try:
             check_tag(tag)
         except ValueError as e:
@@ -117,9 +117,13 @@ def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
 
 def load_weights(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The model state dict, ties restored (an alias is the same tensor object as its stored name)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    weights = load_file(str(path / "model.safetensors"))
+    try:
+        weights = load_file(str(path / "model.safetensors"))
+    except SafetensorError as e:
+        raise CheckpointError(f"cannot read {path / 'model.safetensors'}: {e}") from e
     for alias, name in manifest.get("ties", {}).items():
         weights[alias] = weights[name]
     return weights

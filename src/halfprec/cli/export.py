@@ -45,6 +45,18 @@ def _path(args: argparse.Namespace) -> Path:
     return ckpt.resolve(Path(args.checkpoint), args.tag, tag_option="--tag")
 
 
+def _bad_checkpoint() -> tuple[type[BaseException], ...]:
+    """What reading a bad checkpoint raises: halfprec's errors, and those of the readers under them (a damaged
+    safetensors file, DCP metadata that is not DCP's, DCP data files that do not match their metadata)."""
+    import pickle
+
+    from safetensors import SafetensorError
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (ckpt.CheckpointError, ValueError, OSError, EOFError, pickle.UnpicklingError, SafetensorError,
+            CheckpointException)  # fmt: skip
+
+
 def _fail(command: str, error: Exception) -> int:
     message = " ".join(str(error).split())  # one line, whatever the exception's text holds
     print(f"halfprec {command}: error: {message}", file=sys.stderr)
@@ -54,7 +66,7 @@ def _fail(command: str, error: Exception) -> int:
 def run_export(args: argparse.Namespace) -> int:
     try:
         out = export(_path(args), args.out, dtype=args.dtype)
-    except (ckpt.CheckpointError, ValueError, OSError) as e:
+    except _bad_checkpoint() as e:
         return _fail("export", e)
     print(f"wrote {out}")
     return 0
@@ -63,7 +75,7 @@ def run_export(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     try:
         rows = describe(_path(args))
-    except (ckpt.CheckpointError, ValueError, OSError) as e:
+    except _bad_checkpoint() as e:
         return _fail("inspect", e)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -33,6 +33,7 @@ The wrapped optimizer is never stepped on construction and its math is never cha
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from typing import Any
 
@@ -343,6 +344,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             )
         self._check_compatible(state_dict["params"])
         check_saved_groups(state_dict, self.param_groups, self.loss_scaler)
+        self.check_algorithm(state_dict.get("algorithm"), state_dict["optimizer"]["param_groups"])
+        self.check_state_values(state_dict)
 
     def _check_compatible(self, saved: list[dict[str, Any]]) -> None:
         mine = self._param_entries()
@@ -490,6 +493,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         params = self._index_params()
         out = {
             "format": self._FORMAT,
+            "algorithm": self.algorithm(),
             "optimizer": self.optimizer.state_dict(),
             "masters": {i: p.detach() for i, p in enumerate(params) if p in masters},
             "params": self._param_entries(),
@@ -516,6 +520,61 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
 
     def __repr__(self) -> str:
         return f"MixedPrecisionOptimizer({self.optimizer!r}, loss_scaler={self.loss_scaler!r})"
+
+    # --- checkpoint checks: which optimizer a state belongs to -------------------------------------------
+    def algorithm(self) -> str:
+        """The torch optimizer whose update this one runs (``"AdamW"``, ``"SGD"``; ``FusedAdamW`` runs
+        ``"AdamW"``): what checkpoints record, so that a load refuses another optimizer's state."""
+        return type(self if self.optimizer is None else self.optimizer).__name__.removeprefix("Fused")
+
+    def check_algorithm(
+        self, saved: str | None, groups: list[dict[str, Any]], where: str = "state dict"
+    ) -> None:
+        """Raise ValueError when a checkpoint's state is another optimizer's: ``saved`` is the algorithm it
+        recorded (None in checkpoints that predate the record: then its param groups must hold every
+        hyper-parameter of this optimizer's ``defaults``, which another algorithm's groups do not)."""
+        mine = self.algorithm()
+        if saved is None:
+            # flags torch added over its versions (its __setstate__ fills them in): not an algorithm's own
+            keys = set(self.defaults) - {"foreach", "fused", "capturable", "differentiable", "maximize",
+                                         "decoupled_weight_decay"}  # fmt: skip
+            missing = sorted({k for g in groups for k in keys if k not in g})
+            if not missing:
+                return
+            saved = f"an optimizer without {missing}"
+        if saved != mine:
+            raise ValueError(
+                f"the {where} was saved by {saved}, this optimizer is {mine}: another optimizer's state cannot be "
+                "loaded (its moments would be misread); build the optimizer it was saved with, or load only the "
+                "weights"
+            )
+
+    def check_state_values(self, state_dict: dict[str, Any]) -> None:
+        """Raise ValueError unless the values a load writes fit: one floating master of its param's shape for each
+        param that has a master, a non-negative int of skipped steps, a loss-scaler state that this scaler takes.
+        Checked before the first write, so that a failed load changes nothing."""
+        entries = self._param_entries()
+        want = [i for i, entry in enumerate(entries) if entry["master"]]
+        masters = state_dict.get("masters")
+        if not isinstance(masters, dict) or sorted(int(k) for k in masters) != want:
+            found = sorted(int(k) for k in masters) if isinstance(masters, dict) else type(masters).__name__
+            raise ValueError(
+                f"state dict holds masters of params {found}, this optimizer has masters of {want}"
+            )
+        for k, value in masters.items():
+            if (
+                not (torch.is_tensor(value) and value.is_floating_point())
+                or list(value.shape) != entries[int(k)]["shape"]
+            ):
+                shape = list(value.shape) if torch.is_tensor(value) else type(value).__name__
+                raise ValueError(
+                    f"state dict's master of param {k} is {shape}, expected a floating tensor of shape "
+                    f"{entries[int(k)]['shape']}"
+                )
+        skipped = state_dict.get("skipped_steps")
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise ValueError(f"state dict's skipped_steps must be a non-negative int, got {skipped!r}")
+        copy.deepcopy(self.loss_scaler).load_state_dict(state_dict["scaler"])  # its checks, on a copy
 
 
 def _role(entry: dict[str, Any]) -> str:
