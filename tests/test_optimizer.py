@@ -15,6 +15,7 @@ import halfprec
 from halfprec import DynamicLossScaler, MixedPrecisionOptimizer, StaticLossScaler
 
 from .reference import assert_same_state, fp32_copy, grads_like, make_model, set_scaled_grads
+from .tolerances import tol
 
 LOW = [torch.float16, torch.bfloat16]
 
@@ -512,7 +513,9 @@ def test_backward_scales_the_loss():
     mp.backward(model(x).float().sum())
     for p, e, u in zip(model.parameters(), expected, unscaled, strict=True):
         assert torch.equal(p.grad, e)
-        assert torch.allclose(p.grad.float(), u.float() * 16, rtol=1e-2, atol=1e-3)  # grad * scale
+        torch.testing.assert_close(
+            p.grad.float(), u.float() * 16, **tol("fp16_scaled_backward", torch.float16)
+        )
 
 
 def test_default_scalers():
