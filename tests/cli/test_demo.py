@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from halfprec.cli import demo
-from halfprec.cli.demo_data import load_corpus, stdlib_files
-from halfprec.cli.demo_model import GPT, GPTConfig
 
 pytest.importorskip("tqdm")
 pytest.importorskip("matplotlib")
@@ -43,69 +41,6 @@ def _spec(tmp_path, precision: str, **kw) -> demo.RunSpec:
     )  # fmt: skip
     fields.update(kw)
     return demo.RunSpec(**fields)
-
-
-# --- data ------------------------------------------------------------------------------------------------
-def test_corpus_split_is_deterministic_and_by_file():
-    a, b = load_corpus(max_bytes=3_000_000), load_corpus(max_bytes=3_000_000)
-    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
-    files = stdlib_files()[: a.n_files]
-    val = b"".join(p.read_bytes() for i, p in enumerate(files) if i % 10 == 9)
-    train = b"".join(p.read_bytes() for i, p in enumerate(files) if i % 10 != 9)
-    assert bytes(a.val.numpy()) == val and bytes(a.train.numpy()) == train
-    assert all("site-packages" not in p.parts for p in stdlib_files())
-
-
-def test_batches_are_a_function_of_seed_split_and_step():
-    c = load_corpus(max_bytes=1_000_000)
-    x, y = c.batch("train", step=5, batch_size=3, seq_len=17, seed=0)
-    x2, y2 = c.batch("train", step=5, batch_size=3, seq_len=17, seed=0)
-    assert x.shape == y.shape == (3, 17) and x.dtype == torch.int64
-    assert torch.equal(x, x2) and torch.equal(y, y2)
-    assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one byte
-    assert not torch.equal(x, c.batch("train", step=6, batch_size=3, seq_len=17, seed=0)[0])
-    assert not torch.equal(x, c.batch("train", step=5, batch_size=3, seq_len=17, seed=1)[0])
-    with pytest.raises(ValueError, match="split must be 'train' or 'val'"):
-        c.batch("test", step=0, batch_size=1, seq_len=4, seed=0)
-
-
-# --- model -----------------------------------------------------------------------------------------------
-def test_model_ties_head_to_embedding_and_is_causal():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, n_embd=8))
-    assert model.head.weight is model.tok_emb.weight
-    x = torch.randint(256, (2, 16))
-    logits = model(x)
-    assert logits.shape == (2, 16, 256)
-    x2 = x.clone()
-    x2[:, 10] = (x2[:, 10] + 1) % 256  # changing byte 10 must not change the predictions before it
-    assert torch.equal(model(x2)[:, :10], logits[:, :10])
-    assert not torch.equal(model(x2)[:, 10:], logits[:, 10:])
-
-
-def test_model_fp16_on_cpu_keeps_fp16_tensors_and_matches_fp32():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(seq_len=16, n_layer=1, n_embd=32))
-    x = torch.randint(256, (2, 16))
-    ref = model(x)
-    model.half()
-    out = model(x)
-    out.float().sum().backward()
-    assert out.dtype == torch.float16 and all(p.grad.dtype == torch.float16 for p in model.parameters())
-    # fp16 weights and activations: ~1e-3 relative rounding per op, a few ops deep.
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        (dict(n_head=3, n_embd=32), "n_head=3 must divide n_embd=32"),
-        (dict(n_layer=0), r"n_layer must be a positive int, got 0"),
-    ],
-)
-def test_model_config_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        GPTConfig(**kwargs)
 
 
 # --- training, in process (fast) ---------------------------------------------------------------------------

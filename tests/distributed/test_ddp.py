@@ -7,7 +7,7 @@ the world size in the param dtype, then summed in rank order), so the comparison
 from __future__ import annotations
 
 import torch
-from _compare import assert_same
+from _compare import assert_equal, assert_same, assert_steps, describe
 
 from conftest import DDP2, STEPS
 
@@ -16,15 +16,15 @@ def test_ddp_matches_oracle_bit_exact_with_clipping_accumulation_and_overflow(ru
     ranks = runs.two()
     for i, cfg in enumerate(DDP2):
         oracle = ranks[0]["ddp"][i]["oracle"]
-        for rank in ranks:
-            got = rank["ddp"][i]
-            assert_same(got["masters"], got["state"], oracle)
-            for name, ref in oracle["params"].items():
-                assert torch.equal(got["params"][name], ref), (cfg, name)
-            assert got["trace"]["skipped"] == oracle["skipped"], cfg
-            assert got["trace"]["scales"] == oracle["scales"], cfg
+        for r, rank in enumerate(ranks):
+            got, where = rank["ddp"][i], f"rank {r}, {cfg}"
+            assert_same(got["masters"], got["state"], oracle, where=where)
+            assert_equal(got["params"], oracle["params"], f"{where}: 16-bit params")
+            assert_steps(got["trace"]["skipped"], oracle["skipped"], "skipped", where)
+            assert_steps(got["trace"]["scales"], oracle["scales"], "loss scale", where)
             # DDP's averaged grads reach the same MixedPrecisionOptimizer arithmetic: the norms are equal too
-            assert _nan_equal(got["trace"]["norms"], oracle["norms"]), cfg
+            norms, ref = torch.tensor(got["trace"]["norms"]), torch.tensor(oracle["norms"])
+            assert describe(norms, ref) == "equal", f"{where}: grad norms per step: {describe(norms, ref)}"
 
 
 def test_ddp_overflow_on_one_rank_skips_on_every_rank(runs):
@@ -32,19 +32,21 @@ def test_ddp_overflow_on_one_rank_skips_on_every_rank(runs):
     i = next(i for i, c in enumerate(DDP2) if c.get("poison"))
     poisoned_step = DDP2[i]["poison"][0][0]
     expected = [s == poisoned_step for s in range(STEPS)]
-    for rank in ranks:
-        assert rank["ddp"][i]["trace"]["skipped"] == expected
-        assert rank["ddp"][i]["skipped_steps"] == 1
+    for r, rank in enumerate(ranks):
+        assert_steps(rank["ddp"][i]["trace"]["skipped"], expected, "skipped", f"rank {r}")
+        assert rank["ddp"][i]["skipped_steps"] == 1, (
+            f"rank {r}: skipped_steps {rank['ddp'][i]['skipped_steps']}"
+        )
     # the skip changed the scale identically everywhere (hysteresis=1: one backoff)
-    assert ranks[0]["ddp"][i]["trace"]["scales"] == ranks[1]["ddp"][i]["trace"]["scales"]
+    assert_steps(
+        ranks[1]["ddp"][i]["trace"]["scales"], ranks[0]["ddp"][i]["trace"]["scales"], "scale", "rank 1 vs 0"
+    )
 
 
 def test_ddp_unused_param_gets_no_state(runs):
     # DDP (find_unused_parameters=True) leaves grads of params unused on every rank as None: no update
-    for rank in runs.two():
+    for r, rank in enumerate(runs.two()):
         for i in range(len(DDP2)):
-            assert "unused" not in rank["ddp"][i]["state"]
-
-
-def _nan_equal(a: list, b: list) -> bool:
-    return torch.equal(torch.tensor(a).nan_to_num(1e30), torch.tensor(b).nan_to_num(1e30))
+            assert "unused" not in rank["ddp"][i]["state"], (
+                f"rank {r}, {DDP2[i]}: {rank['ddp'][i]['state']['unused']}"
+            )

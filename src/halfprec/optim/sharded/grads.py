@@ -101,12 +101,13 @@ class GradReducer:
         def hook(param: torch.Tensor) -> None:
             reducer = ref()
             if reducer is not None:
-                reducer._on_grad(i, param)
+                reducer.on_grad(i, param)
 
         return hook
 
     @torch.no_grad()
-    def _on_grad(self, i: int, param: torch.Tensor) -> None:
+    def on_grad(self, i: int, param: torch.Tensor) -> None:
+        """The grad hook of param ``i``: copy (and at a bucket's last grad, reduce) its grad."""
         if self.frozen:
             raise RuntimeError(
                 "a backward ran after unscale_() and before step(): its grads would not reach this step. Call "

@@ -10,7 +10,7 @@ import torch
 
 from halfprec import DynamicLossScaler, MixedPrecisionOptimizer, StaticLossScaler
 
-from .reference import assert_same_state, fp32_copy, make_model
+from ..reference import assert_same_state, fp32_copy, make_model
 
 LOW = [torch.float16, torch.bfloat16]
 
