@@ -41,9 +41,17 @@ def _lamb_stage_kernel(
     pid = tl.program_id(0)
     start, end, ps = _row(table_ptr, pscal_ptr, pid, True)
     if tl.load(ps + S.ACTIVE) != 0.0:
+        # every load before the first store (see update._update_kernel)
+        omb1 = tl.load(ps + S.OMB1)
+        b2 = tl.load(ps + S.BETA2)
+        omb2 = tl.load(ps + S.OMB2)
         offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
-        m, v = _adam_moments(m_ptr, v_ptr, offs, mask, g, ps + S.OMB1, ps + S.BETA2, ps + S.OMB2)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        m, v = _adam_moments(m, v, g, omb1, b2, omb2)
         u = _lamb_u(m, v, p, ps + S.STEP_SIZE, ps + S.BC2_SQRT, ps + S.EPS, ps + S.WD_RAW)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
         tl.store(part_ptr + pid * 2, tl.sum(p * p, axis=0))
         tl.store(part_ptr + pid * 2 + 1, tl.sum(u * u, axis=0))
 

@@ -81,13 +81,11 @@ def _lerp(a, b, w):
 
 
 @triton.jit
-def _adam_moments(m_ptr, v_ptr, offs, mask, g, omb1_ptr, b2_ptr, omb2_ptr):
-    # Adam's and LAMB's moments of one block, stored and returned; the scalars are pointers into the pscal row
-    m = _lerp(tl.load(m_ptr + offs, mask=mask, other=0.0), g, tl.load(omb1_ptr))
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0) * tl.load(b2_ptr)
-    v = v + (tl.load(omb2_ptr) * g) * g
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+def _adam_moments(m, v, g, omb1, b2, omb2):
+    # Adam's and LAMB's moments of one block (values in, values out: the kernels load and store them)
+    m = _lerp(m, g, omb1)
+    v = v * b2
+    v = v + (omb2 * g) * g
     return m, v
 
 
@@ -96,30 +94,50 @@ def _update_kernel(
     param_ptr, grad_ptr, master_ptr, a_ptr, b_ptr, table_ptr, pscal_ptr, scalars_ptr,
     S: tl.constexpr, KIND: tl.constexpr, PARAM: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # a, b: the state (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer; Adagrad: sum)
+    # a, b: the state (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer; Adagrad: sum). Each branch loads every
+    # scalar and state value before its first store: Triton cannot tell a store from the pscal row it would
+    # read next, so a load after a store waits for it (the Adam step ran 2.27 ms instead of 1.98 at 268M so)
     start, end, ps = _row(table_ptr, pscal_ptr, tl.program_id(0), ALIGNED)
     if tl.load(ps + S.ACTIVE) != 0.0:
         offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
         if KIND == _ADAM:
-            p = p * tl.load(ps + S.DECAY)  # decoupled decay (AdamW): 1 - lr * wd, else 1
-            g = g + p * tl.load(ps + S.WD)  # L2 decay (Adam): wd, else 0
-            m, v = _adam_moments(a_ptr, b_ptr, offs, mask, g, ps + S.OMB1, ps + S.BETA2, ps + S.OMB2)
-            denom = tl.sqrt(v) / tl.load(ps + S.BC2_SQRT) + tl.load(ps + S.EPS)
-            p = p - tl.load(ps + S.STEP_SIZE) * (m / denom)
+            decay = tl.load(ps + S.DECAY)
+            wd = tl.load(ps + S.WD)
+            omb1 = tl.load(ps + S.OMB1)
+            b2 = tl.load(ps + S.BETA2)
+            omb2 = tl.load(ps + S.OMB2)
+            bc2_sqrt = tl.load(ps + S.BC2_SQRT)
+            eps = tl.load(ps + S.EPS)
+            step_size = tl.load(ps + S.STEP_SIZE)
+            m = tl.load(a_ptr + offs, mask=mask, other=0.0)
+            v = tl.load(b_ptr + offs, mask=mask, other=0.0)
+            p = p * decay  # decoupled decay (AdamW): 1 - lr * wd, else 1
+            g = g + p * wd  # L2 decay (Adam): wd, else 0
+            m, v = _adam_moments(m, v, g, omb1, b2, omb2)
+            denom = tl.sqrt(v) / bc2_sqrt + eps
+            p = p - step_size * (m / denom)
+            tl.store(a_ptr + offs, m, mask=mask)
+            tl.store(b_ptr + offs, v, mask=mask)
         elif KIND == _SGD:
+            lr = tl.load(ps + S.LR)
+            mom = tl.load(ps + S.MOMENTUM)
+            omd = tl.load(ps + S.OMD)
+            first = tl.load(ps + S.FIRST)
+            nesterov = tl.load(ps + S.NESTEROV)
             g = g + p * tl.load(ps + S.WD)
             if tl.load(ps + S.HAS_MOMENTUM) != 0.0:
-                mom = tl.load(ps + S.MOMENTUM)
                 buf = tl.load(a_ptr + offs, mask=mask, other=0.0)
-                buf = tl.where(tl.load(ps + S.FIRST) != 0.0, g, buf * mom + tl.load(ps + S.OMD) * g)
+                buf = tl.where(first != 0.0, g, buf * mom + omd * g)
                 tl.store(a_ptr + offs, buf, mask=mask)
-                g = tl.where(tl.load(ps + S.NESTEROV) != 0.0, g + mom * buf, buf)
-            p = p - tl.load(ps + S.LR) * g
+                g = tl.where(nesterov != 0.0, g + mom * buf, buf)
+            p = p - lr * g
         else:  # Adagrad
+            clr = tl.load(ps + S.CLR)
+            eps = tl.load(ps + S.EPS)
             g = g + p * tl.load(ps + S.WD)
             s = tl.load(a_ptr + offs, mask=mask, other=0.0) + g * g
             tl.store(a_ptr + offs, s, mask=mask)
-            p = p - tl.load(ps + S.CLR) * (g / (tl.sqrt(s) + tl.load(ps + S.EPS)))
+            p = p - clr * (g / (tl.sqrt(s) + eps))
         _store(master_ptr, param_ptr, offs, p, mask, PARAM)
 
 
