@@ -2,10 +2,7 @@
 
 Both keep their state in 0-d tensors on the params' device and update it with tensor ops only, so an update
 never syncs with the host; the fused optimizers share the same objects. Every scale is a power of two, which
-makes scaling and unscaling exact in binary floating point.
-
-The settings are checked by ``_checks.check_power_of_two`` and ``_checks.check_dynamic_settings`` only: the
-constructors, ``load_state_dict`` and ``halfprec.Config`` all call them, so each rule has one wording.
+makes scaling and unscaling exact in binary floating point. The settings are checked in ``_checks``.
 """
 
 from __future__ import annotations
