@@ -166,15 +166,6 @@ class _Common:
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         self._mp(optimizer).unscale_()
 
-    def _clip_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        mp = self._mp(optimizer)
-        mp.unscale_()
-        with torch.no_grad():
-            for m in mp.master_params():
-                if m.grad is not None:
-                    # Non-finite entries are left alone so that step() still sees the overflow and skips.
-                    m.grad.copy_(torch.where(m.grad.isfinite(), m.grad.clamp(-clip_val, clip_val), m.grad))
-
 
 def _to_dtype(tensor: torch.Tensor, dst_type: torch.dtype) -> torch.Tensor:
     return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
@@ -291,7 +282,14 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         self._mp(optimizer).max_grad_norm = float(clip_val)
 
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        self._clip_by_value(optimizer, float(clip_val))
+        clip_val = float(clip_val)
+        mp = self._mp(optimizer)
+        mp.unscale_()
+        with torch.no_grad():
+            for m in mp.master_params():
+                if m.grad is not None:
+                    # Non-finite entries are left alone so that step() still sees the overflow and skips.
+                    m.grad.copy_(torch.where(m.grad.isfinite(), m.grad.clamp(-clip_val, clip_val), m.grad))
 
 
 class HalfprecFabricPrecision(_Common, _FabricPrecision):
