@@ -143,14 +143,12 @@ class LossScaler:
         kept = KeptSettings({}, [])
         if keep_settings:
             state_dict, kept = self._with_own_settings(state_dict)
-        if self._device is None:
-            # Not placed yet: keep the values until the optimizer places the state on its device.
-            self._pending = dict(state_dict)
-            self._load_config(state_dict)
-            return kept
         self._load_config(state_dict)
-        for key, tensor in self._ensure().items():
-            tensor.fill_(state_dict[key])
+        if self._device is None:  # not placed yet: kept until the optimizer places the state on its device
+            self._pending = dict(state_dict)
+        else:
+            for key, tensor in self._ensure().items():
+                tensor.fill_(state_dict[key])
         return kept
 
     def settings(self) -> dict[str, Any]:

@@ -214,11 +214,8 @@ class HalfprecTrainerMixin:
             self._halfprec_scaled = True
 
     def halfprec_scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times halfprec's loss scale, for a ``training_step`` override that calls
-        ``self.accelerator.backward`` itself: ``self.accelerator.backward(self.halfprec_scale_loss(loss))``.
-
-        The scaling hooks the mixin put on ``compute_loss``'s loss in this step are removed (the mixin in front
-        of a ``Trainer`` subclass whose ``training_step`` calls ``compute_loss`` would otherwise scale twice)."""
+        """The loss times the loss scale, for a ``training_step`` override that calls ``self.accelerator.backward``
+        itself. Removes this step's scaling hooks on ``compute_loss``'s loss, which would otherwise scale twice."""
         mp = self.halfprec_optimizer
         if mp is None:
             raise RuntimeError(
