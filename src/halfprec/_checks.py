@@ -1,9 +1,7 @@
 """Type and range checks shared by ``Config``, the DeepSpeed reader and the loss scalers.
 
-They sit below all three so that each imports them from here: before, ``deepspeed_config`` reached into
-``config`` for these private names while ``config`` imported ``deepspeed_config`` back (an import cycle). The
-loss-scaler settings are checked here only (``check_power_of_two``, ``check_dynamic_settings``), by the
-scalers' constructors, their ``load_state_dict`` and ``Config`` alike, so each rule has one wording.
+They sit below all three, so none imports another for them (no import cycle). The loss-scaler settings are
+checked here only, by the scalers' constructors, their ``load_state_dict`` and ``Config``: one wording per rule.
 """
 
 from __future__ import annotations

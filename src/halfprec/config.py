@@ -1,11 +1,6 @@
-"""Training configuration: one frozen dataclass, validated when it is built.
-
-``Config`` validates every field when it is built, so a bad value fails where it was written, not steps later.
-The loss-scaler fields carry the scalers' own names and are checked by the checks the scalers run
-(``_checks.check_power_of_two``, ``_checks.check_dynamic_settings``); precision names come from
-``halfprec.precision``. ``Config.from_deepspeed`` delegates to ``deepspeed_config.read_deepspeed``, which
-builds a Config from the class it is given and imports nothing from here, so the two modules import in one
-direction only (config -> deepspeed_config -> _checks).
+"""Training configuration: one frozen dataclass, validated when it is built (a bad value fails where it was
+written, not steps later). The loss-scaler fields carry the scalers' own names and are checked by the checks
+the scalers run. Imports go one way: config -> deepspeed_config -> _checks.
 """
 
 from __future__ import annotations
@@ -18,6 +13,7 @@ from dataclasses import InitVar, dataclass
 from typing import Any, Literal
 
 from ._checks import (
+    DYNAMIC_SETTINGS,
     FSDP2_HINT,
     check_dynamic_settings,
     check_max_grad_norm,
@@ -135,14 +131,7 @@ class Config:
         choice("impl", self.impl, ("auto", "torch", "triton"))
 
     def _dynamic_settings(self) -> dict[str, Any]:
-        return {
-            "init_scale": self.init_scale,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "hysteresis": self.hysteresis,
-            "min_scale": self.min_scale,
-        }
+        return {key: getattr(self, key) for key in DYNAMIC_SETTINGS}
 
     def loss_scaler(self) -> LossScaler:
         """A new loss scaler with these settings: ``StaticLossScaler(static_loss_scale)`` when set, else a
@@ -169,13 +158,10 @@ class Config:
     def from_deepspeed(cls, cfg: Mapping[str, Any] | str | os.PathLike) -> Config:
         """Build a Config from a DeepSpeed config (a dict, or the path of its JSON file).
 
-        Reads ``fp16``, ``bf16`` (or legacy ``bfloat16``), ``gradient_clipping``, ``gradient_accumulation_steps``,
-        ``zero_optimization`` and ``communication_data_type``; every key inside them must have a row in
-        ``DEEPSPEED_KEYS`` (else ValueError listing the keys). Other top-level keys (batch sizes, ``optimizer``,
-        ``scheduler``, logging, ...) are not halfprec's and are listed in the warning. Everything accepted but not
-        applied, every ``"auto"`` (= halfprec's default) and every rounding is reported in one
-        ``DeepSpeedConfigWarning`` per call. Absent keys take halfprec's defaults, which equal DeepSpeed's for the
-        fp16 block; ``gradient_clipping`` absent means no clipping (recent DeepSpeed defaults it to 1.0).
+        Every key inside the blocks halfprec owns must have a row in ``DEEPSPEED_KEYS`` (else ValueError); what
+        is accepted but not applied, every ``"auto"`` and every rounding is reported in one
+        ``DeepSpeedConfigWarning``. Absent keys take halfprec's defaults (``gradient_clipping``: no clipping,
+        where recent DeepSpeed defaults it to 1.0). The rules: docs/deepspeed-config.md.
         """
         return read_deepspeed(cls, cfg)
 

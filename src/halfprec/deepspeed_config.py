@@ -4,10 +4,8 @@
 accepted with a warning, or an error (rendered in ``docs/deepspeed-config.md`` by ``render_deepspeed_table``).
 Nothing is silently dropped.
 
-This module imports nothing from ``config``: ``read_deepspeed`` is handed the Config class (by
-``Config.from_deepspeed``) and builds it by keyword, so it knows Config only by its field names, which the table
-spells out anyway. Importing ``Config`` here instead would make a cycle, since ``Config.from_deepspeed`` has to
-reach this reader.
+``read_deepspeed`` is handed the Config class (by ``Config.from_deepspeed``) and builds it by keyword:
+importing ``Config`` here would make an import cycle.
 """
 
 from __future__ import annotations
@@ -62,10 +60,30 @@ def _no_offload(value: Any) -> bool:
 # the Config field that fp16.initial_scale_power sets, under the name docs/deepspeed-config.md still uses (Config
 # accepts it as the old name of init_scale); switch to "init_scale" together with the docs' table
 _INIT_SCALE = "initial_scale"
-_OFF = "false"
 _PERF = "performance knob without effect in halfprec"
 _Z3 = "ZeRO-3 only: no effect at stage 0-2"
+_NO_OFFLOAD = "halfprec does not offload"
 _K = DeepSpeedKey
+
+
+def _flag(key: str, action: Literal["warn", "error"], why: str) -> DeepSpeedKey:
+    """A row for a DeepSpeed switch that halfprec honours when it is off."""
+    return DeepSpeedKey(key, action, why, _off, "false")
+
+
+# word lists (SIM905): one name a line would take 40 lines
+_PERF_KNOBS = """overlap_comm contiguous_gradients reduce_scatter reduce_bucket_size allgather_partitions
+    allgather_bucket_size use_multi_rank_bucket_allreduce round_robin_gradients sub_group_size
+    ignore_unused_parameters elastic_checkpoint legacy_stage1 compute_grad_norm parameter_alignment
+    zero_hpz_partition_size zero_quantized_weights zero_quantized_nontrainable_weights zero_quantized_gradients
+    zeropp_loco_param mics_shard_size mics_hierarchical_params_gather log_trace_cache_warnings
+    enable_sanity_checks""".split()  # noqa: SIM905
+# ZeRO-3 keys that DeepSpeed also reads with a stage3_ prefix
+_Z3_KNOBS = """prefetch_bucket_size param_persistence_threshold model_persistence_threshold max_live_parameters
+    max_reuse_distance gather_16bit_weights_on_model_save module_granularity_threshold
+    use_all_reduce_for_fetch_params allgather_sequential partition_stream_chunk_size""".split()  # noqa: SIM905
+_Z3_ONLY = """stage3_gather_fp16_weights_on_model_save memory_efficient_linear pipeline_loading_checkpoint
+    override_module_apply save_muon_momentum_buffer_in_memory leaf_module""".split()  # noqa: SIM905
 
 DEEPSPEED_KEYS: tuple[DeepSpeedKey, ...] = (
     _K("gradient_clipping", "mapped", "max_grad_norm (0 = no clipping = None)"),
@@ -85,13 +103,7 @@ DEEPSPEED_KEYS: tuple[DeepSpeedKey, ...] = (
         "hysteresis (budget refilled on growth and on backoff; DeepSpeed: growth only)",
     ),
     _K("fp16.min_loss_scale", "mapped", "min_scale (rounded up to a power of two, with a warning)"),
-    _K(
-        "fp16.consecutive_hysteresis",
-        "warn",
-        "halfprec refills hysteresis only on growth and backoff",
-        _off,
-        _OFF,
-    ),
+    _flag("fp16.consecutive_hysteresis", "warn", "halfprec refills hysteresis only on growth and backoff"),
     _K(
         "fp16.auto_cast",
         "warn",
@@ -100,107 +112,27 @@ DEEPSPEED_KEYS: tuple[DeepSpeedKey, ...] = (
         lambda value: isinstance(value, bool),
         "true or false",
     ),
-    _K(
+    _flag(
         "fp16.fp16_master_weights_and_grads",
         "error",
         "halfprec always keeps fp32 masters and does not offload",
-        _off,
-        _OFF,
     ),
     _K("bf16.enabled", "mapped", "precision='bf16' (legacy block name 'bfloat16' too)"),
     _K("bf16.check_grad_overflow", "mapped", "skip_nonfinite"),
-    _K(
-        "bf16.immediate_grad_update", "warn", "halfprec accumulates grads in .grad until the step", _off, _OFF
-    ),
-    _K("bf16.bf16_master_weights_and_grads", "error", "halfprec always keeps fp32 masters", _off, _OFF),
-    _K("bf16.bf16_optimizer_states", "error", "halfprec keeps optimizer state on fp32 masters", _off, _OFF),
+    _flag("bf16.immediate_grad_update", "warn", "halfprec accumulates grads in .grad until the step"),
+    _flag("bf16.bf16_master_weights_and_grads", "error", "halfprec always keeps fp32 masters"),
+    _flag("bf16.bf16_optimizer_states", "error", "halfprec keeps optimizer state on fp32 masters"),
     _K("zero_optimization.stage", "mapped", "zero_stage (3 is an error pointing to FSDP2)"),
-    _K(
-        "zero_optimization.offload_optimizer",
-        "error",
-        "halfprec does not offload",
-        _no_offload,
-        "device 'none'",
-    ),
-    _K("zero_optimization.offload_param", "error", "halfprec does not offload", _no_offload, "device 'none'"),
-    _K("zero_optimization.cpu_offload", "error", "halfprec does not offload (deprecated key)", _off, _OFF),
-    _K(
-        "zero_optimization.cpu_offload_param",
-        "error",
-        "halfprec does not offload (deprecated key)",
-        _off,
-        _OFF,
-    ),
-    _K(
-        "zero_optimization.zenflow",
-        "error",
-        "ZenFlow is CPU-offload based; halfprec does not offload",
-        _off,
-        "null",
-    ),
+    _K("zero_optimization.offload_optimizer", "error", _NO_OFFLOAD, _no_offload, "device 'none'"),
+    _K("zero_optimization.offload_param", "error", _NO_OFFLOAD, _no_offload, "device 'none'"),
+    _flag("zero_optimization.cpu_offload", "error", f"{_NO_OFFLOAD} (deprecated key)"),
+    _flag("zero_optimization.cpu_offload_param", "error", f"{_NO_OFFLOAD} (deprecated key)"),
+    _K("zero_optimization.zenflow", "error", f"ZenFlow is CPU-offload based; {_NO_OFFLOAD}", _off, "null"),
     _K("zero_optimization.cpu_offload_use_pin_memory", "warn", "no offload, so nothing to pin"),
-    _K(
-        "zero_optimization.load_from_fp32_weights",
-        "warn",
-        "halfprec always restores fp32 masters",
-        _off,
-        _OFF,
-    ),
-    *(
-        _K(f"zero_optimization.{k}", "warn", _PERF)
-        for k in (
-            "overlap_comm",
-            "contiguous_gradients",
-            "reduce_scatter",
-            "reduce_bucket_size",
-            "allgather_partitions",
-            "allgather_bucket_size",
-            "use_multi_rank_bucket_allreduce",
-            "round_robin_gradients",
-            "sub_group_size",
-            "ignore_unused_parameters",
-            "elastic_checkpoint",
-            "legacy_stage1",
-            "compute_grad_norm",
-            "parameter_alignment",
-            "zero_hpz_partition_size",
-            "zero_quantized_weights",
-            "zero_quantized_nontrainable_weights",
-            "zero_quantized_gradients",
-            "zeropp_loco_param",
-            "mics_shard_size",
-            "mics_hierarchical_params_gather",
-            "log_trace_cache_warnings",
-            "enable_sanity_checks",
-        )
-    ),
-    *(
-        _K(f"zero_optimization.{k}", "warn", _Z3)
-        for name in (
-            "prefetch_bucket_size",
-            "param_persistence_threshold",
-            "model_persistence_threshold",
-            "max_live_parameters",
-            "max_reuse_distance",
-            "gather_16bit_weights_on_model_save",
-            "module_granularity_threshold",
-            "use_all_reduce_for_fetch_params",
-            "allgather_sequential",
-            "partition_stream_chunk_size",
-        )
-        for k in (name, f"stage3_{name}")
-    ),
-    *(
-        _K(f"zero_optimization.{k}", "warn", _Z3)
-        for k in (
-            "stage3_gather_fp16_weights_on_model_save",
-            "memory_efficient_linear",
-            "pipeline_loading_checkpoint",
-            "override_module_apply",
-            "save_muon_momentum_buffer_in_memory",
-            "leaf_module",
-        )
-    ),
+    _flag("zero_optimization.load_from_fp32_weights", "warn", "halfprec always restores fp32 masters"),
+    *(_K(f"zero_optimization.{k}", "warn", _PERF) for k in _PERF_KNOBS),
+    *(_K(f"zero_optimization.{k}", "warn", _Z3) for name in _Z3_KNOBS for k in (name, f"stage3_{name}")),
+    *(_K(f"zero_optimization.{k}", "warn", _Z3) for k in _Z3_ONLY),
 )
 
 
@@ -213,26 +145,9 @@ def render_deepspeed_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _load_json(path: str | os.PathLike) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _close_matches(key: str) -> str:
-    match = difflib.get_close_matches(key, [r.key for r in DEEPSPEED_KEYS], n=1)
-    return f" (did you mean {match[0]!r}?)" if match else ""
-
-
 _ROWS = {row.key: row for row in DEEPSPEED_KEYS}
-_OWNED_TOP = (
-    "fp16",
-    "bf16",
-    "bfloat16",
-    "gradient_clipping",
-    "gradient_accumulation_steps",
-    "zero_optimization",
-)
-_OWNED_TOP += ("communication_data_type",)
+_TOP_KEYS = ("gradient_clipping", "gradient_accumulation_steps", "communication_data_type")
+_OWNED_TOP = ("fp16", "bf16", "bfloat16", "zero_optimization", *_TOP_KEYS)
 _C = TypeVar("_C")
 
 
@@ -240,7 +155,8 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
     """``cls(**fields)`` from a DeepSpeed config; ``cls`` is ``halfprec.Config`` (see ``Config.from_deepspeed``)."""
     defaults = cls()  # halfprec's defaults, named in the notes about 'auto'
     if isinstance(cfg, (str, os.PathLike)):
-        cfg = _load_json(cfg)
+        with open(cfg, encoding="utf-8") as f:
+            cfg = json.load(f)
     if not isinstance(cfg, Mapping):
         raise ValueError(f"a DeepSpeed config is a dict (or a JSON file path), got {type(cfg).__name__}")
     notes: list[str] = []
@@ -262,17 +178,15 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
             raise ValueError(f"DeepSpeed '{name}' must be a dict, got {block!r}")
         prefix = "bf16" if name == "bfloat16" else name
         flat.update({f"{prefix}.{k}": v for k, v in block.items()})
-    flat.update(
-        {
-            k: cfg[k]
-            for k in ("gradient_clipping", "gradient_accumulation_steps", "communication_data_type")
-            if k in cfg
-        }
-    )
+    flat.update({k: cfg[k] for k in _TOP_KEYS if k in cfg})
 
     unknown = [k for k in flat if k not in _ROWS]
     if unknown:
-        listed = "; ".join(k + _close_matches(k) for k in unknown)
+        known = list(_ROWS)
+        listed = "; ".join(
+            k + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(k, known, n=1))
+            for k in unknown
+        )
         raise ValueError(
             f"unknown DeepSpeed config key(s) inside blocks halfprec owns: {listed}. Remove them or fix the "
             "spelling; docs/deepspeed-config.md lists every key halfprec knows"
@@ -294,71 +208,22 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
     if refused:
         raise ValueError("DeepSpeed config asks for what halfprec does not do: " + "; ".join(refused))
 
-    fields: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-
-    def put(field: str, key: str, value: Any) -> None:
-        fields[field], sources[field] = value, key
-
-    def auto(key: str, field: str) -> bool:
-        if flat.get(key) == "auto":
-            notes.append(f"{key}='auto': halfprec's default {field}={getattr(defaults, field)!r}")
-            return True
-        return key not in flat
-
     precision = _precision(flat, notes)
-    put("precision", "fp16.enabled/bf16.enabled", precision)
+    fields: dict[str, Any] = {"precision": precision}
+    sources = {"precision": "fp16.enabled/bf16.enabled"}  # field -> DeepSpeed key, for Config's errors
     unused = [k for k in flat if _ROWS[k].action == "mapped" and k.split(".")[0] in ("fp16", "bf16")]
     unused = [k for k in unused if not k.endswith(".enabled") and k.split(".")[0] != precision]
     if unused:
         notes.append(f"precision is {precision!r}, so these were not applied: {', '.join(unused)}")
-
-    if precision == "fp16":
-        if not auto("fp16.loss_scale", "static_loss_scale"):
-            value = flat["fp16.loss_scale"]
-            if not is_number(value) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"fp16.loss_scale must be 0 (dynamic) or a power of two > 0, got {value!r}")
-            put("static_loss_scale", "fp16.loss_scale", None if value == 0 else float(value))
-        if not auto("fp16.initial_scale_power", _INIT_SCALE):
-            power = flat["fp16.initial_scale_power"]
-            if not is_int(power) or not -126 <= power <= 127:
-                raise ValueError(f"fp16.initial_scale_power must be an integer in [-126, 127], got {power!r}")
-            put(_INIT_SCALE, "fp16.initial_scale_power", 2.0**power)
-        for key, field in (("fp16.loss_scale_window", "growth_interval"), ("fp16.hysteresis", "hysteresis")):
-            if not auto(key, field):
-                put(field, key, flat[key])
-        if not auto("fp16.min_loss_scale", "min_scale"):
-            value = flat["fp16.min_loss_scale"]
-            if not is_number(value) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"fp16.min_loss_scale must be a finite number > 0, got {value!r}")
-            rounded = 2.0 ** math.ceil(math.log2(value))
-            if rounded < value:  # log2 rounding at the edge
-                rounded *= 2.0
-            if rounded != value:
-                notes.append(
-                    f"fp16.min_loss_scale={value!r} is not a power of two; rounded up to {rounded!r}"
-                )
-            put("min_scale", "fp16.min_loss_scale", rounded)
-    if precision == "bf16" and not auto("bf16.check_grad_overflow", "skip_nonfinite"):
-        put("skip_nonfinite", "bf16.check_grad_overflow", flat["bf16.check_grad_overflow"])
-
-    if not auto("gradient_clipping", "max_grad_norm"):
-        value = flat["gradient_clipping"]
-        if not is_number(value) or not math.isfinite(value) or value < 0:
-            raise ValueError(
-                f"gradient_clipping must be a finite number >= 0 (0 = no clipping), got {value!r}"
-            )
-        put("max_grad_norm", "gradient_clipping", None if value == 0 else float(value))
-    if not auto("gradient_accumulation_steps", "gradient_accumulation_steps"):
-        put("gradient_accumulation_steps", "gradient_accumulation_steps", flat["gradient_accumulation_steps"])
-    if not auto("zero_optimization.stage", "zero_stage"):
-        put("zero_stage", "zero_optimization.stage", flat["zero_optimization.stage"])
-    if not auto("communication_data_type", "reduce_dtype"):
-        put(
-            "reduce_dtype",
-            "communication_data_type",
-            _reduce_dtype(flat["communication_data_type"], precision),
-        )
+    for key, field, convert in _MAPPED:
+        block = key.partition(".")[0]
+        if (block in ("fp16", "bf16") and block != precision) or key not in flat:
+            continue
+        if flat[key] == "auto":
+            notes.append(f"{key}='auto': halfprec's default {field}={getattr(defaults, field)!r}")
+            continue
+        fields[field] = flat[key] if convert is None else convert(flat[key], precision, notes)
+        sources[field] = key
 
     ignored = [k for k in cfg if k not in _OWNED_TOP]
     if ignored:
@@ -373,6 +238,38 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
             "Config.from_deepspeed:\n  - " + "\n  - ".join(notes), DeepSpeedConfigWarning, stacklevel=3
         )
     return config
+
+
+def _finite(key: str, value: Any, must: str, *, zero_ok: bool) -> Any:
+    if not is_number(value) or not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{key} must be {must}, got {value!r}")
+    return value
+
+
+def _loss_scale(value: Any, precision: str, notes: list[str]) -> float | None:
+    _finite("fp16.loss_scale", value, "0 (dynamic) or a power of two > 0", zero_ok=True)
+    return None if value == 0 else float(value)
+
+
+def _initial_scale(power: Any, precision: str, notes: list[str]) -> float:
+    if not is_int(power) or not -126 <= power <= 127:
+        raise ValueError(f"fp16.initial_scale_power must be an integer in [-126, 127], got {power!r}")
+    return 2.0**power
+
+
+def _min_scale(value: Any, precision: str, notes: list[str]) -> float:
+    _finite("fp16.min_loss_scale", value, "a finite number > 0", zero_ok=False)
+    rounded = 2.0 ** math.ceil(math.log2(value))
+    if rounded < value:  # log2 rounding at the edge
+        rounded *= 2.0
+    if rounded != value:
+        notes.append(f"fp16.min_loss_scale={value!r} is not a power of two; rounded up to {rounded!r}")
+    return rounded
+
+
+def _clipping(value: Any, precision: str, notes: list[str]) -> float | None:
+    _finite("gradient_clipping", value, "a finite number >= 0 (0 = no clipping)", zero_ok=True)
+    return None if value == 0 else float(value)
 
 
 def _precision(flat: dict[str, Any], notes: list[str]) -> str:
@@ -405,7 +302,7 @@ def _precision(flat: dict[str, Any], notes: list[str]) -> str:
     return "bf16"
 
 
-def _reduce_dtype(value: Any, precision: str) -> str:
+def _reduce_dtype(value: Any, precision: str, notes: list[str]) -> str:
     if value in ("fp32", "float32", None):
         return "fp32"
     if value in ("fp16", "bf16") and value == precision:
@@ -414,3 +311,19 @@ def _reduce_dtype(value: Any, precision: str) -> str:
         f"communication_data_type={value!r} with precision={precision!r}: halfprec reduces in fp32 or in the "
         "params' dtype; use 'fp32'" + (f" or {precision!r}" if precision != "fp32" else "")
     )
+
+
+# The mapped keys other than fp16/bf16.enabled: (DeepSpeed key, Config field, converter taking the value, the
+# precision and the notes; None = the value as it is). fp16/bf16 keys apply only under their own precision.
+_MAPPED: tuple[tuple[str, str, Callable[[Any, str, list[str]], Any] | None], ...] = (
+    ("fp16.loss_scale", "static_loss_scale", _loss_scale),
+    ("fp16.initial_scale_power", _INIT_SCALE, _initial_scale),
+    ("fp16.loss_scale_window", "growth_interval", None),
+    ("fp16.hysteresis", "hysteresis", None),
+    ("fp16.min_loss_scale", "min_scale", _min_scale),
+    ("bf16.check_grad_overflow", "skip_nonfinite", None),
+    ("gradient_clipping", "max_grad_norm", _clipping),
+    ("gradient_accumulation_steps", "gradient_accumulation_steps", None),
+    ("zero_optimization.stage", "zero_stage", None),
+    ("communication_data_type", "reduce_dtype", _reduce_dtype),
+)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
+from ._checks import is_int
 from .config import Config, check_fields
 from .optim.base import MixedPrecisionOptimizer
 from .precision import DTYPES
@@ -169,11 +170,9 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model with the floating-point tensors of ``args``/``kwargs`` cast to the training dtype.
 
-        The engine cast the model to ``config.precision``, so an fp32 batch straight from a data loader would
-        meet 16-bit weights in the first matmul (``mat1 and mat2 must have the same dtype``). Lightning's
-        half-precision plugins cast inputs the same way, and DeepSpeed's engine does with ``fp16.auto_cast``.
-        Integer and bool tensors (token ids, masks) and non-tensors pass unchanged; tensors nested in lists,
-        tuples and dicts are cast too. ``engine.module(...)`` runs the model on uncast inputs.
+        An fp32 batch would otherwise meet 16-bit weights in the first matmul (Lightning's half-precision
+        plugins and DeepSpeed's ``fp16.auto_cast`` cast inputs too). Integer and bool tensors and non-tensors
+        pass unchanged; nested lists, tuples and dicts are cast too. ``engine.module(...)`` runs uncast.
         """
         dtype = DTYPES[self.config.precision]
         if dtype != torch.float32:
@@ -186,8 +185,7 @@ class Engine:
             return value.to(dtype) if value.is_floating_point() else value
         if isinstance(value, dict):
             out = copy.copy(value)  # keeps a dict subclass's type and extras (an OrderedDict, a defaultdict)
-            for k, v in value.items():
-                out[k] = Engine._cast_floating(v, dtype)
+            out.update((k, Engine._cast_floating(v, dtype)) for k, v in value.items())
             return out
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: positional constructor
             return type(value)(*(Engine._cast_floating(v, dtype) for v in value))
@@ -287,6 +285,7 @@ class Engine:
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "client_state": client_state or {},
         }
+        ckpt.check_plain(engine_state["lr_scheduler"], "lr_scheduler.state_dict()")
         info = {
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
@@ -294,7 +293,6 @@ class Engine:
             "loss_scale": self.optimizer.loss_scale,
             "layout": ckpt.ENGINE_SHARDED if self._sharded else ckpt.ENGINE,
         }
-        ckpt.check_plain(engine_state["lr_scheduler"], "lr_scheduler.state_dict()")
         if self._sharded:
             return self._save_sharded(directory, tag, engine_state, info, overwrite, keep_last)
         engine_state["rng"] = ckpt.rng_state()
@@ -388,12 +386,9 @@ class Engine:
             self.optimizer.refresh_masters()
         self.global_step, self.micro_step = counters
         self._stepped_micro = self.micro_step
-        if (
-            load_lr_scheduler_states
-            and self.lr_scheduler is not None
-            and engine_state["lr_scheduler"] is not None
-        ):
-            self.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
+        scheduler_state = engine_state["lr_scheduler"]
+        if load_lr_scheduler_states and self.lr_scheduler is not None and scheduler_state is not None:
+            self.lr_scheduler.load_state_dict(scheduler_state)
         if rng is not None:
             ckpt.set_rng_state(rng)
         return engine_state["client_state"]
@@ -440,22 +435,21 @@ def _check_engine_state(path: Path, engine_state: Any) -> tuple[int, int]:
     """``(global_step, micro_step)`` of a checkpoint's ``engine.pt``, checked before anything is loaded."""
     if not isinstance(engine_state, dict):
         raise ckpt.CheckpointError(f"{path / 'engine.pt'} holds a {type(engine_state).__name__}, not a dict")
-    counters = []
     for key in ("global_step", "micro_step"):
         value = engine_state.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not is_int(value) or value < 0:
             raise ckpt.CheckpointError(
                 f"{path / 'engine.pt'}: {key} must be a non-negative int, got {value!r}"
             )
-        counters.append(value)
     if not isinstance(engine_state.get("client_state"), dict):
         raise ckpt.CheckpointError(f"{path / 'engine.pt'}: client_state is not a dict")
-    return counters[0], counters[1]
+    return engine_state["global_step"], engine_state["micro_step"]
 
 
 def _check_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
     """Name the first parameter or buffer whose name, shape or dtype differs from the checkpoint's."""
-    for name, tensor in module.state_dict().items():
+    own = module.state_dict()
+    for name, tensor in own.items():
         saved = weights.get(name)
         if saved is None:
             raise ckpt.CheckpointError(
@@ -467,6 +461,6 @@ def _check_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], pa
                 f"checkpoint {path} does not match this model at {name!r}: saved shape {list(saved.shape)} "
                 f"{saved.dtype}, model shape {list(tensor.shape)} {tensor.dtype}"
             )
-    extra = sorted(set(weights) - set(module.state_dict()))
+    extra = sorted(set(weights) - set(own))
     if extra:
         raise ckpt.CheckpointError(f"checkpoint {path} has tensors this model lacks: {extra[:5]}")

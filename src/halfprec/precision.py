@@ -65,7 +65,9 @@ def precision_of(dtype: torch.dtype) -> Precision:
     )
 
 
-def check_low_precision(value: object, name: str = "param_dtype", *, allow_fp32: bool = False) -> torch.dtype | None:
+def check_low_precision(
+    value: object, name: str = "param_dtype", *, allow_fp32: bool = False
+) -> torch.dtype | None:
     """``value`` when it is a 16-bit dtype halfprec keeps masters for (or fp32 when allowed), or None; else
     ValueError naming it."""
     allowed = (*LOW_PRECISION, torch.float32) if allow_fp32 else LOW_PRECISION

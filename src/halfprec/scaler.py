@@ -2,10 +2,7 @@
 
 Both keep their state in 0-d tensors on the params' device and update it with tensor ops only, so an update
 never syncs with the host; the fused optimizers share the same objects. Every scale is a power of two, which
-makes scaling and unscaling exact in binary floating point.
-
-The settings are checked by ``_checks.check_power_of_two`` and ``_checks.check_dynamic_settings`` only: the
-constructors, ``load_state_dict`` and ``halfprec.Config`` all call them, so each rule has one wording.
+makes scaling and unscaling exact in binary floating point. The settings are checked in ``_checks``.
 """
 
 from __future__ import annotations
@@ -146,14 +143,12 @@ class LossScaler:
         kept = KeptSettings({}, [])
         if keep_settings:
             state_dict, kept = self._with_own_settings(state_dict)
-        if self._device is None:
-            # Not placed yet: keep the values until the optimizer places the state on its device.
-            self._pending = dict(state_dict)
-            self._load_config(state_dict)
-            return kept
         self._load_config(state_dict)
-        for key, tensor in self._ensure().items():
-            tensor.fill_(state_dict[key])
+        if self._device is None:  # not placed yet: kept until the optimizer places the state on its device
+            self._pending = dict(state_dict)
+        else:
+            for key, tensor in self._ensure().items():
+                tensor.fill_(state_dict[key])
         return kept
 
     def settings(self) -> dict[str, Any]:

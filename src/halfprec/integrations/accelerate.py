@@ -1,31 +1,14 @@
 """halfprec under HuggingFace Accelerate: halfprec owns the dtype and the loss scale, Accelerate the rest.
 
-Use ``Accelerator(mixed_precision="no")`` (Accelerate's ``"fp16"`` adds autocast and a ``GradScaler`` that
-refuses 16-bit grads; ``"bf16"`` adds autocast over weights that are already bf16), build the
-``MixedPrecisionOptimizer`` before ``prepare`` and go through :func:`prepare` (or call :func:`attach` after
-your own ``accelerator.prepare``)::
-
-    accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=2)
-    mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()),
-                                          param_dtype=torch.float16, max_grad_norm=1.0)
-    model, opt, loader, sched = halfprec.integrations.accelerate.prepare(accelerator, model, mp, loader, sched)
-    for x, y in loader:
-        with accelerator.accumulate(model):
-            accelerator.backward(mp.scale_loss(loss_fn(model(x), y)))   # the scaled entry point
-            opt.step(); sched.step(); opt.zero_grad()
+Use ``Accelerator(mixed_precision="no")``, build the ``MixedPrecisionOptimizer`` before ``prepare`` and go
+through :func:`prepare` (or call :func:`attach` after your own ``accelerator.prepare``); the scaled entry point
+is ``accelerator.backward(mp.scale_loss(loss))``. Usage, clipping and checkpoints: docs/integrations.md.
 
 Why the link is needed: with ``mixed_precision="no"`` Accelerate's ``AcceleratedOptimizer.step_was_skipped``
 is always False (it is set only around its own GradScaler), so ``AcceleratedScheduler.step`` and
 ``accelerator.optimizer_step_was_skipped`` (which the HF Trainer reads) would advance the LR schedule over
-halfprec's overflow skips. :func:`attach` registers a step post-hook on the ``MixedPrecisionOptimizer`` that
-copies its ``step_was_skipped`` into the ``AcceleratedOptimizer`` after every real step.
-
-Clipping: set ``max_grad_norm`` on the ``MixedPrecisionOptimizer`` (it clips the unscaled fp32 master grads).
-``accelerator.clip_grad_norm_(model.parameters(), ...)`` would clip the still-scaled 16-bit model grads.
-
-Checkpoints: ``accelerator.save_state`` writes ``mp.state_dict()`` (masters, inner state, loss scaler and
-``skipped_steps``) to ``optimizer.bin``, so the scaler needs no ``register_for_checkpointing``; registering
-``mp.loss_scaler`` as well is harmless (the same values are loaded twice).
+halfprec's overflow skips. :func:`attach` registers a step post-hook that copies ``step_was_skipped`` into the
+``AcceleratedOptimizer`` after every real step.
 """
 
 from __future__ import annotations

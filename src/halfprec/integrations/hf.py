@@ -1,31 +1,18 @@
 """halfprec under the HuggingFace ``Trainer``: the Trainer keeps its loop, halfprec owns the dtype and the scale.
 
 ``HalfprecTrainer`` (or ``HalfprecTrainerMixin`` in front of your own ``Trainer`` subclass) with
-``TrainingArguments(fp16=False, bf16=False, max_grad_norm=...)``::
+``TrainingArguments(fp16=False, bf16=False, max_grad_norm=...)``; usage in docs/integrations.md. Against the
+stock Trainer:
 
-    model = MyModel()                                       # fp32; halfprec casts it and keeps fp32 masters
-    trainer = HalfprecTrainer(model=model, args=args, train_dataset=ds, halfprec_dtype=torch.bfloat16)
-    trainer.train()                                         # or train(resume_from_checkpoint=True)
-
-What changes against the stock Trainer, and why:
-
-* ``create_optimizer``: the optimizer the Trainer builds (or the plain one passed in ``optimizers=``) is wrapped
-  in ``MixedPrecisionOptimizer(param_dtype=halfprec_dtype)``, so the masters start from the fp32 weights; a
-  ``MixedPrecisionOptimizer`` or fused halfprec optimizer passed in ``optimizers=`` is used as it is.
-* ``max_grad_norm`` is applied by halfprec to the unscaled fp32 master grads (the Trainer's own
-  ``accelerator.clip_grad_norm_`` would clip the scaled 16-bit grads), and the logged ``grad_norm`` is
-  halfprec's unscaled, pre-clip norm.
-* ``training_step``: for fp16 a gradient hook on the loss that ``compute_loss`` returns (yours too, when a
-  subclass overrides it) multiplies the incoming gradient by the loss scale (a power of two, so exact), so the
-  Trainer's ``accelerator.backward`` produces scaled grads while the loss it logs stays unscaled. A step after
-  a backward that was not scaled (a ``training_step`` override that does not call ``super()``) is an error.
-* ``create_scheduler`` (which the Trainer calls right after ``accelerator.prepare``) links halfprec's skipped
-  steps to ``accelerator.optimizer_step_was_skipped``, which the Trainer reads to hold the LR schedule.
-* ``log``: every training log record also gets ``loss_scale`` and ``skipped_steps``.
-* ``HalfprecCallback`` (added automatically) checks at ``on_train_begin`` that a halfprec optimizer is stepped.
-
-Checkpoints need nothing extra: ``optimizer.pt`` in ``checkpoint-N`` is ``mp.state_dict()`` (masters, moments,
-loss scaler, skip counter), and the Trainer reloads it after the weights.
+* ``create_optimizer`` wraps the Trainer's optimizer (or a plain one passed in ``optimizers=``) in
+  ``MixedPrecisionOptimizer(param_dtype=halfprec_dtype)``, so the masters start from the fp32 weights.
+* ``max_grad_norm`` clips the unscaled fp32 master grads inside ``step()`` (the Trainer's own clipping would
+  clip the scaled 16-bit grads); the logged ``grad_norm`` is halfprec's unscaled, pre-clip norm.
+* ``training_step``: for fp16 a gradient hook on the loss that ``compute_loss`` returns multiplies the
+  incoming gradient by the loss scale (a power of two, so exact): the logged loss stays unscaled. A step after
+  a backward that was not scaled is an error.
+* ``create_scheduler`` (called right after ``accelerator.prepare``) links halfprec's skipped steps to
+  ``accelerator.optimizer_step_was_skipped``, which the Trainer reads to hold the LR schedule.
 
 This overrides three private Trainer methods (``_clip_grad_norm``, ``_get_grad_norm``,
 ``_maybe_log_save_evaluate``); tested with transformers 5.24.
@@ -156,11 +143,8 @@ class HalfprecTrainerMixin:
         return _unwrap(self.optimizer)
 
     def _halfprec_max_grad_norm(self, mp: MixedPrecisionOptimizer | None) -> float | None:
-        wanted = (
-            float(self.args.max_grad_norm)
-            if self.args.max_grad_norm and self.args.max_grad_norm > 0
-            else None
-        )
+        clip = self.args.max_grad_norm
+        wanted = float(clip) if clip and clip > 0 else None
         have = None if mp is None else mp.max_grad_norm
         if have is not None and wanted is not None and have != wanted:
             raise ValueError(
@@ -230,11 +214,8 @@ class HalfprecTrainerMixin:
             self._halfprec_scaled = True
 
     def halfprec_scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times halfprec's loss scale, for a ``training_step`` override that calls
-        ``self.accelerator.backward`` itself: ``self.accelerator.backward(self.halfprec_scale_loss(loss))``.
-
-        The scaling hooks the mixin put on ``compute_loss``'s loss in this step are removed (the mixin in front
-        of a ``Trainer`` subclass whose ``training_step`` calls ``compute_loss`` would otherwise scale twice)."""
+        """The loss times the loss scale, for a ``training_step`` override that calls ``self.accelerator.backward``
+        itself. Removes this step's scaling hooks on ``compute_loss``'s loss, which would otherwise scale twice."""
         mp = self.halfprec_optimizer
         if mp is None:
             raise RuntimeError(

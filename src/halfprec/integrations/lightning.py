@@ -1,38 +1,15 @@
 """halfprec as a Lightning precision plugin: ``Trainer(plugins=[HalfprecPrecision("bf16")])`` and Fabric.
 
-The model is built in fp32. ``convert_module`` casts it to the 16-bit dtype (params in place, same
-``Parameter`` objects, and floating buffers, as Lightning's ``"bf16-true"`` does) and keeps each param's fp32
-tensor; the Trainer then runs ``configure_optimizers`` over the 16-bit params and hands the optimizers to
-``connect``, which swaps the fp32 tensors back in just long enough for
+The model is built in fp32. ``convert_module`` casts it to the 16-bit dtype (params in place, as Lightning's
+``"bf16-true"`` does) and keeps each param's fp32 tensor; ``connect`` (Trainer) or :func:`setup_fabric`
+(Fabric, which has no ``connect``) swaps the fp32 tensors back in just long enough for
 ``MixedPrecisionOptimizer(optimizer, param_dtype=...)`` to wrap the plain optimizer, so the masters start from
 the fp32 weights, not from their 16-bit roundings.
 
-Trainer flavour (``HalfprecPrecision``):
-
-* ``connect`` wraps every plain optimizer (a ``MixedPrecisionOptimizer`` returned by ``configure_optimizers``
-  is kept as it is) and replaces each ``interval="step"`` scheduler with a proxy that does not step after a
-  skipped optimizer step: Lightning calls ``lr_scheduler_step`` on every step and gives the plugin no hook
-  there. Schedulers built in ``configure_optimizers`` over the plain optimizer keep working: the wrapper
-  updates the same ``param_groups`` dicts. ``interval="epoch"`` schedulers count epochs and are not held.
-* ``backward`` multiplies the loss by the loss scale (fp16); ``optimizer_step`` runs the closure, unscales
-  into the fp32 master grads, runs ``on_before_optimizer_step`` and clipping, then ``mp.step()``, which
-  skips on overflow with no warning.
-* ``gradient_clip_val`` (norm) is handed to the ``MixedPrecisionOptimizer``, which clips the unscaled master
-  grads inside ``step()`` after its overflow check, with the same arithmetic as
-  ``torch.nn.utils.clip_grad_norm_``; ``gradient_clip_algorithm="value"`` clamps the finite master grads.
-* ``main_params`` returns the masters. Checkpoints: ``optimizer_states`` in the ``.ckpt`` is
-  ``mp.state_dict()`` (masters, moments, loss scaler, skip counter), so resume needs nothing else.
-
-Fabric flavour (``HalfprecFabricPrecision``): Fabric's ``Precision`` has no ``connect`` and Fabric users build
-the optimizer before ``fabric.setup``, so the wrapping is an explicit helper, :func:`setup_fabric`, called in
-place of ``fabric.setup``. It moves the module to ``fabric.device``, wraps the plain optimizers (casting the
-params, fp32 masters made on the device) and then calls ``fabric.setup``. ``fabric.backward(loss)`` scales;
-``fabric.save``/``fabric.load`` of the optimizer carry the masters and the scaler; hold the schedule yourself:
-``if not optimizer.step_was_skipped: scheduler.step()``.
-
-Both flavours: in ``on_before_optimizer_step`` (and after ``unscale_()``) the unscaled grads are on the fp32
-masters (``main_params``); the model's 16-bit grads stay loss-scaled under fp16 (unscaling them in 16 bits
-would underflow), so norms logged from ``model.parameters()`` there read ``loss_scale`` times too large.
+Lightning calls ``lr_scheduler_step`` on every step and gives the plugin no hook there, so ``connect``
+replaces each ``interval="step"`` scheduler with a proxy that does not step after a skipped optimizer step.
+``gradient_clip_val`` (norm) is handed to the ``MixedPrecisionOptimizer``, which clips the unscaled master
+grads inside ``step()`` after its overflow check. Usage and caveats: docs/integrations.md.
 """
 
 from __future__ import annotations
@@ -40,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections.abc import Generator, Iterable
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -69,7 +46,9 @@ def _unwrap(optimizer: Any) -> Any:
 class _Common:
     """Dtype handling, wrapping and clipping shared by the Trainer and the Fabric flavours."""
 
-    def _init_halfprec(self, precision: str, loss_scaler: LossScaler | None, skip_nonfinite: bool) -> None:
+    def __init__(
+        self, precision: str, *, loss_scaler: LossScaler | None = None, skip_nonfinite: bool = True
+    ) -> None:
         if precision not in _LIGHTNING_NAME:  # the 16-bit ones: fp32 weights need no plugin
             raise ValueError(
                 f"HalfprecPrecision precision must be 'bf16' or 'fp16', got {precision!r} (Lightning's own "
@@ -187,15 +166,6 @@ class _Common:
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         self._mp(optimizer).unscale_()
 
-    def _clip_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        mp = self._mp(optimizer)
-        mp.unscale_()
-        with torch.no_grad():
-            for m in mp.master_params():
-                if m.grad is not None:
-                    # Non-finite entries are left alone so that step() still sees the overflow and skips.
-                    m.grad.copy_(torch.where(m.grad.isfinite(), m.grad.clamp(-clip_val, clip_val), m.grad))
-
 
 def _to_dtype(tensor: torch.Tensor, dst_type: torch.dtype) -> torch.Tensor:
     return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
@@ -256,7 +226,7 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
     def __init__(
         self, precision: str, *, loss_scaler: LossScaler | None = None, skip_nonfinite: bool = True
     ) -> None:
-        self._init_halfprec(precision, loss_scaler, skip_nonfinite)
+        super().__init__(precision, loss_scaler=loss_scaler, skip_nonfinite=skip_nonfinite)
         self._base_clip: dict[int, float | None] = {}
 
     def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple[Any, list, list]:
@@ -312,7 +282,14 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         self._mp(optimizer).max_grad_norm = float(clip_val)
 
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        self._clip_by_value(optimizer, float(clip_val))
+        clip_val = float(clip_val)
+        mp = self._mp(optimizer)
+        mp.unscale_()
+        with torch.no_grad():
+            for m in mp.master_params():
+                if m.grad is not None:
+                    # Non-finite entries are left alone so that step() still sees the overflow and skips.
+                    m.grad.copy_(torch.where(m.grad.isfinite(), m.grad.clamp(-clip_val, clip_val), m.grad))
 
 
 class HalfprecFabricPrecision(_Common, _FabricPrecision):
@@ -320,11 +297,6 @@ class HalfprecFabricPrecision(_Common, _FabricPrecision):
 
     Args are those of :class:`HalfprecPrecision`.
     """
-
-    def __init__(
-        self, precision: str, *, loss_scaler: LossScaler | None = None, skip_nonfinite: bool = True
-    ) -> None:
-        self._init_halfprec(precision, loss_scaler, skip_nonfinite)
 
     def convert_output(self, data: Any) -> Any:
         # As Fabric's "bf16-true": outputs come back in the default dtype (an exact upcast).
@@ -364,13 +336,8 @@ def setup_fabric(
         # that fabric.setup would move the module away from.
         module.to(fabric.device)
     plugin.convert_module(module)  # the fp32 tensors are remembered, the params cast
-    wrapped = [plugin.wrap_optimizer(opt, max_grad_norm) for opt in _as_list(optimizers)]
+    if not optimizers:
+        raise ValueError("setup_fabric needs at least one optimizer; without one use fabric.setup(module)")
+    wrapped = [plugin.wrap_optimizer(opt, max_grad_norm) for opt in optimizers]
     plugin.release_fp32()
     return fabric.setup(module, *wrapped, **setup_kwargs)
-
-
-def _as_list(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-    out = list(optimizers)
-    if not out:
-        raise ValueError("setup_fabric needs at least one optimizer; without one use fabric.setup(module)")
-    return out
