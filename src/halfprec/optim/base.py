@@ -41,6 +41,7 @@ import torch
 
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from .checks import (
+    check_dtypes,
     check_options,
     check_params,
     check_saved_groups,
@@ -130,6 +131,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         self._own: list[torch.nn.Parameter] = []  # trainable params that are their own masters (fp32/fp64)
         self._model_params: list[torch.nn.Parameter] = []  # what the caller's model holds, group order
         self._trained: list[torch.nn.Parameter] = []  # those trainable when wrapped: a master or their own
+        self._trained_dtypes: list[torch.dtype] = []  # their dtypes when wrapped (after the param_dtype cast)
         self._frozen: list[torch.nn.Parameter] = []  # those frozen when wrapped: no master, never trained
         mapping = self._build_masters(optimizer.param_groups)
         move_state(optimizer, {p: Target(m, 0, p.numel()) for p, m in mapping.items()})
@@ -186,6 +188,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
 
     def _cast_to_param_dtype(self, p: torch.nn.Parameter, originals: dict) -> None:
         """``param_dtype``: cast an fp32 param in place (same ``Parameter``), keeping its fp32 value as the master."""
+        if self.param_dtype in LOW_PRECISION and p.dtype == torch.float64:
+            raise ValueError(
+                f"param of shape {tuple(p.shape)} is torch.float64 and param_dtype={self.param_dtype}: halfprec's "
+                "masters are fp32, so an fp64 model would lose precision silently; cast the model to fp32 first "
+                "(model.float())"
+            )
         if self.param_dtype in LOW_PRECISION and p.dtype == torch.float32:
             originals[p] = p.data
             p.data = p.data.to(self.param_dtype)
@@ -377,6 +385,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                     continue
                 self._trained.append(p)
                 self._cast_to_param_dtype(p, originals)
+                self._trained_dtypes.append(p.dtype)
                 if p.dtype in LOW_PRECISION:
                     low.append(p)
                 else:
@@ -427,6 +436,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         if self._s.unscaled:
             return
         check_unfrozen(self._frozen)
+        check_dtypes(self._trained, self._trained_dtypes)
         self._store.check_devices()
         stepped = self._s.stepped_grads
         if stepped is not None and stepped.marks and stepped.same(self._trained):

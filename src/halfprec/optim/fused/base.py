@@ -38,7 +38,7 @@ import torch
 from ...kernels.slots import HP_WIDTH, PSCAL_WIDTH, Kind
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
-from ..checks import check_options, check_unfrozen, tell_schedulers
+from ..checks import check_dtypes, check_options, check_unfrozen, tell_schedulers
 from ..layout import Chunk, chunk_params
 from .grads import GradViews
 from .results import DeviceResults, SkipReporter
@@ -113,9 +113,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})
         self._build()
         self._built = True
-        self._init_scaler(
-            loss_scaler, dtypes={c.dtype for c in self._chunks}, device=self._device
-        )
+        self._init_scaler(loss_scaler, dtypes={c.dtype for c in self._chunks}, device=self._device)
         self._reporter = SkipReporter(
             self._skip_log,
             dynamic=self.loss_scaler.is_dynamic,
@@ -167,6 +165,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 "model to CUDA or use the torch path"
             )
         self._trainable = trainable
+        self._dtypes = [p.dtype for p in trainable]  # when built: a later model.half() is refused at step()
         self._group_of = group_of
         self._index = {p: i for i, p in enumerate(trainable)}
         # frozen when built: never trained
@@ -322,6 +321,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             )
         if not capturing:
             check_unfrozen(self._frozen)
+            check_dtypes(self._trainable, self._dtypes)
             self._scale_guard.check(self._backward_params(), self.loss_scaler)
             self._reporter.drain()
             self._grads.adopt(type(self).__name__)
@@ -412,6 +412,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 k += 1
         return {
             "format": self._FORMAT,
+            "algorithm": self.algorithm(),
             "optimizer": {"state": state, "param_groups": groups},
             "masters": masters,
             "params": self._param_entries(),
@@ -435,7 +436,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         if not isinstance(state_dict, dict):
             raise ValueError(f"expected a state dict, got {type(state_dict).__name__}")
         if state_dict.get("format") == self._FORMAT:
-            self._check_compatible(state_dict["params"])
+            self.check_state_dict(state_dict)
             inner = state_dict["optimizer"]
         elif "state" in state_dict and "param_groups" in state_dict:
             inner, state_dict = state_dict, None
@@ -448,10 +449,15 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             raise ValueError(
                 "state dict has a different number of param groups or params per group than this optimizer"
             )
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
-            group.update((key, v) for key, v in saved.items() if key != "params")
-        for gi, group in enumerate(self.param_groups):
+        # validated on copies, so that a refused load changes nothing
+        merged = [
+            group | {key: v for key, v in saved.items() if key != "params"}
+            for group, saved in zip(self.param_groups, saved_groups, strict=True)
+        ]
+        for gi, group in enumerate(merged):
             self._validate_group(group, gi)
+        for group, new in zip(self.param_groups, merged, strict=True):
+            group.update(new)
         self._hp_key = None
         steps = [0.0] * len(self._trainable)
         with torch.no_grad():
