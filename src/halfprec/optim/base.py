@@ -116,7 +116,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             ``halfprec.optim.Fused*`` optimizer: a subclass of this one.
     """
 
-    optimizer: torch.optim.Optimizer | None = None  # the wrapped one (exact, sharded); None: fused owns its groups
+    optimizer: torch.optim.Optimizer | None = (
+        None  # the wrapped one (exact, sharded); None: fused owns its groups
+    )
     impl = "torch"  # the strategy: "torch" (exact, inner torch step) or "triton" (fused kernels)
     _FORMAT = FORMAT
 

@@ -21,10 +21,8 @@ local step (``sharded/fused_step.py``) reads too:
 * ``STATE_NAMES``: the torch names of its elementwise state, each a flat fp32 buffer per chunk here;
 * ``hp_row(group)``: a param group's row of the hyper-parameter table the finalize program reads.
 
-Checkpoints are in the generic path's format, so they move between the paths: ``state_dict()`` returns what
-``MixedPrecisionOptimizer.state_dict()`` returns (``format``, a torch-format ``optimizer`` state dict, ``masters``
-of 16-bit params by param index, ``params``, ``scaler``, ``skipped_steps``); ``load_state_dict()`` takes that, or
-a plain torch optimizer state dict.
+Checkpoints are in the exact path's format (``MixedPrecisionOptimizer.state_dict()``), so they move between the
+paths; ``load_state_dict()`` also takes a plain torch optimizer state dict.
 """
 
 from __future__ import annotations
@@ -47,14 +45,6 @@ __all__ = ["FusedOptimizer", "check_number"]
 
 # implementation flags torch's optimizers keep in every group; the fused step is none of them
 _TORCH_FLAGS = {"foreach": None, "differentiable": False, "fused": None}
-
-
-def _value(v: Any) -> Any:
-    return v if torch.is_tensor(v) else float(v)
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def check_number(name: str, value: Any, lo: float, hi: float | None, index: int) -> None:
@@ -99,16 +89,10 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 f"{type(self).__name__} needs Triton: {why}; or use the torch path "
                 "(halfprec.MixedPrecisionOptimizer over a torch optimizer)"
             )
-        check_options(
-            loss_scaler=loss_scaler,
-            max_grad_norm=max_grad_norm,
-            param_dtype=param_dtype,
-            skip_nonfinite=skip_nonfinite,
-        )
+        options = dict(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype)
+        check_options(loss_scaler=loss_scaler, **options)
         self._built = False
-        self._init_options(
-            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype
-        )
+        self._init_options(**options)
         # owns its groups: not a wrapper's __init__
         torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})
         self._build()
@@ -286,7 +270,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
 
     # --- the step --------------------------------------------------------------------------------------
     def _upload_hyper(self, capturing: bool) -> None:
-        rows = [[_value(v) for v in self.hp_row(g)] for g in self.param_groups]
+        rows = [[v if torch.is_tensor(v) else float(v) for v in self.hp_row(g)] for g in self.param_groups]
         key = tuple(tuple(None if torch.is_tensor(v) else v for v in row) for row in rows)
         if key != self._hp_key:
             if capturing:
@@ -313,7 +297,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        capturing = _capturing()
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if capturing and not self._state_ready:
             raise RuntimeError(
                 f"{type(self).__name__} allocates its state at the first step, which cannot happen during CUDA "
