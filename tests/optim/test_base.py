@@ -149,3 +149,79 @@ def test_distributed_checkpoint_takes_the_fused_strategy(tmp_path):
     checkpoint.save(mp, tmp_path / "c", named_parameters=model)
     masters = consolidate(tmp_path / "c")
     assert all(m.dtype == torch.float32 for m in masters.values())
+
+
+def _snapshot(opt, model) -> list:
+    """Everything a load may write: params, masters, state buffers and counters, group hyper-parameters."""
+    sd = opt.state_dict()
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    tensors = [p.detach().clone() for p in model.parameters()] + [
+        m.detach().clone() for m in opt.master_params()
+    ]
+    state = [v.clone() for s in sd["optimizer"]["state"].values() for v in s.values() if torch.is_tensor(v)]
+    return [groups, sd["scaler"], sd["skipped_steps"], tensors + state]
+
+
+def _assert_same(a: list, b: list) -> None:
+    assert a[:3] == b[:3]
+    assert len(a[3]) == len(b[3]) and all(torch.equal(x, y) for x, y in zip(a[3], b[3], strict=True))
+
+
+def _stepped(opt, model):
+    from ..reference import grads_like, set_scaled_grads
+
+    params = list(model.parameters())
+    set_scaled_grads(params, grads_like(params, step=0), opt.loss_scale)
+    opt.step()
+    return opt
+
+
+def test_a_fused_load_refuses_another_optimizers_state_and_bad_groups_and_changes_nothing():
+    """FusedAdamW.load_state_dict of an SGD checkpoint wrote SGD's groups into the Adam groups, then failed on
+    the state; a bad group in either format was written before its check. All are refused before any write."""
+    from ..reference import make_model
+
+    model = make_model(torch.float16)
+    fused = _stepped(FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1), model)
+    assert fused.state_dict()["algorithm"] == "AdamW"
+    other = make_model(torch.float16)
+    sgd = _stepped(
+        halfprec.MixedPrecisionOptimizer(
+            torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9), impl="torch"
+        ),
+        other,
+    )
+    bad = fused.state_dict()
+    bad["optimizer"]["param_groups"][0]["lr"] = -1.0
+    torch_bad = {"state": {}, "param_groups": bad["optimizer"]["param_groups"]}
+    before = _snapshot(fused, model)
+    for saved, match in [(sgd.state_dict(), "saved by SGD"), (bad, "lr"), (torch_bad, "lr")]:
+        with pytest.raises(ValueError, match=match):
+            fused.load_state_dict(saved)
+        _assert_same(before, _snapshot(fused, model))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("cast", [torch.float16, torch.float32])
+def test_a_param_dtype_changed_after_wrapping_is_refused_at_step(impl, cast):
+    """``model.half()`` after wrapping a bf16 model trained fp16 without loss scaling, silently."""
+    model = _model(torch.bfloat16)
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), impl=impl)
+    model.to(cast)
+    mp.backward(model(torch.randn(4, 256, dtype=cast)).float().pow(2).mean())
+    with pytest.raises(
+        RuntimeError, match=rf"shape \(512, 256\) is {cast} now but was torch.bfloat16.*before wrapping"
+    ):
+        mp.step()
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_an_fp64_param_with_a_16_bit_param_dtype_is_refused(impl):
+    """Only fp32 params were cast: an fp64 one kept an fp64 master, training out of the fp32 contract."""
+    model = _model(torch.float64)
+    with pytest.raises(
+        ValueError, match=r"(float64 and param_dtype=torch.bfloat16.*model.float\(\))|(fp16, bf16 and fp32)"
+    ):
+        halfprec.MixedPrecisionOptimizer(
+            torch.optim.AdamW(model.parameters()), param_dtype=torch.bfloat16, impl=impl
+        )

@@ -14,19 +14,11 @@ lr=...)``, ``ShardedMixedPrecisionOptimizer(opt, named_parameters=...)``), which
 side by side. Calling the public class itself (``MixedPrecisionOptimizer(torch_opt, impl=...)``) goes through
 ``_SelectImpl``, which builds the strategy ``select.select_impl`` picks; subclasses construct as usual.
 
-A step of the exact strategy, in order:
-
-1. ``unscale_()`` (implicit if not called): copy the 16-bit model grads into fp32 master grads and multiply by
-   the reciprocal of the loss scale (a power of two, so exact); fp32 params are their own masters and are
-   unscaled in place.
-2. The global L2 norm of the unscaled grads, as ``torch.nn.utils.get_total_norm`` computes it. It is needed
-   for clipping and is the non-finite check: the norm is finite iff every grad is finite (a finite fp32 norm
-   that overflows is not usable for clipping either). fp16 is always checked; bf16/fp32 when
-   ``skip_nonfinite``.
-3. The scaler updates on the device; then one host sync reads the overflow flag.
-4. Overflow: the inner step is skipped, nothing but the scaler and ``skipped_steps`` changes, and one log
-   record says so. Otherwise: clip with ``torch.nn.utils.clip_grads_with_norm_`` (bit-identical to
-   ``clip_grad_norm_``), run the inner optimizer on the masters, round the masters into the model params.
+A step of the exact strategy (traced in docs/architecture.md): unscale the fp32 master grads (fp32 params are
+their own masters, unscaled in place); the global norm, as ``torch.nn.utils.get_total_norm`` computes it, is also
+the non-finite check (finite iff every grad is); the scaler updates on the device; one host sync; then skip
+(only the scaler and ``skipped_steps`` change), or clip (``clip_grads_with_norm_``, bit-identical to
+``clip_grad_norm_``), the inner step on the masters and the rounding into the model params.
 
 The wrapped optimizer is never stepped on construction and its math is never changed.
 """
@@ -41,6 +33,7 @@ import torch
 
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from .checks import (
+    check_dtypes,
     check_options,
     check_params,
     check_saved_groups,
@@ -67,6 +60,25 @@ _HOOK_REGISTRIES = (
 
 
 _OPTIONS = ("loss_scaler", "max_grad_norm", "skip_nonfinite", "param_dtype")
+
+
+class _Delegated:
+    """``param_groups``/``state``/``defaults``: the wrapped torch optimizer's (exact, sharded), so LR schedulers
+    write where the inner step reads; or this object's own (fused, ``optimizer`` is None)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        if obj is None:
+            return self
+        return obj.__dict__["_" + self.name] if obj.optimizer is None else getattr(obj.optimizer, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if obj.optimizer is None:
+            obj.__dict__["_" + self.name] = value
+        else:
+            setattr(obj.optimizer, self.name, value)
 
 
 class _SelectImpl(type(torch.optim.Optimizer)):
@@ -104,9 +116,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             ``halfprec.optim.Fused*`` optimizer: a subclass of this one.
     """
 
-    # where param_groups / state / defaults live: the wrapped torch optimizer (exact, sharded), so LR schedulers
-    # write where the inner step reads; or this object (fused, which owns its groups)
-    optimizer: torch.optim.Optimizer | None = None
+    optimizer: torch.optim.Optimizer | None = (
+        None  # the wrapped one (exact, sharded); None: fused owns its groups
+    )
     impl = "torch"  # the strategy: "torch" (exact, inner torch step) or "triton" (fused kernels)
     _FORMAT = FORMAT
 
@@ -130,6 +142,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         self._own: list[torch.nn.Parameter] = []  # trainable params that are their own masters (fp32/fp64)
         self._model_params: list[torch.nn.Parameter] = []  # what the caller's model holds, group order
         self._trained: list[torch.nn.Parameter] = []  # those trainable when wrapped: a master or their own
+        self._trained_dtypes: list[torch.dtype] = []  # their dtypes when wrapped (after the param_dtype cast)
         self._frozen: list[torch.nn.Parameter] = []  # those frozen when wrapped: no master, never trained
         mapping = self._build_masters(optimizer.param_groups)
         move_state(optimizer, {p: Target(m, 0, p.numel()) for p, m in mapping.items()})
@@ -186,6 +199,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
 
     def _cast_to_param_dtype(self, p: torch.nn.Parameter, originals: dict) -> None:
         """``param_dtype``: cast an fp32 param in place (same ``Parameter``), keeping its fp32 value as the master."""
+        if self.param_dtype in LOW_PRECISION and p.dtype == torch.float64:
+            raise ValueError(
+                f"param of shape {tuple(p.shape)} is torch.float64 and param_dtype={self.param_dtype}: halfprec's "
+                "masters are fp32, so an fp64 model would lose precision silently; cast the model to fp32 first "
+                "(model.float())"
+            )
         if self.param_dtype in LOW_PRECISION and p.dtype == torch.float32:
             originals[p] = p.data
             p.data = p.data.to(self.param_dtype)
@@ -196,38 +215,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         return self._has_fp16 or self.skip_nonfinite
 
     # --- the contract: where groups, state and defaults live ----------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.__dict__["_param_groups"] if self.optimizer is None else self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        if self.optimizer is None:
-            self.__dict__["_param_groups"] = value
-        else:
-            self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.__dict__["_state"] if self.optimizer is None else self.optimizer.state
-
-    @state.setter
-    def state(self, value) -> None:
-        if self.optimizer is None:
-            self.__dict__["_state"] = value
-        else:
-            self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.__dict__["_defaults"] if self.optimizer is None else self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        if self.optimizer is None:
-            self.__dict__["_defaults"] = value
-        else:
-            self.optimizer.defaults = value
+    param_groups = _Delegated("param_groups")
+    state = _Delegated("state")
+    defaults = _Delegated("defaults")
 
     def model_params(self) -> list[torch.nn.Parameter]:
         """The model's params in param-group order, frozen ones included (what state dicts index)."""
@@ -377,6 +367,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                     continue
                 self._trained.append(p)
                 self._cast_to_param_dtype(p, originals)
+                self._trained_dtypes.append(p.dtype)
                 if p.dtype in LOW_PRECISION:
                     low.append(p)
                 else:
@@ -427,6 +418,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         if self._s.unscaled:
             return
         check_unfrozen(self._frozen)
+        check_dtypes(self._trained, self._trained_dtypes)
         self._store.check_devices()
         stepped = self._s.stepped_grads
         if stepped is not None and stepped.marks and stepped.same(self._trained):

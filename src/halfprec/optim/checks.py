@@ -14,6 +14,7 @@ from ..precision import check_low_precision
 from ..scaler import LossScaler
 
 __all__ = [
+    "check_dtypes",
     "check_options",
     "check_params",
     "check_saved_groups",
@@ -56,6 +57,18 @@ def check_unfrozen(frozen: Iterable[torch.Tensor]) -> None:
                 "optimizer was wrapped and has a gradient now: halfprec made no FP32 master for it, so it cannot "
                 "be trained. Set requires_grad=True on every param you will train before wrapping (freeze them "
                 "afterwards: params without a grad are not updated), or wrap a new optimizer after unfreezing."
+            )
+
+
+def check_dtypes(params: Iterable[torch.Tensor], dtypes: Iterable[torch.dtype]) -> None:
+    """Raise when a trained param's dtype is no longer the one it had when the optimizer was wrapped
+    (``model.half()`` after wrapping a bf16 model would train fp16 without loss scaling, silently)."""
+    for p, dtype in zip(params, dtypes, strict=True):
+        if p.dtype != dtype:
+            raise RuntimeError(
+                f"a trained param of shape {tuple(p.shape)} is {p.dtype} now but was {dtype} when the optimizer "
+                "was wrapped: its masters, loss scaling and state were set up for that dtype. Cast the model "
+                "(model.to(dtype)) before wrapping the optimizer, and do not change its dtype afterwards"
             )
 
 

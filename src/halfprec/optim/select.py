@@ -16,13 +16,7 @@ import os
 
 import torch
 
-__all__ = [
-    "select_impl",
-    "fused_from_torch",
-    "fused_class",
-    "fused_unsupported_reason",
-    "unsupported_flag",
-]
+__all__ = ["select_impl", "fused_from_torch", "fused_class", "fused_unsupported_reason", "unsupported_flag"]
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 

@@ -21,10 +21,8 @@ local step (``sharded/fused_step.py``) reads too:
 * ``STATE_NAMES``: the torch names of its elementwise state, each a flat fp32 buffer per chunk here;
 * ``hp_row(group)``: a param group's row of the hyper-parameter table the finalize program reads.
 
-Checkpoints are in the generic path's format, so they move between the paths: ``state_dict()`` returns what
-``MixedPrecisionOptimizer.state_dict()`` returns (``format``, a torch-format ``optimizer`` state dict, ``masters``
-of 16-bit params by param index, ``params``, ``scaler``, ``skipped_steps``); ``load_state_dict()`` takes that, or
-a plain torch optimizer state dict.
+Checkpoints are in the exact path's format (``MixedPrecisionOptimizer.state_dict()``), so they move between the
+paths; ``load_state_dict()`` also takes a plain torch optimizer state dict.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ import torch
 from ...kernels.slots import HP_WIDTH, PSCAL_WIDTH, Kind
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
-from ..checks import check_options, check_unfrozen, tell_schedulers
+from ..checks import check_dtypes, check_options, check_unfrozen, tell_schedulers
 from ..layout import Chunk, chunk_params
 from .grads import GradViews
 from .results import DeviceResults, SkipReporter
@@ -47,14 +45,6 @@ __all__ = ["FusedOptimizer", "check_number"]
 
 # implementation flags torch's optimizers keep in every group; the fused step is none of them
 _TORCH_FLAGS = {"foreach": None, "differentiable": False, "fused": None}
-
-
-def _value(v: Any) -> Any:
-    return v if torch.is_tensor(v) else float(v)
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def check_number(name: str, value: Any, lo: float, hi: float | None, index: int) -> None:
@@ -99,23 +89,15 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 f"{type(self).__name__} needs Triton: {why}; or use the torch path "
                 "(halfprec.MixedPrecisionOptimizer over a torch optimizer)"
             )
-        check_options(
-            loss_scaler=loss_scaler,
-            max_grad_norm=max_grad_norm,
-            param_dtype=param_dtype,
-            skip_nonfinite=skip_nonfinite,
-        )
+        options = dict(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype)
+        check_options(loss_scaler=loss_scaler, **options)
         self._built = False
-        self._init_options(
-            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype
-        )
+        self._init_options(**options)
         # owns its groups: not a wrapper's __init__
         torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})
         self._build()
         self._built = True
-        self._init_scaler(
-            loss_scaler, dtypes={c.dtype for c in self._chunks}, device=self._device
-        )
+        self._init_scaler(loss_scaler, dtypes={c.dtype for c in self._chunks}, device=self._device)
         self._reporter = SkipReporter(
             self._skip_log,
             dynamic=self.loss_scaler.is_dynamic,
@@ -167,6 +149,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 "model to CUDA or use the torch path"
             )
         self._trainable = trainable
+        self._dtypes = [p.dtype for p in trainable]  # when built: a later model.half() is refused at step()
         self._group_of = group_of
         self._index = {p: i for i, p in enumerate(trainable)}
         # frozen when built: never trained
@@ -287,7 +270,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
 
     # --- the step --------------------------------------------------------------------------------------
     def _upload_hyper(self, capturing: bool) -> None:
-        rows = [[_value(v) for v in self.hp_row(g)] for g in self.param_groups]
+        rows = [[v if torch.is_tensor(v) else float(v) for v in self.hp_row(g)] for g in self.param_groups]
         key = tuple(tuple(None if torch.is_tensor(v) else v for v in row) for row in rows)
         if key != self._hp_key:
             if capturing:
@@ -314,7 +297,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        capturing = _capturing()
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if capturing and not self._state_ready:
             raise RuntimeError(
                 f"{type(self).__name__} allocates its state at the first step, which cannot happen during CUDA "
@@ -322,6 +305,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             )
         if not capturing:
             check_unfrozen(self._frozen)
+            check_dtypes(self._trainable, self._dtypes)
             self._scale_guard.check(self._backward_params(), self.loss_scaler)
             self._reporter.drain()
             self._grads.adopt(type(self).__name__)
@@ -412,6 +396,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 k += 1
         return {
             "format": self._FORMAT,
+            "algorithm": self.algorithm(),
             "optimizer": {"state": state, "param_groups": groups},
             "masters": masters,
             "params": self._param_entries(),
@@ -435,7 +420,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         if not isinstance(state_dict, dict):
             raise ValueError(f"expected a state dict, got {type(state_dict).__name__}")
         if state_dict.get("format") == self._FORMAT:
-            self._check_compatible(state_dict["params"])
+            self.check_state_dict(state_dict)
             inner = state_dict["optimizer"]
         elif "state" in state_dict and "param_groups" in state_dict:
             inner, state_dict = state_dict, None
@@ -448,10 +433,15 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             raise ValueError(
                 "state dict has a different number of param groups or params per group than this optimizer"
             )
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
-            group.update((key, v) for key, v in saved.items() if key != "params")
-        for gi, group in enumerate(self.param_groups):
+        # validated on copies, so that a refused load changes nothing
+        merged = [
+            group | {key: v for key, v in saved.items() if key != "params"}
+            for group, saved in zip(self.param_groups, saved_groups, strict=True)
+        ]
+        for gi, group in enumerate(merged):
             self._validate_group(group, gi)
+        for group, new in zip(self.param_groups, merged, strict=True):
+            group.update(new)
         self._hp_key = None
         steps = [0.0] * len(self._trainable)
         with torch.no_grad():

@@ -54,6 +54,8 @@ class GradViews:
         """Param ``i`` got a grad: make ``.grad`` its view of the flat buffer (copying a fresh tensor in)."""
         p = self.params[i]
         chunk, local = self.where[i]
+        if p.dtype != chunk.dtype:
+            return  # cast after the optimizer was built: step() refuses it (checks.check_dtypes)
         view = self.views(chunk)[local]
         g = p.grad
         if g is not None and g.data_ptr() != view.data_ptr():

@@ -7,13 +7,9 @@ from typing import Any
 
 import torch
 
-from ..checks import check_options
+from ..checks import check_options, check_torch_optimizer
 
-__all__ = [
-    "ELEMENTWISE",
-    "check_optimizer",
-    "named_trainable",
-]
+__all__ = ["ELEMENTWISE", "check_optimizer", "named_trainable"]
 
 # Optimizers whose update of an element depends only on that element's grad, state and the group's scalars:
 # stepping a piece of a param is then exactly stepping the param. LAMB, LARS, Adafactor, Muon, Shampoo and
@@ -31,8 +27,8 @@ ELEMENTWISE = tuple(
         "RAdam",
         "RMSprop",
         "Rprop",
-        "ASGD",
     )
+    + ("ASGD",)
     if hasattr(torch.optim, name)
 )
 
@@ -44,20 +40,14 @@ def check_optimizer(optimizer: Any, loss_scaler: Any, max_grad_norm: Any, param_
         raise ValueError(
             "optimizer is a MixedPrecisionOptimizer; give ShardedMixedPrecisionOptimizer the plain torch optimizer"
         )
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not isinstance(optimizer, ELEMENTWISE):
+    if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, ELEMENTWISE):
         names = ", ".join(c.__name__ for c in ELEMENTWISE)
         raise ValueError(
             f"{type(optimizer).__name__} is not a known elementwise optimizer; the sharded optimizer steps pieces "
             f"of params, which is exact only for {names}. Optimizers that need whole tensors (LAMB, LBFGS, "
             "Adafactor, Muon) run unsharded: MixedPrecisionOptimizer + DistributedDataParallel (stage 0)"
         )
-    for i, group in enumerate(optimizer.param_groups):
-        if group.get("differentiable", False):
-            raise ValueError(
-                f"param group {i} has differentiable=True; build the optimizer with differentiable=False"
-            )
+    check_torch_optimizer(optimizer)  # a torch optimizer, floating params listed once, differentiable=False
     check_options(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype)
 
 

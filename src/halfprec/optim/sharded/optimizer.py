@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
-from ..checks import check_unfrozen, clear_grads
+from ..checks import check_dtypes, check_unfrozen, clear_grads
 from ..layout import Layout
 from ..state import Target, move_state, restore_state_dtypes
 from .checks import check_optimizer, named_trainable
@@ -223,6 +223,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if self._s.unscaled:
             return
         check_unfrozen(self._frozen)
+        check_dtypes(self._params, [self.dtype] * len(self._params))
         if self._stepped and not self._reducer.fresh:
             raise RuntimeError(
                 "step() called again without a new backward(): these grads were already applied (and fp32 grads "
