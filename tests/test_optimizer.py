@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import math
 import warnings
 
 import pytest
@@ -772,3 +773,19 @@ def test_add_param_group_refuses_differentiable():
     mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW([model.weight]))
     with pytest.raises(ValueError, match=r"add_param_group got differentiable=True"):
         mp.add_param_group({"params": [model.bias], "differentiable": True})
+
+
+@pytest.mark.parametrize(("value", "skipped"), [(1.0e19, False), (2.0e19, True)])
+def test_a_norm_whose_fp32_square_overflows_skips_as_documented(value, skipped):
+    # docs/guarantees.md: the norm is clip_grad_norm_'s (an fp32 sum of squares), so a finite bf16 grad of 2e19
+    # gives an inf norm and a skip; 1e19 (square 1e38 < 3.4e38) does not
+    model = make_model(torch.bfloat16)
+    mp = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=1.0, impl="torch")
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.zeros_like(p)
+        if i == 0:
+            p.grad.view(-1)[0] = value
+    mp.step()
+    grads = [p.grad.float() for p in model.parameters()]
+    ref = torch.nn.utils.get_total_norm(grads)  # what clip_grad_norm_ computes on these grads in fp32
+    assert mp.step_was_skipped is skipped and math.isinf(mp.grad_norm) is skipped and math.isinf(ref) is skipped
