@@ -17,6 +17,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from halfprec.integrations import accelerate as hp_accelerate  # noqa: E402
 
+from ..tolerances import approx  # noqa: E402
 from ._oracle import (  # noqa: E402
     DTYPES,
     InfInjector,
@@ -90,7 +91,7 @@ def test_matches_plain_loop(name, accum):
     assert all(n > 0.05 for n in rec.grad_norms)  # clipping at 0.05 was active on every step
     # ... and clipped the norm to 0.05: the oracle checked each step's grads against clip_grad_norm_ (fp32)
     assert len(ref.clipped_norms) == 6 // accum
-    assert all(abs(n - 0.05) < 1e-6 for n in ref.clipped_norms), ref.clipped_norms
+    assert all(n == approx(0.05, "clipped_norm") for n in ref.clipped_norms), ref.clipped_norms
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
@@ -103,9 +104,7 @@ def test_overflow_skip_holds_schedule(name, recwarn, caplog):
     _train(accelerator, model, mp, opt, loader, sched, dtype, rec, inf_at=inf_at, skip_seen=seen)
     assert rec.skipped == [False, True, False] == ref.skipped
     assert seen == [False, True, False]  # accelerator.optimizer_step_was_skipped, which the HF Trainer reads
-    assert rec.lrs == pytest.approx(
-        [0.009, 0.009, 0.0081], rel=1e-12
-    )  # AcceleratedScheduler held on the skip
+    assert rec.lrs == approx([0.009, 0.009, 0.0081], "lr_schedule")  # AcceleratedScheduler held on the skip
     assert rec == ref
     assert_same_weights(model, mp, ref_model, ref_mp)
     assert mp.skipped_steps == 1

@@ -8,7 +8,7 @@ import torch
 from halfprec.optim.layout import build_table
 
 from ..optim.helpers import DEVICE
-from ..optim.tolerances import tol
+from ..tolerances import tol
 
 SIZES = [1, 127, 4097, 2**16 + 3]
 

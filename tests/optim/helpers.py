@@ -6,7 +6,7 @@ import torch
 
 import halfprec
 
-from .tolerances import tol
+from ..tolerances import tol
 
 # the interpreter on CPU; the GPU when there is one (the interpreter is off there)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,7 +75,7 @@ def assert_same_state(ref, fused, dtype):
     assert sr["params"] == sf["params"]
     assert sorted(sr["masters"]) == sorted(sf["masters"])
     for k in sr["masters"]:
-        torch.testing.assert_close(sf["masters"][k].cpu(), sr["masters"][k].cpu(), **tol("master", dtype))
+        torch.testing.assert_close(sf["masters"][k].cpu(), sr["masters"][k].cpu(), **tol("fused_master", dtype))
     str_, stf = sr["optimizer"]["state"], sf["optimizer"]["state"]
     assert sorted(str_) == sorted(stf), (sorted(str_), sorted(stf))
     for k in str_:
@@ -85,11 +85,11 @@ def assert_same_state(ref, fused, dtype):
             if name == "step":
                 assert float(w) == float(v), (k, float(w), float(v))
             else:
-                torch.testing.assert_close(w.cpu(), v.cpu(), **tol("state", dtype))
+                torch.testing.assert_close(w.cpu(), v.cpu(), **tol("fused_state", dtype))
     # fp32 params (own masters): compare the params themselves
     for p, q in zip(ref.model_params(), fused.model_params(), strict=True):
         if p.dtype == torch.float32:
-            torch.testing.assert_close(q.detach().cpu(), p.detach().cpu(), **tol("master", dtype))
+            torch.testing.assert_close(q.detach().cpu(), p.detach().cpu(), **tol("fused_master", dtype))
     assert sr["skipped_steps"] == sf["skipped_steps"]
     assert sr["scaler"] == sf["scaler"]
 

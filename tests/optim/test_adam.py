@@ -14,6 +14,7 @@ import torch
 import halfprec
 from halfprec.optim import FusedAdam, FusedAdamW
 
+from ..tolerances import approx, tol
 from .helpers import (
     DEVICE,
     assert_params_are_rounded_masters,
@@ -42,7 +43,7 @@ def test_matches_torch_path(torch_cls, fused_cls, dtype, clip):
     run_both(ref, fused, a, b, 4)
     assert_same_state(ref, fused, dtype)
     assert_params_are_rounded_masters(fused)
-    assert fused.grad_norm == pytest.approx(ref.grad_norm, rel=1e-5)
+    assert fused.grad_norm == approx(ref.grad_norm, "grad_norm")
 
 
 def test_groups_mixed_dtypes_and_no_grad_params_keep_their_counters():
@@ -163,7 +164,7 @@ def test_backward_hooks_views_and_accumulation(zero):
             n2.zero_grad()
     assert_same_state(ref, fused, torch.float16)
     for p, q in zip(n1.parameters(), n2.parameters(), strict=True):
-        assert torch.equal(p, q) or torch.allclose(p.float(), q.float(), rtol=1e-3, atol=1e-5)
+        assert torch.equal(p, q) or torch.allclose(p.float(), q.float(), **tol("fused_param_neighbour", torch.float16))
     # the unused layer never got a grad: not updated, no state
     assert 4 not in fused.state_dict()["optimizer"]["state"]
     chunk, local = fused._where[0]
