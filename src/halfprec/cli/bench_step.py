@@ -19,6 +19,8 @@ import torch
 
 import halfprec
 
+from ..optim import FusedAdagrad, FusedAdamW, FusedLamb, FusedSGD
+
 __all__ = ["BenchRow", "copy_bandwidth", "run_bench", "FLOOR_BYTES", "WORKLOADS"]
 
 # LAMB: the three-pass design's bytes (norm 2 + stage 22 + apply 18); torch has no LAMB to compare with
@@ -84,28 +86,24 @@ def _params(shapes, dtype):
     return params
 
 
+# name -> (torch optimizer, fused optimizer, the hyperparameters of both); torch has no LAMB to compare with
+_OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, FusedAdamW, dict(lr=1e-4, weight_decay=0.1)),
+    "sgd": (torch.optim.SGD, FusedSGD, dict(lr=1e-2, momentum=0.9)),
+    "adagrad": (torch.optim.Adagrad, FusedAdagrad, dict(lr=1e-2)),
+    "lamb": (None, FusedLamb, dict(lr=1e-3, weight_decay=0.01)),
+}
+
+
 def _torch_opt(name, params, *, fused=None):
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=fused)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, fused=fused)
-    return torch.optim.Adagrad(params, lr=1e-2, fused=fused)
+    cls, _, hyper = _OPTIMIZERS[name]
+    return cls(params, **hyper, fused=fused)
 
 
 def _fused_opt(name, params):
-    from ..optim import FusedAdagrad, FusedAdamW, FusedLamb, FusedSGD
-
-    kw = dict(
-        loss_scaler=halfprec.DynamicLossScaler() if params[0].dtype == torch.float16 else None,
-        max_grad_norm=1.0,
-    )
-    if name == "adamw":
-        return FusedAdamW(params, lr=1e-4, weight_decay=0.1, **kw)
-    if name == "sgd":
-        return FusedSGD(params, lr=1e-2, momentum=0.9, **kw)
-    if name == "lamb":
-        return FusedLamb(params, lr=1e-3, weight_decay=0.01, **kw)
-    return FusedAdagrad(params, lr=1e-2, **kw)
+    _, cls, hyper = _OPTIMIZERS[name]
+    scaler = halfprec.DynamicLossScaler() if params[0].dtype == torch.float16 else None
+    return cls(params, **hyper, loss_scaler=scaler, max_grad_norm=1.0)
 
 
 class _PlainPipeline:
@@ -159,15 +157,14 @@ def _extra_mib(fn, before=None) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) -> tuple:
-    """(n, ms, extra MiB, skipped ms, graph ms, graph skipped ms) of one implementation."""
+def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) -> dict[str, Any]:
+    """One implementation's measured ``BenchRow`` fields: n_params, ms, extra_mib (fused: also the skipped-step
+    and CUDA-graph times)."""
     params = _params(shapes, dtype)
-    n = sum(p.numel() for p in params)
-    skipped_ms = None
+    row = {"n_params": sum(p.numel() for p in params)}
     if impl == "fused":
         opt = _fused_opt(name, params)
-        mark = opt.mark_grads  # what backward's hooks do
-        fn = opt.step
+        mark, fn = opt.mark_grads, opt.step  # mark_grads: what backward's hooks do
     elif impl == "torch":
         opt = halfprec.MixedPrecisionOptimizer(_torch_opt(name, params), max_grad_norm=1.0, impl="torch")
 
@@ -178,30 +175,29 @@ def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) ->
 
         fn = opt.step
     else:
-        pipe = _PlainPipeline(name, params)
-        mark, fn = None, pipe.step
-    ms = _time(fn, mark, warmup=warmup, iters=iters)
-    extra = _extra_mib(fn, mark)
-    graph_ms = graph_skipped_ms = None
+        opt = _PlainPipeline(name, params)
+        mark, fn = None, opt.step
+    row["ms"] = _time(fn, mark, warmup=warmup, iters=iters)
+    row["extra_mib"] = _extra_mib(fn, mark)
     if impl == "fused":
         grad = params[0].grad.view(-1)  # a view of the optimizer's flat grad buffer since its first step
-        grad[0] = float("inf")
-        skipped_ms = _time(fn, mark, warmup=2, iters=iters)
-        assert opt.step_was_skipped
-        grad[0] = 0.0
+
+        def overflowing(step) -> float:
+            grad[0] = float("inf")
+            ms = _time(step, mark, warmup=2, iters=iters)
+            assert opt.step_was_skipped
+            grad[0] = 0.0
+            return ms
+
+        row["skipped_ms"] = overflowing(fn)
         # the same step replayed from a CUDA graph: GPU time without Python launch overhead
         graph = _capture(opt, mark)
-        graph_ms = _time(graph.replay, mark, warmup=2, iters=iters)
-        grad[0] = float("inf")
-        graph_skipped_ms = _time(graph.replay, mark, warmup=2, iters=iters)
-        assert opt.step_was_skipped
-        grad[0] = 0.0
+        row["graph_ms"] = _time(graph.replay, mark, warmup=2, iters=iters)
+        row["graph_skipped_ms"] = overflowing(graph.replay)
         del graph
-    result = (n, ms, extra, skipped_ms, graph_ms, graph_skipped_ms)
-    del params, fn
-    opt = pipe = None
+    params = fn = opt = None  # freed for empty_cache()
     torch.cuda.empty_cache()
-    return result
+    return row
 
 
 def run_bench(
@@ -232,7 +228,6 @@ def _run(workload, optimizers, dtypes, impls, warmup, iters) -> dict[str, Any]:
     for name in optimizers:
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name)
-            plain_ms = None
             results = {}
             for impl in ("plain", "torch", "fused"):
                 if impl not in impls or (name == "lamb" and impl != "fused"):
@@ -242,25 +237,20 @@ def _run(workload, optimizers, dtypes, impls, warmup, iters) -> dict[str, Any]:
                 except Exception as e:  # one failing configuration must not lose the others
                     print(f"bench: {name} {dtype_name} {impl} failed: {type(e).__name__}: {e}")
                     torch.cuda.empty_cache()
-            plain_ms = results.get("plain", (0, None))[1]
-            for impl, (n, ms, extra, skipped_ms, graph_ms, graph_skipped_ms) in results.items():
-                floor_ms = FLOOR_BYTES[name] * n / (bw * 1e9) * 1e3
-                gbps = FLOOR_BYTES[name] * n / (ms * 1e-3) / 1e9
+            plain_ms = results.get("plain", {}).get("ms")
+            for impl, measured in results.items():
+                floor_ms = FLOOR_BYTES[name] * measured["n_params"] / (bw * 1e9) * 1e3
+                gbps = FLOOR_BYTES[name] * measured["n_params"] / (measured["ms"] * 1e-3) / 1e9
                 rows.append(
                     BenchRow(
                         impl=impl,
                         optimizer=name,
                         dtype=dtype_name,
-                        n_params=n,
-                        ms=ms,
                         gbps=gbps,
                         pct_copy_bw=100 * gbps / bw,
-                        x_floor=ms / floor_ms,
-                        vs_plain=None if plain_ms is None else plain_ms / ms,
-                        extra_mib=extra,
-                        skipped_ms=skipped_ms,
-                        graph_ms=graph_ms,
-                        graph_skipped_ms=graph_skipped_ms,
+                        x_floor=measured["ms"] / floor_ms,
+                        vs_plain=None if plain_ms is None else plain_ms / measured["ms"],
+                        **measured,
                     )
                 )
     return {
