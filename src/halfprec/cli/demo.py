@@ -320,18 +320,16 @@ def _first_difference(a: Any, b: Any, where: str) -> str | None:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
         return None if same and torch.equal(a, b) else f"{where} differs"
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return f"{where} has different keys"
-        pairs = [(a[k], b[k], f"{where}[{k!r}]") for k in a]
-    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return f"{where} has a different length"
-        pairs = [(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True))]
-    else:
+        a, b = dict(enumerate(a)), dict(enumerate(b))
+    if not (isinstance(a, dict) and isinstance(b, dict)):
         return None if a == b else f"{where}: {a!r} != {b!r}"
-    for x, y, inner in pairs:
-        if (diff := _first_difference(x, y, inner)) is not None:
+    if a.keys() != b.keys():
+        return f"{where} has different keys"
+    for k in a:
+        if (diff := _first_difference(a[k], b[k], f"{where}[{k!r}]")) is not None:
             return diff
     return None
 
