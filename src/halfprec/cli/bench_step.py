@@ -1,11 +1,9 @@
 """Timing of one mixed-precision optimizer step: the fused path, the generic torch path, the plain torch pipeline.
 
-What is timed: ``step()`` only, with the grads already in place (backward is identical for all three), as the
-median of CUDA-event timings after warm-up. The fused optimizers' grad marks (set by backward hooks in training)
-are set before each timed step, outside the timed region. The copy bandwidth is measured in the same run
-(device-to-device copy of a 2 GiB buffer, bytes read + written), and every figure is also given against the
-bytes floor of its algorithm: AdamW reads the 16-bit grads twice (norm pass, update pass) and reads and writes
-master, m, v and writes the 16-bit param: 30 B/param; SGD with momentum and Adagrad: 22 B/param.
+What is timed: ``step()`` only, grads in place (backward is the same for all three; the fused grad marks are set
+outside the timed region), as the median of CUDA-event timings after warm-up; against the copy bandwidth of the
+same run and the bytes floor of the algorithm (AdamW: grads read twice, master, m, v read and written, the 16-bit
+param written: 30 B/param; SGD with momentum and Adagrad: 22 B/param).
 """
 
 from __future__ import annotations
@@ -222,6 +220,12 @@ def run_bench(
 
 
 def _run(workload, optimizers, dtypes, impls, warmup, iters) -> dict[str, Any]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "n/a"
     bw = copy_bandwidth()
     shapes = WORKLOADS[workload]
     rows: list[BenchRow] = []
@@ -256,20 +260,11 @@ def _run(workload, optimizers, dtypes, impls, warmup, iters) -> dict[str, Any]:
     return {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "triton": _triton_version(),
+        "triton": triton_version,
         "workload": workload,
         "copy_gbps": bw,
         "rows": [asdict(r) for r in rows],
     }
-
-
-def _triton_version() -> str:
-    try:
-        import triton
-
-        return triton.__version__
-    except ImportError:
-        return "n/a"
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -114,10 +114,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as e:
         print(f"halfprec demo: {e}", file=sys.stderr)
         return 2
-    cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd)
+    model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd))
     print(
-        f"halfprec demo: a {GPT(cfg).num_params() / 1e6:.2f}M-param byte-level GPT ({cfg.n_layer}-layer, "
-        f"width {cfg.n_embd}) on the {len(stdlib_files())} source files of Python {sys.version.split()[0]}'s "
+        f"halfprec demo: a {model.num_params() / 1e6:.2f}M-param byte-level GPT ({args.n_layer}-layer, "
+        f"width {args.n_embd}) on the {len(stdlib_files())} source files of Python {sys.version.split()[0]}'s "
         "standard library\n"
         f"{args.steps} steps x {args.batch_size} x {args.seq_len} bytes per precision, AdamW, clip 1.0; "
         f"device {args.device}, {specs[0].threads} torch thread(s), seed {args.seed}",
@@ -342,9 +342,9 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         raise ValueError(f"--precisions {args.precisions!r}: give distinct names from {','.join(PRECISIONS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but torch sees no CUDA device; run with --device cpu")
-    for name in ("steps", "batch_size", "seq_len", "n_layer", "n_embd"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("steps", "batch_size", "seq_len", "n_layer", "n_embd", "threads"):
+        if (value := getattr(args, name)) is not None and value < 1:  # --threads None: the default
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.steps < 2:
         raise ValueError(f"--steps {args.steps}: the resume check needs at least 2 steps")
     resume = args.resume_check
@@ -353,8 +353,6 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         resume = "fp16" if "fp16" in precisions else precisions[-1]
     if resume != "none" and resume not in precisions:
         raise ValueError(f"--resume-check {resume!r} is not among --precisions {','.join(precisions)}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise ValueError(f"--lr must be a positive number, got {args.lr}")
     try:  # the model's own checks (n_head must divide n_embd), here rather than in a child's traceback
@@ -374,14 +372,13 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         device=args.device, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         n_layer=args.n_layer, n_embd=args.n_embd, lr=args.lr, seed=args.seed,
         threads=args.threads or _default_threads(), eval_every=max(1, args.steps // 5), eval_batches=8,
-        corpus_bytes=args.corpus_bytes,
+        corpus_bytes=args.corpus_bytes, break_resume=args.break_resume,
     )  # fmt: skip
     return [
         RunSpec(
             precision=p,
             checkpoint_dir=str(args.out / "checkpoints" / p),
             resume_at=args.steps // 2 if p == resume else None,
-            break_resume=args.break_resume,
             **common,
         )
         for p in precisions
@@ -547,7 +544,7 @@ def _plot(results: list[RunResult], path: Path) -> Path:
         for r in diffs:
             c = colors[r.precision]
             d = [x - y for x, y in zip(r.losses, fp32.losses, strict=True)]
-            trend = _moving_mean(d, 10)
+            trend = [sum(d[i - 10 : i]) / 10 for i in range(10, len(d) + 1)]
             trends += trend[len(d) // 10 :] or [0.05]
             a.plot(range(1, len(d) + 1), d, color=c, lw=0.5, alpha=0.3)
             a.plot(range(10, len(d) + 1), trend, color=c, lw=1.5, label=f"{r.precision} - fp32")
@@ -574,8 +571,3 @@ def _plot(results: list[RunResult], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path.resolve()
-
-
-def _moving_mean(values: list[float], n: int) -> list[float]:
-    """Means of each ``n`` consecutive values (``len(values) - n + 1`` of them)."""
-    return [sum(values[i - n : i]) / n for i in range(n, len(values) + 1)]
