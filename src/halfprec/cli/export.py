@@ -7,6 +7,7 @@ and the command exits with status 2 (as argparse does for bad arguments).
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from pathlib import Path
 
@@ -40,8 +41,6 @@ def _path(args: argparse.Namespace) -> Path:
 def _bad_checkpoint() -> tuple[type[BaseException], ...]:
     """What reading a bad checkpoint raises: halfprec's errors, and those of the readers under them (a damaged
     safetensors file, DCP metadata that is not DCP's, DCP data files that do not match their metadata)."""
-    import pickle
-
     from safetensors import SafetensorError
     from torch.distributed.checkpoint.api import CheckpointException
 
