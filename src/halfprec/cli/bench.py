@@ -5,36 +5,36 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    add = parser.add_argument
+    add(
         "--workload",
         default="268M",
         choices=["268M", "1B", "small"],
         help="param shapes: 268M = 16 x 4096x4096 + 16 x 4096 (default), 1B = 16 x 8192x8192 + ...",
     )
-    parser.add_argument(
-        "--optimizers", default="adamw", help="comma list of adamw, sgd, adagrad, lamb (lamb: fused only)"
-    )
-    parser.add_argument("--dtypes", default="float16", help="comma list of float16, bfloat16")
-    parser.add_argument("--impls", default="fused,torch,plain", help="comma list of fused, torch, plain")
-    parser.add_argument(
+    add("--optimizers", default="adamw", help="comma list of adamw, sgd, adagrad, lamb (lamb: fused only)")
+    add("--dtypes", default="float16", help="comma list of float16, bfloat16")
+    add("--impls", default="fused,torch,plain", help="comma list of fused, torch, plain")
+    add(
         "--warmup",
         type=int,
         default=5,
         help="untimed steps first, for compilation and caches (default %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--iters",
         type=int,
         default=20,
         help="timed steps; the table gives their median (default %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--json",
         type=Path,
         default=Path("halfprec-bench.json"),
@@ -43,9 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
-    import torch
+    import torch  # `halfprec bench --help` stays light
 
     for name, low in (("warmup", 0), ("iters", 1)):
         if getattr(args, name) < low:

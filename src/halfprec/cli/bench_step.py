@@ -1,11 +1,9 @@
 """Timing of one mixed-precision optimizer step: the fused path, the generic torch path, the plain torch pipeline.
 
-What is timed: ``step()`` only, with the grads already in place (backward is identical for all three), as the
-median of CUDA-event timings after warm-up. The fused optimizers' grad marks (set by backward hooks in training)
-are set before each timed step, outside the timed region. The copy bandwidth is measured in the same run
-(device-to-device copy of a 2 GiB buffer, bytes read + written), and every figure is also given against the
-bytes floor of its algorithm: AdamW reads the 16-bit grads twice (norm pass, update pass) and reads and writes
-master, m, v and writes the 16-bit param: 30 B/param; SGD with momentum and Adagrad: 22 B/param.
+What is timed: ``step()`` only, grads in place (backward is the same for all three; the fused grad marks are set
+outside the timed region), as the median of CUDA-event timings after warm-up; against the copy bandwidth of the
+same run and the bytes floor of the algorithm (AdamW: grads read twice, master, m, v read and written, the 16-bit
+param written: 30 B/param; SGD with momentum and Adagrad: 22 B/param).
 """
 
 from __future__ import annotations
@@ -18,6 +16,8 @@ from typing import Any
 import torch
 
 import halfprec
+
+from ..optim import FusedAdagrad, FusedAdamW, FusedLamb, FusedSGD
 
 __all__ = ["BenchRow", "copy_bandwidth", "run_bench", "FLOOR_BYTES", "WORKLOADS"]
 
@@ -84,28 +84,24 @@ def _params(shapes, dtype):
     return params
 
 
+# name -> (torch optimizer, fused optimizer, the hyperparameters of both); torch has no LAMB to compare with
+_OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, FusedAdamW, dict(lr=1e-4, weight_decay=0.1)),
+    "sgd": (torch.optim.SGD, FusedSGD, dict(lr=1e-2, momentum=0.9)),
+    "adagrad": (torch.optim.Adagrad, FusedAdagrad, dict(lr=1e-2)),
+    "lamb": (None, FusedLamb, dict(lr=1e-3, weight_decay=0.01)),
+}
+
+
 def _torch_opt(name, params, *, fused=None):
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=fused)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, fused=fused)
-    return torch.optim.Adagrad(params, lr=1e-2, fused=fused)
+    cls, _, hyper = _OPTIMIZERS[name]
+    return cls(params, **hyper, fused=fused)
 
 
 def _fused_opt(name, params):
-    from ..optim import FusedAdagrad, FusedAdamW, FusedLamb, FusedSGD
-
-    kw = dict(
-        loss_scaler=halfprec.DynamicLossScaler() if params[0].dtype == torch.float16 else None,
-        max_grad_norm=1.0,
-    )
-    if name == "adamw":
-        return FusedAdamW(params, lr=1e-4, weight_decay=0.1, **kw)
-    if name == "sgd":
-        return FusedSGD(params, lr=1e-2, momentum=0.9, **kw)
-    if name == "lamb":
-        return FusedLamb(params, lr=1e-3, weight_decay=0.01, **kw)
-    return FusedAdagrad(params, lr=1e-2, **kw)
+    _, cls, hyper = _OPTIMIZERS[name]
+    scaler = halfprec.DynamicLossScaler() if params[0].dtype == torch.float16 else None
+    return cls(params, **hyper, loss_scaler=scaler, max_grad_norm=1.0)
 
 
 class _PlainPipeline:
@@ -159,15 +155,14 @@ def _extra_mib(fn, before=None) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) -> tuple:
-    """(n, ms, extra MiB, skipped ms, graph ms, graph skipped ms) of one implementation."""
+def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) -> dict[str, Any]:
+    """One implementation's measured ``BenchRow`` fields: n_params, ms, extra_mib (fused: also the skipped-step
+    and CUDA-graph times)."""
     params = _params(shapes, dtype)
-    n = sum(p.numel() for p in params)
-    skipped_ms = None
+    row = {"n_params": sum(p.numel() for p in params)}
     if impl == "fused":
         opt = _fused_opt(name, params)
-        mark = opt.mark_grads  # what backward's hooks do
-        fn = opt.step
+        mark, fn = opt.mark_grads, opt.step  # mark_grads: what backward's hooks do
     elif impl == "torch":
         opt = halfprec.MixedPrecisionOptimizer(_torch_opt(name, params), max_grad_norm=1.0, impl="torch")
 
@@ -178,30 +173,29 @@ def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) ->
 
         fn = opt.step
     else:
-        pipe = _PlainPipeline(name, params)
-        mark, fn = None, pipe.step
-    ms = _time(fn, mark, warmup=warmup, iters=iters)
-    extra = _extra_mib(fn, mark)
-    graph_ms = graph_skipped_ms = None
+        opt = _PlainPipeline(name, params)
+        mark, fn = None, opt.step
+    row["ms"] = _time(fn, mark, warmup=warmup, iters=iters)
+    row["extra_mib"] = _extra_mib(fn, mark)
     if impl == "fused":
         grad = params[0].grad.view(-1)  # a view of the optimizer's flat grad buffer since its first step
-        grad[0] = float("inf")
-        skipped_ms = _time(fn, mark, warmup=2, iters=iters)
-        assert opt.step_was_skipped
-        grad[0] = 0.0
+
+        def overflowing(step) -> float:
+            grad[0] = float("inf")
+            ms = _time(step, mark, warmup=2, iters=iters)
+            assert opt.step_was_skipped
+            grad[0] = 0.0
+            return ms
+
+        row["skipped_ms"] = overflowing(fn)
         # the same step replayed from a CUDA graph: GPU time without Python launch overhead
         graph = _capture(opt, mark)
-        graph_ms = _time(graph.replay, mark, warmup=2, iters=iters)
-        grad[0] = float("inf")
-        graph_skipped_ms = _time(graph.replay, mark, warmup=2, iters=iters)
-        assert opt.step_was_skipped
-        grad[0] = 0.0
+        row["graph_ms"] = _time(graph.replay, mark, warmup=2, iters=iters)
+        row["graph_skipped_ms"] = overflowing(graph.replay)
         del graph
-    result = (n, ms, extra, skipped_ms, graph_ms, graph_skipped_ms)
-    del params, fn
-    opt = pipe = None
+    params = fn = opt = None  # freed for empty_cache()
     torch.cuda.empty_cache()
-    return result
+    return row
 
 
 def run_bench(
@@ -226,13 +220,18 @@ def run_bench(
 
 
 def _run(workload, optimizers, dtypes, impls, warmup, iters) -> dict[str, Any]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "n/a"
     bw = copy_bandwidth()
     shapes = WORKLOADS[workload]
     rows: list[BenchRow] = []
     for name in optimizers:
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name)
-            plain_ms = None
             results = {}
             for impl in ("plain", "torch", "fused"):
                 if impl not in impls or (name == "lamb" and impl != "fused"):
@@ -242,44 +241,30 @@ def _run(workload, optimizers, dtypes, impls, warmup, iters) -> dict[str, Any]:
                 except Exception as e:  # one failing configuration must not lose the others
                     print(f"bench: {name} {dtype_name} {impl} failed: {type(e).__name__}: {e}")
                     torch.cuda.empty_cache()
-            plain_ms = results.get("plain", (0, None))[1]
-            for impl, (n, ms, extra, skipped_ms, graph_ms, graph_skipped_ms) in results.items():
-                floor_ms = FLOOR_BYTES[name] * n / (bw * 1e9) * 1e3
-                gbps = FLOOR_BYTES[name] * n / (ms * 1e-3) / 1e9
+            plain_ms = results.get("plain", {}).get("ms")
+            for impl, measured in results.items():
+                floor_ms = FLOOR_BYTES[name] * measured["n_params"] / (bw * 1e9) * 1e3
+                gbps = FLOOR_BYTES[name] * measured["n_params"] / (measured["ms"] * 1e-3) / 1e9
                 rows.append(
                     BenchRow(
                         impl=impl,
                         optimizer=name,
                         dtype=dtype_name,
-                        n_params=n,
-                        ms=ms,
                         gbps=gbps,
                         pct_copy_bw=100 * gbps / bw,
-                        x_floor=ms / floor_ms,
-                        vs_plain=None if plain_ms is None else plain_ms / ms,
-                        extra_mib=extra,
-                        skipped_ms=skipped_ms,
-                        graph_ms=graph_ms,
-                        graph_skipped_ms=graph_skipped_ms,
+                        x_floor=measured["ms"] / floor_ms,
+                        vs_plain=None if plain_ms is None else plain_ms / measured["ms"],
+                        **measured,
                     )
                 )
     return {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "triton": _triton_version(),
+        "triton": triton_version,
         "workload": workload,
         "copy_gbps": bw,
         "rows": [asdict(r) for r in rows],
     }
-
-
-def _triton_version() -> str:
-    try:
-        import triton
-
-        return triton.__version__
-    except ImportError:
-        return "n/a"
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -1,16 +1,10 @@
 """``halfprec demo``: train one small GPT in FP32, BF16 and FP16 and compare; then prove resume is bit-exact.
 
-What it does, in order (after checking every flag, and printing how long it expects to take: see
-``_estimate_seconds``; torch gets ``_default_threads()`` threads unless ``--threads`` says otherwise):
-
-1. For each precision, in a fresh child process (so its peak memory is its own): seed, build the fp32 model and
-   a plain ``torch.optim.AdamW``, hand both to ``halfprec.initialize`` (which casts the model and keeps fp32
-   masters), and train on the same batches -- bytes of Python's standard library -- with a progress bar.
-2. A table per precision: train and validation loss, tokens/s, peak memory, skipped steps, final loss scale.
-3. A PNG of the loss curves, of each 16-bit run's loss minus FP32's, and of the FP16 loss scale.
-4. The resume check, run inside one precision's child: its checkpoint from half-way is loaded into a fresh
-   model, optimizer and engine, trained to the end, and compared with the uninterrupted run -- every loss, every
-   weight, every master and optimizer-state tensor, bit for bit. A mismatch makes the exit status non-zero.
+After checking every flag and printing how long it expects to take: each precision trains in a fresh child
+process (so its peak memory is its own) from the same fp32 init and batches, through ``halfprec.initialize``;
+then a table, a PNG, and the resume check (run inside one precision's child: its checkpoint from half-way is
+loaded into a fresh engine, trained to the end and compared with the uninterrupted run, every loss and state
+tensor bit for bit; a mismatch makes the exit status non-zero).
 """
 
 from __future__ import annotations
@@ -120,11 +114,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as e:
         print(f"halfprec demo: {e}", file=sys.stderr)
         return 2
-    cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd)
-    n_files = len(stdlib_files())
+    model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd))
     print(
-        f"halfprec demo: a {GPT(cfg).num_params() / 1e6:.2f}M-param byte-level GPT ({cfg.n_layer}-layer, "
-        f"width {cfg.n_embd}) on the {n_files} source files of Python {sys.version.split()[0]}'s standard library\n"
+        f"halfprec demo: a {model.num_params() / 1e6:.2f}M-param byte-level GPT ({args.n_layer}-layer, "
+        f"width {args.n_embd}) on the {len(stdlib_files())} source files of Python {sys.version.split()[0]}'s "
+        "standard library\n"
         f"{args.steps} steps x {args.batch_size} x {args.seq_len} bytes per precision, AdamW, clip 1.0; "
         f"device {args.device}, {specs[0].threads} torch thread(s), seed {args.seed}",
         flush=True,
@@ -146,20 +140,17 @@ def run(args: argparse.Namespace) -> int:
             results.append(pool.submit(train_precision, spec).result())
     elapsed = time.perf_counter() - start
 
-    print()
-    print(_table(results, args.device))
+    print(f"\n{_table(results, args.device)}")
     png = _plot(results, args.out / "demo.png")
     print(f"\nplot (loss curves, difference to fp32, loss scale): {png}")
-    checked = [r for r in results if r.resume is not None]
     for spec, r in zip(specs, results, strict=True):
-        if r.resume is not None:
+        if r.resume is not None:  # one precision at most
             print(
                 f"checkpoint ({spec.precision}, step {spec.resume_at}): {Path(spec.checkpoint_dir).resolve()}"
             )
-    for r in checked:
-        print(r.resume)
+            print(r.resume)
     print(f"done in {_minutes(elapsed)} (expected {_minutes(sum(seconds))})")
-    return 0 if all(r.resume_ok for r in checked) else 1
+    return 0 if all(r.resume_ok for r in results) else 1
 
 
 # --- one precision, in its own process -------------------------------------------------------------------
@@ -217,23 +208,15 @@ class _Schedule:
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _train(
-    engine: halfprec.Engine,
-    corpus: Corpus,
-    spec: RunSpec,
-    result: RunResult,
-    *,
-    start: int,
-    desc: str | None = None,
-    evaluate: bool = True,
-) -> float:
+def _train(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec, result: RunResult, *, start: int) -> float:
     """Train steps ``start .. spec.steps-1``, appending to ``result``; returns the seconds spent training,
-    evaluation and the first step excluded."""
+    evaluation and the first step excluded. ``start > 0`` is the resumed run: it does not evaluate."""
     from tqdm import tqdm  # noqa: PLC0415 - the [demo] extra
 
     engine.train()
     seconds = 0.0
-    bar = tqdm(range(start, spec.steps), desc=desc or spec.precision, unit="step", file=sys.stderr)
+    desc = f"{spec.precision} resumed" if start else spec.precision
+    bar = tqdm(range(start, spec.steps), desc=desc, unit="step", file=sys.stderr)
     # The bar's own [elapsed<left] is this run's; "demo ETA" adds the runs still to come (the resume
     # check's second half when this run does it, then the parent's estimate of the later precisions).
     later, t_start = spec.later_seconds, time.perf_counter()
@@ -243,10 +226,7 @@ def _train(
         x, y = corpus.batch(
             "train", step=step, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed
         )
-        x, y = x.to(spec.device), y.to(spec.device)
-        logits = engine(x)  # (B, T, 256), in the run's precision
-        # The loss in fp32: the log-softmax of 16-bit logits loses the small probabilities it is made of.
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+        loss = _loss(engine, x.to(spec.device), y.to(spec.device))
         engine.backward(loss)  # scales the loss (FP16) before autograd
         engine.step()  # unscale, check for inf/nan, clip, AdamW on the fp32 masters, round into the model
         # (engine.step() also zeroes the grads and steps the LR schedule -- unless the step was skipped.)
@@ -260,18 +240,24 @@ def _train(
         if step + 1 == spec.resume_at:
             # client_state carries what the engine cannot know: where the data stream is.
             engine.save_checkpoint(spec.checkpoint_dir, client_state={"next_step": step + 1}, overwrite=True)
-        if evaluate and ((step + 1) % spec.eval_every == 0 or step + 1 == spec.steps):
+        if not start and ((step + 1) % spec.eval_every == 0 or step + 1 == spec.steps):
             result.val_curve.append((step + 1, _evaluate(engine, corpus, spec)))
             engine.train()
         per_step = (time.perf_counter() - t_start) / (step + 1 - start)
         left = spec.steps - step - 1
-        if evaluate and spec.resume_at is not None:
+        if not start and spec.resume_at is not None:
             left += spec.steps - spec.resume_at
         postfix = {"loss": f"{result.losses[-1]:.3f}", "scale": f"{record.loss_scale:g}"}
         postfix["demo ETA"] = _minutes(left * per_step + later, short=True)
         bar.set_postfix(postfix)  # a dict keeps this order (keyword arguments would be sorted)
     bar.close()
     return seconds
+
+
+def _loss(engine: halfprec.Engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = engine(x)  # (B, T, 256), in the run's precision
+    # The loss in fp32: the log-softmax of 16-bit logits loses the small probabilities it is made of.
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
 
 
 @torch.no_grad()
@@ -281,8 +267,7 @@ def _evaluate(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec) -> float:
     total = 0.0
     for i in range(spec.eval_batches):
         x, y = corpus.batch("val", step=i, batch_size=spec.batch_size, seq_len=spec.seq_len, seed=spec.seed)
-        logits = engine(x.to(spec.device))
-        total += F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(spec.device).view(-1)).item()
+        total += _loss(engine, x.to(spec.device), y.to(spec.device)).item()
     return total / spec.eval_batches
 
 
@@ -311,14 +296,12 @@ def _resume_check(
             w.view(-1)[0] = w.view(-1)[0] + 1.0  # test hook: a resume that is not exact must be caught
     resumed = RunResult(spec.precision)
     start = client_state["next_step"]
-    _train(fresh, corpus, spec, resumed, start=start, desc=f"{spec.precision} resumed", evaluate=False)
+    _train(fresh, corpus, spec, resumed, start=start)
 
     what = f"resume check ({spec.precision}): stopped at step {start}, saved, reloaded into a fresh engine, "
     what += f"continued to {spec.steps}: "
-    n_same = sum(a == b for a, b in zip(losses[start:], resumed.losses, strict=True))
-    diff = None
-    if n_same < len(resumed.losses):
-        diff = f"{len(resumed.losses) - n_same} of {len(resumed.losses)} losses differ"
+    n_same, n = sum(a == b for a, b in zip(losses[start:], resumed.losses, strict=True)), len(resumed.losses)
+    diff = f"{n - n_same} of {n} losses differ" if n_same < n else None
     diff = diff or _first_difference(done.module.state_dict(), fresh.module.state_dict(), "weights")
     diff = diff or _first_difference(done.optimizer.state_dict(), fresh.optimizer.state_dict(), "optimizer")
     if diff is None and (done.global_step, done.skipped_steps) != (fresh.global_step, fresh.skipped_steps):
@@ -337,18 +320,16 @@ def _first_difference(a: Any, b: Any, where: str) -> str | None:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
         return None if same and torch.equal(a, b) else f"{where} differs"
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return f"{where} has different keys"
-        pairs = [(a[k], b[k], f"{where}[{k!r}]") for k in a]
-    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return f"{where} has a different length"
-        pairs = [(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True))]
-    else:
+        a, b = dict(enumerate(a)), dict(enumerate(b))
+    if not (isinstance(a, dict) and isinstance(b, dict)):
         return None if a == b else f"{where}: {a!r} != {b!r}"
-    for x, y, inner in pairs:
-        if (diff := _first_difference(x, y, inner)) is not None:
+    if a.keys() != b.keys():
+        return f"{where} has different keys"
+    for k in a:
+        if (diff := _first_difference(a[k], b[k], f"{where}[{k!r}]")) is not None:
             return diff
     return None
 
@@ -361,9 +342,9 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         raise ValueError(f"--precisions {args.precisions!r}: give distinct names from {','.join(PRECISIONS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but torch sees no CUDA device; run with --device cpu")
-    for name in ("steps", "batch_size", "seq_len", "n_layer", "n_embd"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("steps", "batch_size", "seq_len", "n_layer", "n_embd", "threads"):
+        if (value := getattr(args, name)) is not None and value < 1:  # --threads None: the default
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.steps < 2:
         raise ValueError(f"--steps {args.steps}: the resume check needs at least 2 steps")
     resume = args.resume_check
@@ -372,8 +353,6 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         resume = "fp16" if "fp16" in precisions else precisions[-1]
     if resume != "none" and resume not in precisions:
         raise ValueError(f"--resume-check {resume!r} is not among --precisions {','.join(precisions)}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise ValueError(f"--lr must be a positive number, got {args.lr}")
     try:  # the model's own checks (n_head must divide n_embd), here rather than in a child's traceback
@@ -393,14 +372,13 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
         device=args.device, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         n_layer=args.n_layer, n_embd=args.n_embd, lr=args.lr, seed=args.seed,
         threads=args.threads or _default_threads(), eval_every=max(1, args.steps // 5), eval_batches=8,
-        corpus_bytes=args.corpus_bytes,
+        corpus_bytes=args.corpus_bytes, break_resume=args.break_resume,
     )  # fmt: skip
     return [
         RunSpec(
             precision=p,
             checkpoint_dir=str(args.out / "checkpoints" / p),
             resume_at=args.steps // 2 if p == resume else None,
-            break_resume=args.break_resume,
             **common,
         )
         for p in precisions
@@ -438,13 +416,11 @@ def _check_extras() -> None:
 
 
 def _default_threads() -> int:
-    """Idle cores this process may use, minus one, at least 1.
+    """Idle cores this process may use (the 1-minute load average counts the busy ones), minus one, at least 1.
 
-    torch's intra-op threads run in lock-step: a parallel op ends when its slowest thread does, and OpenMP's
-    threads spin while they wait. One other busy process on a core then slows every op to that core's share.
-    Measured on a 2-core VM (torch 2.13 CPU, the demo's fp32 step): 2 threads 68 ms/step idle but 1,326 ms
-    with one pure-Python busy loop beside them; 1 thread 113 ms idle and 118 ms beside the same loop. So the
-    demo leaves one core of headroom and counts the cores other work already holds (the 1-minute load average).
+    torch's intra-op threads run in lock-step and spin while they wait, so one other busy process on a core
+    slows every op to that core's share (2-core VM, the demo's fp32 step: 2 threads 68 ms idle, 1,326 ms beside
+    a busy loop; 1 thread 113 ms and 118 ms).
     """
     # The cores this process may run on (a container's or taskset's limit), not the machine's total.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -479,8 +455,7 @@ def _estimate_seconds(specs: list[RunSpec]) -> list[float]:
             times = []
             for _ in range(4):  # the first pays one-off costs (allocator, kernel selection) and is dropped
                 t0 = time.perf_counter()
-                logits = engine(x)
-                engine.backward(F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1)))
+                engine.backward(_loss(engine, x, x))
                 engine.step()
                 if spec.device == "cuda":
                     torch.cuda.synchronize()
@@ -565,24 +540,20 @@ def _plot(results: list[RunResult], path: Path) -> Path:
         a = ax["diff"]
         # Same batch at every step in every run, so the per-step difference isolates the precision; a
         # 10-step mean shows the trend through the batch-to-batch noise.
+        trends = []  # past the first tenth of the steps: the y-axis follows these, not the first steps' spikes
         for r in diffs:
             c = colors[r.precision]
             d = [x - y for x, y in zip(r.losses, fp32.losses, strict=True)]
+            trend = [sum(d[i - 10 : i]) / 10 for i in range(10, len(d) + 1)]
+            trends += trend[len(d) // 10 :] or [0.05]
             a.plot(range(1, len(d) + 1), d, color=c, lw=0.5, alpha=0.3)
-            a.plot(range(10, len(d) + 1), _moving_mean(d, 10), color=c, lw=1.5, label=f"{r.precision} - fp32")
+            a.plot(range(10, len(d) + 1), trend, color=c, lw=1.5, label=f"{r.precision} - fp32")
             vd = [(s, v - v32) for (s, v), (_, v32) in zip(r.val_curve, fp32.val_curve, strict=True)]
             if vd:
                 a.plot(*zip(*vd, strict=True), "o", color=c, ms=4, label=f"{r.precision} - fp32, val")
         a.axhline(0.0, color="grey", lw=0.8)
-        lim = max(
-            abs(v)
-            for r in diffs
-            for v in _moving_mean([x - y for x, y in zip(r.losses, fp32.losses, strict=True)], 10)[
-                len(r.losses) // 10 :
-            ]
-            or [0.05]
-        )
-        a.set_ylim(-3 * lim - 0.01, 3 * lim + 0.01)  # the trend's scale, not the first steps' spikes
+        lim = max(abs(v) for v in trends)
+        a.set_ylim(-3 * lim - 0.01, 3 * lim + 0.01)
         a.set_ylabel("loss - fp32 loss")
         a.legend(ncol=2, fontsize=8)
 
@@ -600,8 +571,3 @@ def _plot(results: list[RunResult], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path.resolve()
-
-
-def _moving_mean(values: list[float], n: int) -> list[float]:
-    """Means of each ``n`` consecutive values (``len(values) - n + 1`` of them)."""
-    return [sum(values[i - n : i]) / n for i in range(n, len(values) + 1)]

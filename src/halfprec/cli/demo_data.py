@@ -24,9 +24,9 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _VAL_EVERY = 10  # every 10th file (in sorted order) is held out: a 90/10 split by file
 
 
-def stdlib_files(root: str | Path | None = None) -> list[Path]:
+def stdlib_files() -> list[Path]:
     """The ``*.py`` files under the standard library, sorted; third-party ``site-packages`` are left out."""
-    root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
+    root = sysconfig.get_paths()["stdlib"]
     files = []
     for folder, subdirs, names in os.walk(root):
         # Pruned, not filtered afterwards: site-packages (torch and friends) holds most of the files.
@@ -67,14 +67,12 @@ class Corpus:
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
-def load_corpus(*, max_bytes: int | None = None, root: str | Path | None = None) -> Corpus:
+def load_corpus(*, max_bytes: int | None = None) -> Corpus:
     """Read the standard library; ``max_bytes`` stops reading once that many bytes are in (tests use it)."""
     train_parts: list[bytes] = []
     val_parts: list[bytes] = []
-    total = 0
-    files = stdlib_files(root)
-    n_read = 0
-    for i, path in enumerate(files):
+    total = n_read = 0
+    for i, path in enumerate(stdlib_files()):
         try:
             data = path.read_bytes()
         except OSError:  # an unreadable file (permissions, a broken link) is skipped, not fatal

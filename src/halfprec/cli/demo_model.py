@@ -8,13 +8,11 @@ causal self-attention and a 4x GELU MLP, a final LayerNorm, and an output head t
 token embedding. The tie matters to halfprec: one tensor is reachable under two names, and checkpoints must
 store it once and restore the tie.
 
-16-bit matmuls on CPU: CPUs without AVX512-FP16 (nearly all of them) run an fp16 matrix multiply through a slow
-generic loop, 15x slower than fp32, and CPUs without AVX512-BF16/AMX (most CI runners) do the same for bf16
-(measured on a 2-core AVX2 EPYC: 927 tokens/s in bf16 against 15,694 in fp32), which would make the demo's 16-bit
-runs take most of its time budget. So on CPU the two matmul ops (``Linear`` and attention) take their 16-bit
-inputs, multiply in fp32 and round the result to the 16-bit dtype. That is the arithmetic GPU tensor cores do
-(products of 16-bit numbers are exact in fp32, fp32 accumulation, one rounding of the output), and everything
-else -- weights, gradients, activations between ops -- stays 16-bit. On CUDA the ops run as written.
+16-bit matmuls on CPU: without AVX512-FP16 (fp16) or AVX512-BF16/AMX (bf16) torch runs them through a generic
+loop, ~15x slower than fp32 (2-core AVX2 EPYC: 927 tokens/s in bf16 against 15,694 in fp32). So on CPU the two
+matmul ops (``Linear`` and attention) multiply their 16-bit inputs in fp32 and round the result to 16 bits: the
+arithmetic of GPU tensor cores (16-bit products are exact in fp32, fp32 accumulation, one rounding). Weights,
+grads and activations between ops stay 16-bit. On CUDA the ops run as written.
 """
 
 from __future__ import annotations
@@ -102,9 +100,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = nn.Sequential(
-            Linear(cfg.n_embd, 4 * cfg.n_embd),
-            nn.GELU(),
-            Linear(4 * cfg.n_embd, cfg.n_embd),
+            Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), Linear(4 * cfg.n_embd, cfg.n_embd)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ and the command exits with status 2 (as argparse does for bad arguments).
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from pathlib import Path
 
@@ -17,9 +18,6 @@ __all__ = ["add_export_arguments", "add_inspect_arguments", "run_export", "run_i
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "checkpoint", help="a checkpoint directory (a tag, or its parent with a 'latest' pointer)"
-    )
     parser.add_argument("--out", required=True, help="output .safetensors file (not a directory)")
     parser.add_argument(
         "--dtype",
@@ -27,18 +25,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         default="fp32",
         help="dtype of the written floating-point tensors, cast from the fp32 masters (default: fp32)",
     )
-    parser.add_argument(
-        "--tag", default=None, help="tag inside the directory (default: the 'latest' pointer)"
-    )
+    add_inspect_arguments(parser)
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "checkpoint", help="a checkpoint directory (a tag, or its parent with a 'latest' pointer)"
-    )
-    parser.add_argument(
-        "--tag", default=None, help="tag inside the directory (default: the 'latest' pointer)"
-    )
+    add = parser.add_argument
+    add("checkpoint", help="a checkpoint directory (a tag, or its parent with a 'latest' pointer)")
+    add("--tag", default=None, help="tag inside the directory (default: the 'latest' pointer)")
 
 
 def _path(args: argparse.Namespace) -> Path:
@@ -48,8 +41,6 @@ def _path(args: argparse.Namespace) -> Path:
 def _bad_checkpoint() -> tuple[type[BaseException], ...]:
     """What reading a bad checkpoint raises: halfprec's errors, and those of the readers under them (a damaged
     safetensors file, DCP metadata that is not DCP's, DCP data files that do not match their metadata)."""
-    import pickle
-
     from safetensors import SafetensorError
     from torch.distributed.checkpoint.api import CheckpointException
 

@@ -1,10 +1,14 @@
-"""`halfprec` command: argparse at the edge, each subcommand a small module with add_arguments() and run()."""
+"""`halfprec` command: argparse at the edge, each subcommand a small module with add_arguments() and run()
+(``add_<command>_arguments()`` and ``run_<command>()`` when one module serves several commands)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+# __version__ from the package itself (not importlib.metadata): also right in a source checkout on PYTHONPATH.
+from .. import __version__
 
 __all__ = ["main"]
 
@@ -20,32 +24,17 @@ _COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="halfprec", description="Exact, fast mixed-precision training.")
-    # __version__ from the package itself (not importlib.metadata): also right in a source checkout on PYTHONPATH.
-    parser.add_argument("--version", action="version", version=f"halfprec {_version()}")
+    parser.add_argument("--version", action="version", version=f"halfprec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(_COMMANDS) + "}")
     wanted = argv[0] if argv and argv[0] in _COMMANDS else None
     for name, (module_name, help_text) in _COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:  # import only the module of the command that runs
             module = importlib.import_module(module_name)
-            _entry(module, "add", name)(sub_parser)
+            (getattr(module, f"add_{name}_arguments", None) or module.add_arguments)(sub_parser)
     args = parser.parse_args(argv)
     module = importlib.import_module(_COMMANDS[args.command][0])
-    return int(_entry(module, "run", args.command)(args) or 0)
-
-
-def _version() -> str:
-    from halfprec import __version__  # noqa: PLC0415 - only the package's light top level
-
-    return __version__
-
-
-def _entry(module, kind: str, command: str):
-    """``run_<command>`` / ``add_<command>_arguments`` when a module serves several commands, else the plain one."""
-    specific = f"{kind}_{command}" if kind == "run" else f"add_{command}_arguments"
-    if hasattr(module, specific):
-        return getattr(module, specific)
-    return getattr(module, "run" if kind == "run" else "add_arguments")
+    return int((getattr(module, f"run_{args.command}", None) or module.run)(args) or 0)
 
 
 if __name__ == "__main__":
