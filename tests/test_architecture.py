@@ -231,16 +231,11 @@ ELSEWHERE = {
     "checkpoint/plain.py": (["tests/test_checkpoint.py"], "through the engine's checkpoint directory"),
     "checkpoint/read.py": (["tests/distributed/test_safe_load.py"], "move to tests/checkpoint/test_read.py"),
     "checkpoint/safe_dcp.py": (["tests/distributed/test_safe_load.py"], "move to tests/checkpoint/"),
-    "cli/bench.py": (["tests/optim/test_bench_cli.py"], "move to tests/cli/test_bench.py"),
-    "cli/bench_step.py": (["tests/optim/test_bench_cli.py", "tests/optim/test_gpu.py"], "move to tests/cli/"),
-    "kernels/lamb.py": (["tests/optim/test_lamb.py"], "through FusedLamb against the reference LAMB"),
-    "optim/fused/results.py": (["tests/optim/test_scaler_in_step.py"], "the fused skip log and device results"),
-    "optim/fused/grads.py": (["tests/optim/test_adam.py", "tests/optim/test_base.py"], "grad views and marks"),
-    "optim/fused/adagrad.py": (["tests/optim/test_sgd_adagrad.py"], "split to tests/optim/fused/"),
-    "optim/fused/adam.py": (["tests/optim/test_adam.py"], "move to tests/optim/fused/test_adam.py"),
-    "optim/fused/base.py": (["tests/optim/test_adam.py", "tests/optim/test_scaler_in_step.py"], "move"),
-    "optim/fused/lamb.py": (["tests/optim/test_lamb.py"], "move to tests/optim/fused/test_lamb.py"),
-    "optim/fused/sgd.py": (["tests/optim/test_sgd_adagrad.py"], "split to tests/optim/fused/"),
+    "cli/bench_step.py": (["tests/cli/test_bench.py", "tests/optim/test_gpu.py"], "the bench's rows (GPU)"),
+    "kernels/lamb.py": (["tests/optim/fused/test_lamb.py"], "through FusedLamb against the reference LAMB"),
+    "optim/fused/results.py": (["tests/optim/fused/test_base.py"], "the fused skip log and device results"),
+    "optim/fused/grads.py": (["tests/optim/fused/test_adam.py", "tests/optim/test_base.py"], "grad views, marks"),
+    "optim/fused/adagrad.py": (["tests/optim/fused/test_sgd.py"], "beside SGD: the same parity harness"),
     "optim/sharded/checks.py": (["tests/distributed/test_errors.py"], "multi-process tests"),
     "optim/sharded/fused_step.py": (["tests/distributed/test_fused.py"], "multi-process tests"),
     "optim/sharded/grads.py": (
@@ -248,7 +243,6 @@ ELSEWHERE = {
         "same",
     ),
     "optim/sharded/optimizer.py": (["tests/distributed/test_sharded.py"], "multi-process tests"),
-    "resume.py": (["tests/test_engine_resume_scaler.py"], "move to tests/test_resume.py"),
 }
 
 

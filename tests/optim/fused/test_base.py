@@ -13,7 +13,7 @@ import torch
 import halfprec
 from halfprec.optim import FusedAdamW, FusedLamb, FusedSGD
 
-from .helpers import DEVICE, assert_same_state, pair, random_grads, set_grads
+from ..helpers import DEVICE, assert_same_state, pair, random_grads, set_grads
 
 SIZES = [9, 41, 127]
 KW = dict(init_scale=2.0**6, growth_interval=3, hysteresis=2, min_scale=2.0**3)

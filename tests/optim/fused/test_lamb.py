@@ -8,8 +8,8 @@ import torch
 import halfprec
 from halfprec.optim import FusedLamb
 
-from ..tolerances import tol
-from .helpers import (
+from ...tolerances import tol
+from ..helpers import (
     DEVICE,
     assert_params_are_rounded_masters,
     assert_same_state,
@@ -17,7 +17,7 @@ from .helpers import (
     random_grads,
     set_grads,
 )
-from .lamb_reference import ReferenceLamb
+from ..lamb_reference import ReferenceLamb
 
 SIZES = [9, 41, 341, 4231, 1, 127]
 HP = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)

@@ -7,7 +7,7 @@ import torch
 
 from halfprec.optim import FusedAdagrad, FusedSGD
 
-from .helpers import (
+from ..helpers import (
     DEVICE,
     assert_params_are_rounded_masters,
     assert_same_state,

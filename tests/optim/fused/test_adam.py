@@ -14,8 +14,8 @@ import torch
 import halfprec
 from halfprec.optim import FusedAdam, FusedAdamW
 
-from ..tolerances import approx, tol
-from .helpers import (
+from ...tolerances import approx, tol
+from ..helpers import (
     DEVICE,
     assert_params_are_rounded_masters,
     assert_same_state,
