@@ -28,6 +28,7 @@ from pathlib import Path
 
 __all__ = [
     "fsync_path",
+    "write_synced",
     "commit",
     "recover",
     "located",
@@ -48,6 +49,15 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_synced(file: Path, text: str) -> None:
+    """Write ``text`` to ``file`` and fsync the file and its directory."""
+    with open(file, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(file.parent)
 
 
 def unique_suffix() -> str:

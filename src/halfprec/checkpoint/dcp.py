@@ -1,9 +1,7 @@
 """Reshardable optimizer checkpoints through ``torch.distributed.checkpoint``, keyed by parameter name.
 
-Public as ``halfprec.distributed.checkpoint`` (``save``/``load``); lives here, next to the engine's format, so that
-both share one atomic commit and one record of the layout.
-
-Layout of a checkpoint directory (model space: nothing depends on the world size that wrote it):
+Public as ``halfprec.distributed.checkpoint``. Items of a checkpoint directory (model space: nothing depends on
+the world size that wrote it):
 
 =============================  =====================================================================
 ``master/{name}``              fp32 master weights, flattened to 1-D (``numel`` elements)
@@ -15,18 +13,11 @@ Layout of a checkpoint directory (model space: nothing depends on the world size
 ``manifest.json``              written by rank 0 last: ``{"format": "halfprec-dcp/1"}`` (``formats.layout_of``)
 =============================  =====================================================================
 
-Every item is a tensor, so loading never unpickles anything but ``.metadata``, and that through an allow-list
-(``_safe_dcp``). State is allocated from the checkpoint's own metadata before DCP loads into it, so no state
-key can be silently left out (DCP loads in place and skips what the destination does not hold).
-
-A save is atomic: every rank writes into ``{path}.tmp`` (held by rank 0, see ``atomic.held``); after a barrier
-rank 0 commits it to ``path`` with ``atomic.commit``, which replaces an existing ``path`` crash-safely. A rank
-that dies mid-save leaves only ``.tmp`` behind, removed by the next save, and the previous checkpoint untouched.
-
-Every optimizer halfprec builds is taken: a sharded one through its pieces (``model_space()``,
-``restore_counters()``), any other (exact or fused) through ``state_dict()``/``load_state_dict()``, whose format
-every strategy shares; the one branch on the type is :func:`_model_space`. A load reads every item and checks
-everything (names, shapes, groups, the optimizer's and the loss scaler's kinds, counters) before its first write.
+Every item is a tensor, so loading unpickles only ``.metadata``, through an allow-list (``safe_dcp``). State
+is allocated from the checkpoint's own metadata, so no state key can be silently left out (DCP loads in place
+and skips what the destination does not hold). Every rank writes into ``{path}.tmp`` (held by rank 0); rank 0
+commits it with ``atomic.commit``. A sharded optimizer is read through ``model_space()``, any other through
+``state_dict()``, whose format every strategy shares: the one branch on the type is :func:`_model_space`.
 """
 
 from __future__ import annotations
@@ -49,10 +40,16 @@ from ..optim.base import MixedPrecisionOptimizer
 from ..optim.sharded import ShardedMixedPrecisionOptimizer
 from ..optim.sharded.checks import named_trainable
 from ..optim.state import is_elementwise
-from .atomic import commit, fsync_path, located, remove_if_dead
+from .atomic import commit, remove_if_dead, write_synced
 from .atomic import held as held_dir  # ``held`` names what a rank holds here
 from .formats import DCP_FORMAT, MANIFEST
-from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, read_metadata, refuse_bytes
+from .safe_dcp import (
+    ChunkLoadPlanner,
+    ChunkSavePlanner,
+    SafeFileSystemReader,
+    check_halfprec,
+    open_checkpoint,
+)
 
 __all__ = ["save", "load", "FORMAT_VERSION"]
 
@@ -234,8 +231,13 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
         _barrier(group)
         _run_dcp(state_dict, group, FileSystemWriter(str(tmp)), ChunkSavePlanner(chunks))
         _barrier(group)
-        if rank == 0:
-            _write_manifest(tmp)
+        if rank == 0:  # the layout (``formats.layout_of``), after every rank's files are in
+            write_synced(
+                tmp / MANIFEST,
+                json.dumps(
+                    {"format": DCP_FORMAT, "format_version": FORMAT_VERSION}, indent=1, sort_keys=True
+                ),
+            )
             commit(tmp, path)
     _barrier(group)
     return path
@@ -268,15 +270,6 @@ def _fresh_tmp(tmp: Path, path: Path) -> None:
     tmp.mkdir(parents=True)
 
 
-def _write_manifest(tmp: Path) -> None:
-    """Record the layout (``formats.layout_of`` reads it), after every rank's files are in; fsync the directory."""
-    with open(tmp / MANIFEST, "w") as f:
-        json.dump({"format": DCP_FORMAT, "format_version": FORMAT_VERSION}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_path(tmp)
-
-
 # --- load -------------------------------------------------------------------------------------------------
 def load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None) -> None:
     """Load a checkpoint written at any world size into ``optimizer`` (any ``MixedPrecisionOptimizer``).
@@ -289,17 +282,10 @@ def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, pr
     """Read and check the checkpoint at ``path`` for ``optimizer`` (collective when distributed); return the
     function that applies it. Raises (ValueError, or CheckpointError for unreadable files) before anything of
     ``optimizer`` changes, so a caller can check several parts of a checkpoint before applying any."""
-    path = located(Path(path))  # a replace that died midway left the previous checkpoint aside
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(
-            f"{path} is not a complete checkpoint (no .metadata); was the save interrupted?"
-        )
-    group = getattr(optimizer, "process_group", process_group)
-    metadata = read_metadata(path)
+    path, metadata = open_checkpoint(path)
     saved = metadata.state_dict_metadata
-    refuse_bytes(metadata, saved.keys())
-    if saved.get("format/version") is None:
-        raise ValueError(f"{path} is not a halfprec optimizer checkpoint (no format/version item)")
+    check_halfprec(path, saved)
+    group = getattr(optimizer, "process_group", process_group)
     held, every, full = _model_space(optimizer, named_parameters)
     _check_names(path, saved, every)
     _check_kinds(path, saved, optimizer)
@@ -322,11 +308,10 @@ def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, pr
     hparams = loaded.hparams(optimizer.param_groups)
     scaler_state = loaded.scaler_state(optimizer.loss_scaler)
     skipped = loaded.skipped_steps()
-    keys: dict[int, list[tuple[str, bool]]] = {id(h): [] for h in held}
-    for _, h, key, elementwise in plan:
+    states: dict[int, dict[str, torch.Tensor]] = {id(h): {} for h in held}
+    for item, h, key, elementwise in plan:
         if key is not None:
-            keys[id(h)].append((key, elementwise))
-    states = {id(h): loaded.state_of(h, keys[id(h)]) for h in held}
+            states[id(h)][key] = state_dict[item].view(h.master.shape) if elementwise else state_dict[item]
     if full is None:
         return lambda: _apply_sharded(optimizer, held, loaded, states, hparams, scaler_state, skipped)
     for h in held:
@@ -460,13 +445,6 @@ class _Loaded:
 
     def master(self, h: _Held) -> torch.Tensor:
         return self.items[f"master/{h.name}"].view(h.master.shape)
-
-    def state_of(self, h: _Held, keys: list[tuple[str, bool]]) -> dict[str, torch.Tensor]:
-        return {
-            key: self.items[f"state/{h.name}/{key}"].view(h.master.shape) if elementwise
-            else self.items[f"state/{h.name}/{key}"]
-            for key, elementwise in keys
-        }  # fmt: skip
 
 
 @torch.no_grad()

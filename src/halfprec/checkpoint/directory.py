@@ -1,4 +1,4 @@
-"""Checkpoint directories: atomic writes, safetensors weights, loads that never run code from the file.
+"""Checkpoint directories: atomic writes, safetensors weights, a manifest of digests (docs/checkpoints.md).
 
 Layout of ``<dir>/<tag>/``::
 
@@ -8,14 +8,9 @@ Layout of ``<dir>/<tag>/``::
     engine.pt           counters, param names, LR scheduler, RNG states, client_state
     manifest.json       written last: format, layout, counters, ties, each file's size and SHA-256, its own SHA-256
 
-A save (:func:`saving`) writes everything into a hidden temporary sibling, fsyncs the files and the directory,
-renames it to ``<tag>`` (``atomic.commit``, which also replaces a tag crash-safely) and only then replaces
-``<dir>/latest`` (itself written to a temporary file and renamed). A process killed at any point leaves the previous
-checkpoint and pointer intact. ``<dir>/.published`` logs every tag ``latest`` has named: a tag is immutable once
-published, and ``keep_last`` keeps the most recently published. Each save removes the leftovers of earlier killed
-saves that no live process holds. ``*.pt`` files are read with ``torch.load(weights_only=True)``; the manifest's
-digests catch truncated or flipped bytes, which neither ``torch.load`` nor safetensors notices. Every file gets
-the mode a new file gets under the umask (safetensors alone would write the weights 0600).
+``<dir>/.published`` logs every tag ``latest`` has named: a published tag is immutable, and ``keep_last`` keeps
+the most recently published. The digests catch truncated or flipped bytes, which neither ``torch.load`` nor
+safetensors notices. Every file gets the mode a new file gets under the umask (safetensors alone writes 0600).
 """
 
 from __future__ import annotations
@@ -33,7 +28,16 @@ from typing import Any
 
 import torch
 
-from .atomic import commit, file_mode, fsync_path, held, recover, remove_leftovers, unique_suffix
+from .atomic import (
+    commit,
+    file_mode,
+    fsync_path,
+    held,
+    recover,
+    remove_leftovers,
+    unique_suffix,
+    write_synced,
+)
 from .formats import ENGINE, FORMAT, LEGACY_FORMATS, MANIFEST
 
 __all__ = [
@@ -47,6 +51,7 @@ __all__ = [
     "seal",
     "publish",
     "save_pt",
+    "save_safetensors",
     "writing",
     "read_latest",
 ]
@@ -140,10 +145,8 @@ def write_checkpoint(
 ) -> Path:
     """Write ``<directory>/<tag>`` atomically and point ``latest`` at it; returns the checkpoint's path.
 
-    ``weights`` go to model.safetensors; each item of ``files`` to ``<name>.pt`` with ``torch.save``; ``info``
-    (plain JSON values) into the manifest. ``overwrite=True`` replaces an existing tag in two renames (a
-    directory cannot be renamed onto a non-empty one); a crash between them leaves the old checkpoint whole at
-    ``.<tag>.replaced``, where readers find it and the next save restores it (``atomic.commit``).
+    ``weights`` go to model.safetensors; each item of ``files`` to ``<name>.pt``; ``info`` (plain JSON values)
+    into the manifest. ``overwrite=True`` replaces an existing tag crash-safely (``atomic.commit``).
     """
     with saving(directory, tag, overwrite=overwrite, keep_last=keep_last) as tmp:
         stage(tmp, weights=weights, files=files)
@@ -187,8 +190,7 @@ def prepare(
     A save killed after its rename but before ``latest`` was replaced leaves a complete ``<tag>`` that ``latest``
     never named; the restarted run reaches the same tag again, so such an unpublished directory (not in the
     ``.published`` log) is moved aside with a warning instead of blocking it, and removed at the next save. A
-    published tag is immutable. A replace of this tag that died midway is undone first (``atomic.recover``), and
-    the leftovers of killed saves that no live process holds are removed (:func:`_remove_leftovers`).
+    replace of this tag that died midway is undone first (``atomic.recover``), and leftovers are removed.
     """
     if not os.fspath(directory):
         raise ValueError(
@@ -211,7 +213,7 @@ def prepare(
                 f"{tag!r}); nothing was written, moved or removed: choose another tag or directory, or remove "
                 f"{final} yourself"
             )
-        unpublished = not overwrite and _unpublished(root, final)
+        unpublished = not overwrite and tag not in _published(root)
         if not overwrite and not unpublished:
             raise FileExistsError(
                 f"checkpoint {final} already exists and tags are immutable; pick another tag or pass "
@@ -268,17 +270,21 @@ def _is_checkpoint_of(path: Path, tag: str) -> bool:
 
 def stage(tmp: Path, *, weights: dict[str, torch.Tensor] | None, files: dict[str, Any]) -> None:
     """Write the weights (safetensors) and ``<name>.pt`` files into the temporary directory ``tmp``."""
-    from safetensors.torch import save_file
-
     if weights is not None:
         stored, ties = _split_ties(weights)
-        file = tmp / "model.safetensors"
-        with writing(file):
-            save_file(stored, str(file), metadata={"format": "pt", "ties": json.dumps(ties)})
-        # safetensors writes 0600; every other file gets the mode the umask gives
-        os.chmod(file, file_mode(tmp))
+        save_safetensors(stored, tmp / "model.safetensors", {"format": "pt", "ties": json.dumps(ties)})
     for name, obj in files.items():
         save_pt(obj, tmp / f"{name}.pt")
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, a failed write named by :func:`writing`, with the mode the umask gives
+    (safetensors writes 0600)."""
+    from safetensors.torch import save_file
+
+    with writing(file):
+        save_file(tensors, str(file), metadata=metadata)
+    os.chmod(file, file_mode(file.parent))
 
 
 def save_pt(obj: Any, file: Path) -> None:
@@ -321,13 +327,10 @@ def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
             ties = json.loads((f.metadata() or {}).get("ties", "{}"))
     manifest = {"format": FORMAT, "layout": ENGINE, "tag": tag, "ties": ties, "files": entries, **info}
     manifest["manifest_sha256"] = _manifest_digest(manifest)
-    with writing(tmp / MANIFEST), open(tmp / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    with writing(tmp / MANIFEST):
+        write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))  # fsyncs tmp too
     for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
         fsync_path(sub)
-    fsync_path(tmp)
 
 
 def publish(root: Path, tag: str, keep_last: int | None) -> None:
@@ -389,11 +392,6 @@ def _legacy_published(root: Path, latest: str | None) -> list[str]:
         if step is not None and limit is not None and step <= limit:
             found.append((step, path.name))
     return [name for _, name in sorted(found)]
-
-
-def _unpublished(root: Path, final: Path) -> bool:
-    """A complete ``<tag>`` that a save renamed into place but never published (killed before ``latest``)."""
-    return final.name not in _published(root)
 
 
 def _write_latest(root: Path, tag: str) -> None:

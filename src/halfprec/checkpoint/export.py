@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from . import read as ckpt
-from .atomic import file_mode, fsync_path, held, remove_leftovers, unique_suffix
-from .directory import writing
+from .atomic import fsync_path, held, remove_leftovers, unique_suffix
+from .directory import save_safetensors
 from .formats import DCP, ENGINE_SHARDED, layout_of
 
 __all__ = ["consolidated_weights", "export", "describe"]
@@ -69,8 +69,6 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp3
     (held while in use, see ``atomic.held``), given the mode a new file gets under the umask, and renamed onto
     ``out``. A failure leaves nothing behind; what a killed export left is removed by the next export to ``out``.
     """
-    from safetensors.torch import save_file
-
     out = Path(out)
     if out.is_dir():
         raise IsADirectoryError(
@@ -85,9 +83,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp3
     try:
         with held(tmp):
             file = tmp / out.name
-            with writing(file):
-                save_file(weights, str(file), metadata={"format": "pt", "source": str(path), "dtype": dtype})
-            os.chmod(file, file_mode(tmp))  # safetensors writes 0600; checkpoint files follow the umask
+            save_safetensors(weights, file, {"format": "pt", "source": str(path), "dtype": dtype})
             fsync_path(file)
             os.replace(file, out)
     finally:
