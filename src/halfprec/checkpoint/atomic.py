@@ -1,18 +1,14 @@
 """The one directory commit of every checkpoint format, crash-safe, and the removal of leftovers no writer holds.
 
-Both formats (the engine's ``<dir>/<tag>`` and the DCP directories of ``halfprec.distributed.checkpoint``) are
-written into a temporary sibling and renamed into place by :func:`commit`. POSIX ``rename`` cannot replace a
-non-empty directory, so replacing one takes two renames: the existing ``final`` goes to ``.<name>.replaced`` (a
-fixed name, so that it can be found again), then ``tmp`` becomes ``final``. At every instant one complete
-checkpoint exists under a known name: ``final``, or between the two renames ``.<name>.replaced``, which
-:func:`located` hands to readers and :func:`recover` (run by the next save) renames back. The aside is never
-deleted in place: it is first renamed to a unique ``.<name>.trash-*``, so a ``.<name>.replaced`` is always whole.
+POSIX ``rename`` cannot replace a non-empty directory, so :func:`commit` replaces one in two renames: the existing
+``final`` goes to ``.<name>.replaced`` (a fixed name, found again by :func:`located` for readers and by
+:func:`recover` for the next save), then ``tmp`` becomes ``final``. The aside is renamed to a unique
+``.<name>.trash-*`` before it is deleted, so a ``.<name>.replaced`` is always whole.
 
-Leftovers of dead writers (temporaries, trash) are removed only when provably dead: a writer holds an exclusive
-``flock(2)`` on its temporary file or directory for as long as it uses it (:func:`held`), and the kernel drops that
-lock when the process dies, so :func:`remove_if_dead` removes a leftover only if it can take that lock without
-waiting. ``flock`` on the leftover itself needs no lock file: a checkpoint directory's listing is part of its
-contract (tests pin it), and a separate lock file (``filelock``) would add one to every checkpoint directory.
+A writer holds an exclusive ``flock(2)`` on its temporary file or directory while it uses it (:func:`held`); the
+kernel drops it when the process dies, so :func:`remove_if_dead` removes a leftover only if it can take that lock
+without waiting. The lock is on the leftover itself: a lock file would add an entry to every checkpoint directory,
+whose listing tests pin.
 """
 
 from __future__ import annotations
@@ -71,10 +67,7 @@ def _aside(final: Path) -> Path:
 
 def commit(tmp: Path, final: Path) -> None:
     """Rename the complete directory ``tmp`` to ``final``, replacing an existing ``final``; fsync the parent.
-
-    A crash (or an error) at any point leaves a complete checkpoint at ``final`` or at ``.<name>.replaced``
-    (see the module docstring); readers find it with :func:`located`, the next save restores it.
-    """
+    A crash at any point leaves a complete checkpoint at ``final`` or at ``.<name>.replaced``."""
     aside = _aside(final)
     recover(final)
     if final.exists() or final.is_symlink():

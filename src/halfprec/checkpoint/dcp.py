@@ -289,43 +289,45 @@ def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, pr
     held, every, full = _model_space(optimizer, named_parameters)
     _check_names(path, saved, every)
     _check_kinds(path, saved, optimizer)
-    state_dict: dict[str, torch.Tensor] = {}
-    chunks: dict[str, int] = {}
     plan = _plan(held, lambda h: _saved_keys(path, saved, h))
+    items: dict[str, torch.Tensor] = {}
+    chunks: dict[str, int] = {}
     for item, h, _key, elementwise in plan:
-        dtype = saved[item].properties.dtype
+        items[item] = torch.empty(h.master.numel() if elementwise else (), dtype=saved[item].properties.dtype)
         if elementwise:
-            state_dict[item] = torch.empty(h.master.numel(), dtype=dtype)
             chunks[item] = h.lo
-        else:
-            state_dict[item] = torch.empty((), dtype=dtype)
     for item, md in saved.items():
         if item.startswith(("hparam/", "scaler/", "counters/", "group/", "shape/")):
-            state_dict[item] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    _run_dcp(state_dict, group, SafeFileSystemReader(str(path)), ChunkLoadPlanner(chunks))
-    loaded = _Loaded(path, state_dict)
-    loaded.check_params(held, len(optimizer.param_groups))
-    hparams = loaded.hparams(optimizer.param_groups)
-    scaler_state = loaded.scaler_state(optimizer.loss_scaler)
-    skipped = loaded.skipped_steps()
+            items[item] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    _run_dcp(items, group, SafeFileSystemReader(str(path)), ChunkLoadPlanner(chunks))
+    _check_params(path, items, held, len(optimizer.param_groups))
+    hparams = _hparams(path, items, optimizer.param_groups)
+    scaler_state = _scaler_state(path, items, optimizer.loss_scaler)
+    skipped = items.get("counters/skipped_steps")
+    if skipped is None or skipped.dtype != torch.int64 or skipped.dim() or int(skipped) < 0:
+        raise ValueError(f"{path}: counters/skipped_steps is missing or not a non-negative integer")
+    masters: dict[int, torch.Tensor] = {}
     states: dict[int, dict[str, torch.Tensor]] = {id(h): {} for h in held}
     for item, h, key, elementwise in plan:
-        if key is not None:
-            states[id(h)][key] = state_dict[item].view(h.master.shape) if elementwise else state_dict[item]
+        value = items[item].view(h.master.shape) if elementwise else items[item]
+        if key is None:
+            masters[id(h)] = value
+        else:
+            states[id(h)][key] = value
     if full is None:
-        return lambda: _apply_sharded(optimizer, held, loaded, states, hparams, scaler_state, skipped)
+        return lambda: _apply_sharded(optimizer, held, masters, states, hparams, scaler_state, int(skipped))
     for h in held:
         if h.numel and h.index in full["masters"]:
-            full["masters"][h.index] = loaded.master(h)
+            full["masters"][h.index] = masters[id(h)]
         if h.numel and states[id(h)]:
             full["optimizer"]["state"][h.index] = states[id(h)]
         elif h.numel:
             full["optimizer"]["state"].pop(h.index, None)
     for gi, values in enumerate(hparams):
         full["optimizer"]["param_groups"][gi].update(values)
-    full["scaler"], full["skipped_steps"] = scaler_state, skipped
+    full["scaler"], full["skipped_steps"] = scaler_state, int(skipped)
     optimizer.check_state_dict(full)
-    own = [(h.index, loaded.master(h)) for h in held if h.numel and h.index not in full["masters"]]
+    own = [(h.index, masters[id(h)]) for h in held if h.numel and h.index not in full["masters"]]
     return lambda: _apply_unsharded(optimizer, full, own)
 
 
@@ -347,9 +349,8 @@ def _check_names(path: Path, saved: dict, every: list) -> None:
 def _check_kinds(path: Path, saved: dict, optimizer) -> None:
     """The optimizer and loss scaler that wrote ``path`` are of this optimizer's kinds (ValueError)."""
     kinds = {k.split("/")[1]: k.split("/", 2)[2] for k in saved if k.startswith("kind/")}
-    groups: dict[
-        int, dict[str, None]
-    ] = {}  # saved numeric hyper-parameter names per group (older checkpoints)
+    # saved numeric hyper-parameter names per group (older checkpoints)
+    groups: dict[int, dict[str, None]] = {}
     for item in saved:
         if item.startswith("hparam/"):
             _, gi, key = item.split("/", 2)
@@ -385,74 +386,61 @@ def _saved_keys(path: Path, saved: dict, h: _Held) -> list[tuple[str, bool]]:
     return keys
 
 
-class _Loaded:
-    """The items read from a checkpoint, checked and turned into what the optimizer loads (no writes)."""
-
-    def __init__(self, path: Path, items: dict[str, torch.Tensor]) -> None:
-        self.path, self.items = path, items
-
-    def check_params(self, held: list[_Held], groups: int) -> None:
-        saved_groups = {int(k.split("/")[1]) for k in self.items if k.startswith("hparam/")}
-        if saved_groups and max(saved_groups) + 1 != groups:
+def _check_params(path: Path, items: dict[str, torch.Tensor], held: list[_Held], groups: int) -> None:
+    saved_groups = {int(k.split("/")[1]) for k in items if k.startswith("hparam/")}
+    if saved_groups and max(saved_groups) + 1 != groups:
+        raise ValueError(
+            f"{path} has {max(saved_groups) + 1} param groups, this optimizer {groups}: build the "
+            "optimizer with the param groups it was saved with"
+        )
+    for h in held:
+        shape = tuple(items[f"shape/{h.name}"].tolist())
+        if shape != h.shape:
             raise ValueError(
-                f"{self.path} has {max(saved_groups) + 1} param groups, this optimizer {groups}: build the "
-                "optimizer with the param groups it was saved with"
+                f"{path}: param {h.name!r} was saved with shape {list(shape)}, here {list(h.shape)}"
             )
-        for h in held:
-            shape = tuple(self.items[f"shape/{h.name}"].tolist())
-            if shape != h.shape:
-                raise ValueError(
-                    f"{self.path}: param {h.name!r} was saved with shape {list(shape)}, here {list(h.shape)}"
-                )
-            group = int(self.items[f"group/{h.name}"])
-            if group != h.group:
-                raise ValueError(
-                    f"{self.path}: param {h.name!r} was saved in param group {group}, it is in group {h.group} here"
-                )
+        group = int(items[f"group/{h.name}"])
+        if group != h.group:
+            raise ValueError(
+                f"{path}: param {h.name!r} was saved in param group {group}, it is in group {h.group} here"
+            )
 
-    def hparams(self, param_groups: list[dict]) -> list[dict[str, Any]]:
-        out = []
-        for gi, group in enumerate(param_groups):
-            values = {}
-            for key, live in group.items():
-                item = self.items.get(f"hparam/{gi}/{key}")
-                if item is not None:
-                    try:
-                        values[key] = _restore_hparam(live, item)
-                    except (ValueError, TypeError) as e:
-                        raise ValueError(
-                            f"{self.path}: hparam/{gi}/{key} {item.tolist()} does not fit {live!r}"
-                        ) from e
-            out.append(values)
-        return out
 
-    def scaler_state(self, scaler) -> dict[str, Any]:
-        state = scaler.state_dict()
-        for key, value in state.items():
-            if f"scaler/{key}" in self.items:
-                state[key] = _number(value, self.items[f"scaler/{key}"].item())
-        try:
-            copy.deepcopy(scaler).load_state_dict(state)  # its own checks, on a copy: nothing changes here
-        except ValueError as e:
-            raise ValueError(f"{self.path}: {e}") from e
-        return state
+def _hparams(path: Path, items: dict[str, torch.Tensor], param_groups: list[dict]) -> list[dict[str, Any]]:
+    out = []
+    for gi, group in enumerate(param_groups):
+        values = {}
+        for key, live in group.items():
+            item = items.get(f"hparam/{gi}/{key}")
+            if item is not None:
+                try:
+                    values[key] = _restore_hparam(live, item)
+                except (ValueError, TypeError) as e:
+                    raise ValueError(
+                        f"{path}: hparam/{gi}/{key} {item.tolist()} does not fit {live!r}"
+                    ) from e
+        out.append(values)
+    return out
 
-    def skipped_steps(self) -> int:
-        value = self.items.get("counters/skipped_steps")
-        if value is None or value.dtype != torch.int64 or value.dim() or int(value) < 0:
-            raise ValueError(f"{self.path}: counters/skipped_steps is missing or not a non-negative integer")
-        return int(value)
 
-    def master(self, h: _Held) -> torch.Tensor:
-        return self.items[f"master/{h.name}"].view(h.master.shape)
+def _scaler_state(path: Path, items: dict[str, torch.Tensor], scaler) -> dict[str, Any]:
+    state = scaler.state_dict()
+    for key, value in state.items():
+        if f"scaler/{key}" in items:
+            state[key] = _number(value, items[f"scaler/{key}"].item())
+    try:
+        copy.deepcopy(scaler).load_state_dict(state)  # its own checks, on a copy: nothing changes here
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    return state
 
 
 @torch.no_grad()
-def _apply_sharded(optimizer, held, loaded, states, hparams, scaler_state, skipped) -> None:
+def _apply_sharded(optimizer, held, masters, states, hparams, scaler_state, skipped) -> None:
     for h in held:
         if not h.numel:
             continue
-        h.master.copy_(loaded.master(h))
+        h.master.copy_(masters[id(h)])
         group = optimizer.param_groups[h.group]
         on_device = group.get("capturable", False) or group.get("fused", False)
         state = {
