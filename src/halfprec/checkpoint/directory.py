@@ -73,11 +73,8 @@ def _manifest_digest(manifest: dict[str, Any]) -> str:
 
 
 def _digest(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -383,15 +380,16 @@ def _legacy_published(root: Path, latest: str | None) -> list[str]:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    if latest is None:
+    limit = None if latest is None else step_of(root / latest)
+    if limit is None:
         return []
-    limit = step_of(root / latest)
-    found = []
-    for path in root.iterdir():
-        step = step_of(path) if not path.name.startswith(".") and _is_checkpoint_of(path, path.name) else None
-        if step is not None and limit is not None and step <= limit:
-            found.append((step, path.name))
-    return [name for _, name in sorted(found)]
+    steps = {name: step_of(root / name) for name in _checkpoints(root)}
+    return [name for step, name in sorted((s, n) for n, s in steps.items() if s is not None and s <= limit)]
+
+
+def _checkpoints(root: Path) -> list[str]:
+    """The tags of the halfprec checkpoints in ``root``."""
+    return [p.name for p in root.iterdir() if not p.name.startswith(".") and _is_checkpoint_of(p, p.name)]
 
 
 def _write_latest(root: Path, tag: str) -> None:
@@ -408,11 +406,7 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
     """Remove halfprec checkpoints but the ``keep_last`` most recently published (after a rewind, the
     checkpoints of the abandoned branch go first, whatever their step numbers)."""
     order = {tag: i for i, tag in enumerate(_published(root))}  # a tag's last publication counts
-    found = sorted(
-        (order.get(path.name, -1), path.name)
-        for path in root.iterdir()
-        if not path.name.startswith(".") and _is_checkpoint_of(path, path.name)
-    )
+    found = sorted((order.get(name, -1), name) for name in _checkpoints(root))
     for _, name in found[:-keep_last]:
         if name != keep:
             shutil.rmtree(root / name)

@@ -32,21 +32,20 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    target = _DTYPES[dtype]
     path = Path(path)
     if layout_of(path) == DCP:
         from .consolidate import consolidate  # noqa: PLC0415 - imports torch.distributed.checkpoint
 
-        weights = consolidate(path)
-        return {k: (v.to(target) if v.is_floating_point() else v) for k, v in weights.items()}
-    manifest = ckpt.read_manifest(path)
-    weights = ckpt.load_weights(path, manifest)
-    masters = _named_masters(path, manifest)
+        weights, masters, ties = consolidate(path), {}, {}
+    else:
+        manifest = ckpt.read_manifest(path)
+        weights, masters = ckpt.load_weights(path, manifest), _named_masters(path, manifest)
+        ties = manifest.get("ties", {})
     out = {}
     for key, tensor in weights.items():
         value = masters.get(key, tensor)
-        out[key] = (value.to(target) if value.is_floating_point() else value).clone().contiguous()
-    for alias, name in manifest.get("ties", {}).items():
+        out[key] = (value.to(_DTYPES[dtype]) if value.is_floating_point() else value).clone().contiguous()
+    for alias, name in ties.items():
         out[alias] = out[name].clone()
     return out
 
@@ -129,10 +128,10 @@ def _by_dtype(tensors) -> str:
 def _describe_dcp(path: Path) -> list[tuple[str, Any]]:
     """Rows for a bare DCP optimizer checkpoint (``halfprec.distributed.checkpoint.save``), from its items."""
     from .consolidate import read_checkpoint  # noqa: PLC0415 - imports torch.distributed.checkpoint
+    from .safe_dcp import check_halfprec  # noqa: PLC0415
 
     items = read_checkpoint(path)
-    if "format/version" not in items:
-        raise ValueError(f"{path} is not a halfprec optimizer checkpoint (no format/version item)")
+    check_halfprec(path, items)
     masters = {k: v for k, v in items.items() if k.startswith("master/")}
     groups = sorted({int(k.split("/")[1]) for k in items if k.startswith("hparam/")})
     rows: list[tuple[str, Any]] = [
