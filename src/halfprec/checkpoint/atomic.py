@@ -31,7 +31,6 @@ __all__ = [
     "held",
     "remove_if_dead",
     "remove_leftovers",
-    "file_mode",
     "unique_suffix",
 ]
 
@@ -138,34 +137,17 @@ def remove_if_dead(path: Path) -> bool:
         os.close(fd)
 
 
-def remove_leftovers(root: Path, pattern: re.Pattern[str]) -> list[Path]:
+def remove_leftovers(root: Path, pattern: re.Pattern[str]) -> None:
     """Remove the entries of ``root`` whose name fully matches ``pattern`` and that no live writer holds.
 
     Trash (``.<name>.trash-*``) is removed whether held or not: nothing reads it, its writer only deletes it.
     """
-    removed = []
     try:
-        entries = list(root.iterdir())
+        entries = [entry for entry in root.iterdir() if pattern.fullmatch(entry.name)]
     except OSError:
-        return removed
+        return
     for entry in entries:
-        if not pattern.fullmatch(entry.name):
-            continue
         if ".trash-" in entry.name:
             shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-        elif remove_if_dead(entry):
-            removed.append(entry)
-    return removed
-
-
-def file_mode(directory: Path) -> int:
-    """The mode a new file gets in ``directory`` (``0o666`` under the umask and default ACLs), found by making
-    one: reading the umask through ``os.umask`` would change it for every thread for a moment."""
-    probe = directory / f".mode-probe-{unique_suffix()}"
-    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-    try:
-        return os.fstat(fd).st_mode & 0o7777
-    finally:
-        os.close(fd)
-        probe.unlink()
+        else:
+            remove_if_dead(entry)

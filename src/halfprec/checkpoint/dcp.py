@@ -102,12 +102,7 @@ class _Held(NamedTuple):
 
 def _model_space(optimizer, named_parameters) -> tuple[list[_Held], list[tuple], dict | None]:
     """``(held, every, full)``: ``held`` per param this rank holds, ``every`` is ``(name, shape, group)`` per
-    trainable param of the model, ``full`` the unsharded optimizer's ``state_dict()`` (None when sharded).
-
-    A ``ShardedMixedPrecisionOptimizer`` is read through ``model_space()`` (its pieces and their torch state);
-    every other ``MixedPrecisionOptimizer`` (exact or fused) through its ``state_dict()``, which all of them
-    write in one format, and loaded through ``load_state_dict()``.
-    """
+    trainable param of the model, ``full`` the unsharded optimizer's ``state_dict()`` (None when sharded)."""
     if isinstance(optimizer, ShardedMixedPrecisionOptimizer):
         space = list(optimizer.model_space())
         held = [
@@ -145,9 +140,8 @@ class _Groups:
 
 
 def _plan(held: list[_Held], state_keys) -> list[tuple[str, _Held, str | None, bool]]:
-    """The items of the held params: ``(item, param, state key or None for the master, elementwise)``, the state
-    keys and whether each is elementwise given by ``state_keys(param)`` (the live state on save, the file on
-    load). A zero-element param has no items: its state stays as it is."""
+    """``(item, param, state key or None for the master, elementwise)`` per item of the held params, the state
+    keys from ``state_keys(param)`` (the live state on save, the file on load). Zero-element params have none."""
     plan = []
     for h in held:
         if h.numel:

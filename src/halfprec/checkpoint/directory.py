@@ -28,16 +28,7 @@ from typing import Any
 
 import torch
 
-from .atomic import (
-    commit,
-    file_mode,
-    fsync_path,
-    held,
-    recover,
-    remove_leftovers,
-    unique_suffix,
-    write_synced,
-)
+from .atomic import commit, fsync_path, held, recover, remove_leftovers, unique_suffix, write_synced
 from .formats import ENGINE, FORMAT, LEGACY_FORMATS, MANIFEST
 
 __all__ = [
@@ -160,12 +151,9 @@ def saving(
     keep_last: int | None,
     tmp_name: str | None = None,
 ) -> Iterator[Path]:
-    """:func:`prepare`, then yield a new temporary directory to :func:`stage` and :func:`seal`; on success commit
-    it to ``<directory>/<tag>`` and :func:`publish` it, on error remove it.
-
-    The temporary directory is held (``atomic.held``) until it is committed, so that no other save takes it for a
-    leftover. ``tmp_name`` is a fixed name for it, for a save whose other ranks must know where to write.
-    """
+    """:func:`prepare`, then yield a new temporary directory (held until committed) to :func:`stage` and
+    :func:`seal`; on success commit it to ``<directory>/<tag>`` and :func:`publish` it, on error remove it.
+    ``tmp_name`` is a fixed name for it, for a save whose other ranks must know where to write."""
     root, final = prepare(directory, tag, overwrite=overwrite, keep_last=keep_last)
     tmp = root / (tmp_name or f".{tag}.tmp-{unique_suffix()}")
     tmp.mkdir()
@@ -247,11 +235,8 @@ def _remove_leftovers(root: Path) -> None:
 
 
 def _is_checkpoint_of(path: Path, tag: str) -> bool:
-    """True for a directory that a halfprec save of ``tag`` renamed into place: its manifest says so.
-
-    The manifest is written last inside the temporary directory, before the rename, so every directory a halfprec
-    save ever put at ``<dir>/<tag>`` has one; anything else there is the user's and must not be moved or replaced.
-    """
+    """True for a directory that a halfprec save of ``tag`` renamed into place: its manifest (written before
+    the rename) says so. Anything else there is the user's and must not be moved or replaced."""
     if path.is_symlink() or not path.is_dir():
         return False
     try:
@@ -281,7 +266,19 @@ def save_safetensors(tensors: dict[str, torch.Tensor], file: Path, metadata: dic
 
     with writing(file):
         save_file(tensors, str(file), metadata=metadata)
-    os.chmod(file, file_mode(file.parent))
+    os.chmod(file, _file_mode(file.parent))
+
+
+def _file_mode(directory: Path) -> int:
+    """The mode a new file gets in ``directory`` (``0o666`` under the umask and default ACLs), found by making
+    one: reading the umask through ``os.umask`` would change it for every thread for a moment."""
+    probe = directory / f".mode-probe-{unique_suffix()}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o7777
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 def save_pt(obj: Any, file: Path) -> None:
@@ -308,10 +305,8 @@ def writing(file: Path) -> Iterator[None]:
 
 
 def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
-    """fsync every file under ``tmp`` and write the manifest (sizes, digests, ties) last.
-
-    ``info`` names the layout (``formats.ENGINE`` unless it says ``formats.ENGINE_SHARDED``) and the counters.
-    """
+    """fsync every file under ``tmp`` and write the manifest (sizes, digests, ties, ``info``: layout, counters)
+    last."""
     entries = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         fsync_path(path)
