@@ -12,7 +12,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .safe_dcp import SafeFileSystemReader, check_halfprec, open_checkpoint
+from .safe_dcp import SafeFileSystemReader, check_format, open_checkpoint
 
 __all__ = ["consolidate", "read_checkpoint"]
 
@@ -33,7 +33,7 @@ def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor
 def consolidate(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The FP32 master weights of a checkpoint, in their params' shapes, keyed by parameter name."""
     items = read_checkpoint(checkpoint_dir)
-    check_halfprec(checkpoint_dir, items)
+    check_format(checkpoint_dir, items)
     out = {}
     for key, value in items.items():
         if key.startswith("master/"):

@@ -128,10 +128,10 @@ def _by_dtype(tensors) -> str:
 def _describe_dcp(path: Path) -> list[tuple[str, Any]]:
     """Rows for a bare DCP optimizer checkpoint (``halfprec.distributed.checkpoint.save``), from its items."""
     from .consolidate import read_checkpoint  # noqa: PLC0415 - imports torch.distributed.checkpoint
-    from .safe_dcp import check_halfprec  # noqa: PLC0415
+    from .safe_dcp import check_format  # noqa: PLC0415
 
     items = read_checkpoint(path)
-    check_halfprec(path, items)
+    check_format(path, items)
     masters = {k: v for k, v in items.items() if k.startswith("master/")}
     groups = sorted({int(k.split("/")[1]) for k in items if k.startswith("hparam/")})
     rows: list[tuple[str, Any]] = [

@@ -58,7 +58,7 @@ def resolve(directory: str | os.PathLike, tag: str | None = None, *, tag_option:
 
 
 def _tags_in(root: Path, limit: int = 10) -> str:
-    """Names of the checkpoint directories in ``root`` (at most ``limit``; ``(none)``), for error messages."""
+    """Names of the checkpoint directories in ``root`` (the first ``limit``; ``(none)``), for error messages."""
     try:
         tags = sorted(
             p.name for p in root.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()
@@ -69,7 +69,7 @@ def _tags_in(root: Path, limit: int = 10) -> str:
     return ", ".join(tags[:limit] + more) or "(none)"
 
 
-def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
+def read_manifest(path: Path) -> dict[str, Any]:
     """Read ``manifest.json`` and check every file's size and digest; errors name the file."""
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
@@ -90,20 +90,19 @@ def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
         raise CheckpointError(
             f"{manifest_path} is corrupted: its contents do not match the SHA-256 it was written with"
         )
-    if verify:
-        for name, entry in manifest["files"].items():
-            file = path / name
-            if not file.exists():
-                raise CheckpointError(f"checkpoint file {file} is missing")
-            size = file.stat().st_size
-            if size != entry["size"]:
-                raise CheckpointError(
-                    f"checkpoint file {file} is truncated or extended: {size} bytes, expected {entry['size']}"
-                )
-            if _digest(file) != entry["sha256"]:
-                raise CheckpointError(
-                    f"checkpoint file {file} is corrupted: its SHA-256 does not match the manifest"
-                )
+    for name, entry in manifest["files"].items():
+        file = path / name
+        if not file.exists():
+            raise CheckpointError(f"checkpoint file {file} is missing")
+        size = file.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(
+                f"checkpoint file {file} is truncated or extended: {size} bytes, expected {entry['size']}"
+            )
+        if _digest(file) != entry["sha256"]:
+            raise CheckpointError(
+                f"checkpoint file {file} is corrupted: its SHA-256 does not match the manifest"
+            )
     return manifest
 
 

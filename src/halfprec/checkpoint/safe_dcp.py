@@ -39,14 +39,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from .atomic import located
 
-__all__ = [
-    "SafeFileSystemReader",
-    "ChunkSavePlanner",
-    "ChunkLoadPlanner",
-    "read_metadata",
-    "open_checkpoint",
-    "check_halfprec",
-]
+__all__ = ["SafeFileSystemReader", "ChunkSavePlanner", "ChunkLoadPlanner", "open_checkpoint", "check_format"]
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -84,7 +77,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         )
 
 
-def read_metadata(path: str | os.PathLike) -> Metadata:
+def _read_metadata(path: str | os.PathLike) -> Metadata:
     """Unpickle ``path/.metadata`` allowing only DCP's metadata classes."""
     with open(Path(path) / ".metadata", "rb") as f:
         metadata = _RestrictedUnpickler(io.BytesIO(f.read())).load()
@@ -97,7 +90,7 @@ class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``read_metadata`` runs no code from the file."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(self.path)
+        metadata = _read_metadata(self.path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -112,7 +105,7 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Metadata]:
         raise FileNotFoundError(
             f"{path} is not a complete DCP checkpoint (no .metadata); was the save interrupted?"
         )
-    metadata = read_metadata(path)
+    metadata = _read_metadata(path)
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
             raise ValueError(
@@ -122,7 +115,7 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Metadata]:
     return path, metadata
 
 
-def check_halfprec(path: Path, keys) -> None:
+def check_format(path: Path, keys) -> None:
     """Raise ValueError unless ``keys`` (a checkpoint's items) are those of a halfprec optimizer checkpoint."""
     if "format/version" not in keys:
         raise ValueError(f"{path} is not a halfprec optimizer checkpoint (no format/version item)")
