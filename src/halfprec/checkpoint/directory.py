@@ -78,11 +78,9 @@ _TAG_RULE = (
 def check_tag(tag: Any) -> str:
     """Return ``tag`` if it is a valid checkpoint tag, else raise ValueError naming it and the rule.
 
-    Tags become directory names next to ``latest`` and hidden ``.<tag>.tmp-*`` siblings, so they must be plain
-    names: a space would not survive the ``latest`` pointer, a ``/`` would leave the directory, a ``*`` would make
-    the cleanup of one tag's temporaries match another's. An int is refused rather than converted, so that
-    ``tag=0`` cannot be mistaken for "no tag".
-    """
+    Tags are plain names: a space would not survive the ``latest`` pointer, a ``/`` would leave the directory, a
+    ``*`` would make the cleanup of one tag's temporaries match another's. An int is refused, not converted, so
+    that ``tag=0`` cannot be mistaken for "no tag"."""
     if not isinstance(tag, str):
         raise ValueError(
             f"invalid checkpoint tag {tag!r} of type {type(tag).__name__}: {_TAG_RULE}; e.g. tag=f'step-{{n}}'"
