@@ -1,9 +1,7 @@
 """The engine's two checks around loading a loss scaler from a checkpoint, in the config's words.
 
-The policies themselves belong to the scaler: ``LossScaler.check_state_dict`` refuses another kind, and
-``LossScaler.load_state_dict(..., keep_settings=True)`` keeps the settings while taking the state. What is left
-here is what only the engine knows: the saved config (sharded files do not store the scaler's kind) and the
-warning, which names settings as ``Config`` does.
+The policies belong to the scaler (``check_state_dict``, ``load_state_dict(..., keep_settings=True)``); here is
+what only the engine knows: the saved config (sharded files do not store the scaler's kind) and its setting names.
 """
 
 from __future__ import annotations
@@ -22,11 +20,8 @@ __all__ = ["check_scaler_kind", "keep_scaler_settings"]
 def check_scaler_kind(
     path: Path, engine_state: Any, optim_state: Any, scaler: LossScaler, config: Config
 ) -> None:
-    """Raise CheckpointError when the checkpoint's loss scaler is of another kind than this engine's.
-
-    The kind comes from the optimizer file (unsharded) or from the saved config (sharded files do not store
-    it): a dynamic scaler's state loaded into a static one, or the reverse, has no meaning.
-    """
+    """Raise CheckpointError when the checkpoint's loss scaler (from the optimizer file, else the saved config)
+    is of another kind than this engine's: a dynamic scaler's state means nothing to a static one."""
     saved_config = engine_state.get("config") if isinstance(engine_state, dict) else None
     saved_config = saved_config if isinstance(saved_config, dict) else {}
     saved = None
@@ -53,11 +48,7 @@ def check_scaler_kind(
 def keep_scaler_settings(path: Path, scaler: LossScaler, configured: dict[str, Any]) -> None:
     """After a load, put back the scaler settings the engine was built with (``configured``, the scaler's
     ``state_dict()`` taken before the load); the state stays the checkpoint's. One warning lists what
-    differed, with both values.
-
-    The optimizer's load has already given the scaler the saved settings, so they are read back and loaded
-    again with ``keep_settings=True`` onto the configured ones.
-    """
+    differed, with both values."""
     loaded = scaler.state_dict()
     scaler.load_state_dict(configured)
     kept = scaler.load_state_dict(loaded, keep_settings=True)

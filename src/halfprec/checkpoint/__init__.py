@@ -1,23 +1,9 @@
 """Checkpoints: the engine's directory format, reshardable DCP optimizer checkpoints, export of weights.
 
 One package so that both formats share one atomic commit (``atomic``), one record of which format a directory
-holds (``formats``) and one reader (``read``):
-
-=================  ===========================================================================================
-``directory``      the engine's ``<dir>/<tag>``: tags, staging, manifest, ``latest`` and its publication log
-``read``           find (``latest``, tags), verify (manifest digests) and load the files of a checkpoint
-``plain``          what checkpoint files may hold (loadable with ``weights_only=True``) and the RNG states
-``atomic``         the crash-safe directory commit and the removal of leftovers no live writer holds
-``formats``        the layout a writer recorded (engine, engine with a sharded optimizer, bare DCP)
-``dcp``            optimizer checkpoints through ``torch.distributed.checkpoint`` (``halfprec.distributed.checkpoint``)
-``safe_dcp``       DCP metadata read without running code; planners for 1-D chunks
-``consolidate``    a DCP checkpoint read into whole tensors without a process group
-``export``         consolidated fp32 weights, ``halfprec export`` and ``halfprec inspect`` (:func:`describe`)
-=================  ===========================================================================================
-
-``from halfprec import checkpoint as ckpt`` gives the directory format's functions, as the module of the same name
-did before. ``dcp``, ``consolidate`` and ``export`` import ``torch.distributed.checkpoint`` or the optimizers, so
-they are imported on use: ``from halfprec.checkpoint.export import export``.
+holds (``formats``) and one reader (``read``). ``from halfprec import checkpoint as ckpt`` gives the directory
+format's functions. ``dcp`` (public as ``halfprec.distributed.checkpoint``), ``consolidate`` and ``export`` import
+``torch.distributed.checkpoint`` or the optimizers, so they are imported on use.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """The one directory commit of every checkpoint format, crash-safe, and the removal of leftovers no writer holds.
 
-Both formats (the engine's ``<dir>/<tag>`` and the DCP directories of ``halfprec.distributed.checkpoint``) are
-written into a temporary sibling and renamed into place by :func:`commit`. POSIX ``rename`` cannot replace a
-non-empty directory, so replacing one takes two renames: the existing ``final`` goes to ``.<name>.replaced`` (a
-fixed name, so that it can be found again), then ``tmp`` becomes ``final``. At every instant one complete
-checkpoint exists under a known name: ``final``, or between the two renames ``.<name>.replaced``, which
-:func:`located` hands to readers and :func:`recover` (run by the next save) renames back. The aside is never
-deleted in place: it is first renamed to a unique ``.<name>.trash-*``, so a ``.<name>.replaced`` is always whole.
+POSIX ``rename`` cannot replace a non-empty directory, so :func:`commit` replaces one in two renames: the existing
+``final`` goes to ``.<name>.replaced`` (a fixed name, found again by :func:`located` for readers and by
+:func:`recover` for the next save), then ``tmp`` becomes ``final``. The aside is renamed to a unique
+``.<name>.trash-*`` before it is deleted, so a ``.<name>.replaced`` is always whole.
 
-Leftovers of dead writers (temporaries, trash) are removed only when provably dead: a writer holds an exclusive
-``flock(2)`` on its temporary file or directory for as long as it uses it (:func:`held`), and the kernel drops that
-lock when the process dies, so :func:`remove_if_dead` removes a leftover only if it can take that lock without
-waiting. ``flock`` on the leftover itself needs no lock file: a checkpoint directory's listing is part of its
-contract (tests pin it), and a separate lock file (``filelock``) would add one to every checkpoint directory.
+A writer holds an exclusive ``flock(2)`` on its temporary file or directory while it uses it (:func:`held`); the
+kernel drops it when the process dies, so :func:`remove_if_dead` removes a leftover only if it can take that lock
+without waiting. The lock is on the leftover itself: a lock file would add an entry to every checkpoint directory,
+whose listing tests pin.
 """
 
 from __future__ import annotations
@@ -28,13 +24,13 @@ from pathlib import Path
 
 __all__ = [
     "fsync_path",
+    "write_synced",
     "commit",
     "recover",
     "located",
     "held",
     "remove_if_dead",
     "remove_leftovers",
-    "file_mode",
     "unique_suffix",
 ]
 
@@ -50,6 +46,15 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def write_synced(file: Path, text: str) -> None:
+    """Write ``text`` to ``file`` and fsync the file and its directory."""
+    with open(file, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(file.parent)
+
+
 def unique_suffix() -> str:
     """The random part of every temporary name (8 hex digits): leftovers are recognised by it."""
     return uuid.uuid4().hex[:8]
@@ -61,10 +66,7 @@ def _aside(final: Path) -> Path:
 
 def commit(tmp: Path, final: Path) -> None:
     """Rename the complete directory ``tmp`` to ``final``, replacing an existing ``final``; fsync the parent.
-
-    A crash (or an error) at any point leaves a complete checkpoint at ``final`` or at ``.<name>.replaced``
-    (see the module docstring); readers find it with :func:`located`, the next save restores it.
-    """
+    A crash at any point leaves a complete checkpoint at ``final`` or at ``.<name>.replaced``."""
     aside = _aside(final)
     recover(final)
     if final.exists() or final.is_symlink():
@@ -135,34 +137,17 @@ def remove_if_dead(path: Path) -> bool:
         os.close(fd)
 
 
-def remove_leftovers(root: Path, pattern: re.Pattern[str]) -> list[Path]:
+def remove_leftovers(root: Path, pattern: re.Pattern[str]) -> None:
     """Remove the entries of ``root`` whose name fully matches ``pattern`` and that no live writer holds.
 
     Trash (``.<name>.trash-*``) is removed whether held or not: nothing reads it, its writer only deletes it.
     """
-    removed = []
     try:
-        entries = list(root.iterdir())
+        entries = [entry for entry in root.iterdir() if pattern.fullmatch(entry.name)]
     except OSError:
-        return removed
+        return
     for entry in entries:
-        if not pattern.fullmatch(entry.name):
-            continue
         if ".trash-" in entry.name:
             shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-        elif remove_if_dead(entry):
-            removed.append(entry)
-    return removed
-
-
-def file_mode(directory: Path) -> int:
-    """The mode a new file gets in ``directory`` (``0o666`` under the umask and default ACLs), found by making
-    one: reading the umask through ``os.umask`` would change it for every thread for a moment."""
-    probe = directory / f".mode-probe-{unique_suffix()}"
-    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-    try:
-        return os.fstat(fd).st_mode & 0o7777
-    finally:
-        os.close(fd)
-        probe.unlink()
+        else:
+            remove_if_dead(entry)

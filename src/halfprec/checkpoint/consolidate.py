@@ -8,24 +8,18 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .atomic import located
-from .safe_dcp import SafeFileSystemReader, read_metadata, refuse_bytes
+from .safe_dcp import SafeFileSystemReader, check_format, open_checkpoint
 
 __all__ = ["consolidate", "read_checkpoint"]
 
 
 def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every item of the checkpoint as a whole CPU tensor (masters and elementwise state stay 1-D)."""
-    checkpoint_dir = located(Path(checkpoint_dir))  # a replace that died midway left the previous one aside
-    if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
-        raise FileNotFoundError(f"{checkpoint_dir} is not a complete DCP checkpoint (no .metadata)")
-    metadata = read_metadata(checkpoint_dir)
-    refuse_bytes(metadata, metadata.state_dict_metadata.keys())
+    checkpoint_dir, metadata = open_checkpoint(checkpoint_dir)
     out = {
         key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
@@ -39,11 +33,10 @@ def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor
 def consolidate(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The FP32 master weights of a checkpoint, in their params' shapes, keyed by parameter name."""
     items = read_checkpoint(checkpoint_dir)
-    if "format/version" not in items:
-        raise ValueError(f"{checkpoint_dir} is not a halfprec optimizer checkpoint (no format/version item)")
+    check_format(checkpoint_dir, items)
     out = {}
     for key, value in items.items():
         if key.startswith("master/"):
-            name = key[len("master/") :]
+            name = key.removeprefix("master/")
             out[name] = value.view(tuple(items[f"shape/{name}"].tolist())).contiguous()
     return out

@@ -1,9 +1,7 @@
 """Reshardable optimizer checkpoints through ``torch.distributed.checkpoint``, keyed by parameter name.
 
-Public as ``halfprec.distributed.checkpoint`` (``save``/``load``); lives here, next to the engine's format, so that
-both share one atomic commit and one record of the layout.
-
-Layout of a checkpoint directory (model space: nothing depends on the world size that wrote it):
+Public as ``halfprec.distributed.checkpoint``. Items of a checkpoint directory (model space: nothing depends on
+the world size that wrote it):
 
 =============================  =====================================================================
 ``master/{name}``              fp32 master weights, flattened to 1-D (``numel`` elements)
@@ -15,18 +13,11 @@ Layout of a checkpoint directory (model space: nothing depends on the world size
 ``manifest.json``              written by rank 0 last: ``{"format": "halfprec-dcp/1"}`` (``formats.layout_of``)
 =============================  =====================================================================
 
-Every item is a tensor, so loading never unpickles anything but ``.metadata``, and that through an allow-list
-(``_safe_dcp``). State is allocated from the checkpoint's own metadata before DCP loads into it, so no state
-key can be silently left out (DCP loads in place and skips what the destination does not hold).
-
-A save is atomic: every rank writes into ``{path}.tmp`` (held by rank 0, see ``atomic.held``); after a barrier
-rank 0 commits it to ``path`` with ``atomic.commit``, which replaces an existing ``path`` crash-safely. A rank
-that dies mid-save leaves only ``.tmp`` behind, removed by the next save, and the previous checkpoint untouched.
-
-Every optimizer halfprec builds is taken: a sharded one through its pieces (``model_space()``,
-``restore_counters()``), any other (exact or fused) through ``state_dict()``/``load_state_dict()``, whose format
-every strategy shares; the one branch on the type is :func:`_model_space`. A load reads every item and checks
-everything (names, shapes, groups, the optimizer's and the loss scaler's kinds, counters) before its first write.
+Every item is a tensor, so loading unpickles only ``.metadata``, through an allow-list (``safe_dcp``). State
+is allocated from the checkpoint's own metadata, so no state key can be silently left out (DCP loads in place
+and skips what the destination does not hold). Every rank writes into ``{path}.tmp`` (held by rank 0); rank 0
+commits it with ``atomic.commit``. A sharded optimizer is read through ``model_space()``, any other through
+``state_dict()``, whose format every strategy shares: the one branch on the type is :func:`_model_space`.
 """
 
 from __future__ import annotations
@@ -49,10 +40,10 @@ from ..optim.base import MixedPrecisionOptimizer
 from ..optim.sharded import ShardedMixedPrecisionOptimizer
 from ..optim.sharded.checks import named_trainable
 from ..optim.state import is_elementwise
-from .atomic import commit, fsync_path, located, remove_if_dead
+from .atomic import commit, remove_if_dead, write_synced
 from .atomic import held as held_dir  # ``held`` names what a rank holds here
 from .formats import DCP_FORMAT, MANIFEST
-from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, read_metadata, refuse_bytes
+from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, check_format, open_checkpoint
 
 __all__ = ["save", "load", "FORMAT_VERSION"]
 
@@ -105,12 +96,7 @@ class _Held(NamedTuple):
 
 def _model_space(optimizer, named_parameters) -> tuple[list[_Held], list[tuple], dict | None]:
     """``(held, every, full)``: ``held`` per param this rank holds, ``every`` is ``(name, shape, group)`` per
-    trainable param of the model, ``full`` the unsharded optimizer's ``state_dict()`` (None when sharded).
-
-    A ``ShardedMixedPrecisionOptimizer`` is read through ``model_space()`` (its pieces and their torch state);
-    every other ``MixedPrecisionOptimizer`` (exact or fused) through its ``state_dict()``, which all of them
-    write in one format, and loaded through ``load_state_dict()``.
-    """
+    trainable param of the model, ``full`` the unsharded optimizer's ``state_dict()`` (None when sharded)."""
     if isinstance(optimizer, ShardedMixedPrecisionOptimizer):
         space = list(optimizer.model_space())
         held = [
@@ -148,9 +134,8 @@ class _Groups:
 
 
 def _plan(held: list[_Held], state_keys) -> list[tuple[str, _Held, str | None, bool]]:
-    """The items of the held params: ``(item, param, state key or None for the master, elementwise)``, the state
-    keys and whether each is elementwise given by ``state_keys(param)`` (the live state on save, the file on
-    load). A zero-element param has no items: its state stays as it is."""
+    """``(item, param, state key or None for the master, elementwise)`` per item of the held params, the state
+    keys from ``state_keys(param)`` (the live state on save, the file on load). Zero-element params have none."""
     plan = []
     for h in held:
         if h.numel:
@@ -234,8 +219,13 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
         _barrier(group)
         _run_dcp(state_dict, group, FileSystemWriter(str(tmp)), ChunkSavePlanner(chunks))
         _barrier(group)
-        if rank == 0:
-            _write_manifest(tmp)
+        if rank == 0:  # the layout (``formats.layout_of``), after every rank's files are in
+            write_synced(
+                tmp / MANIFEST,
+                json.dumps(
+                    {"format": DCP_FORMAT, "format_version": FORMAT_VERSION}, indent=1, sort_keys=True
+                ),
+            )
             commit(tmp, path)
     _barrier(group)
     return path
@@ -268,15 +258,6 @@ def _fresh_tmp(tmp: Path, path: Path) -> None:
     tmp.mkdir(parents=True)
 
 
-def _write_manifest(tmp: Path) -> None:
-    """Record the layout (``formats.layout_of`` reads it), after every rank's files are in; fsync the directory."""
-    with open(tmp / MANIFEST, "w") as f:
-        json.dump({"format": DCP_FORMAT, "format_version": FORMAT_VERSION}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_path(tmp)
-
-
 # --- load -------------------------------------------------------------------------------------------------
 def load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None) -> None:
     """Load a checkpoint written at any world size into ``optimizer`` (any ``MixedPrecisionOptimizer``).
@@ -289,58 +270,52 @@ def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, pr
     """Read and check the checkpoint at ``path`` for ``optimizer`` (collective when distributed); return the
     function that applies it. Raises (ValueError, or CheckpointError for unreadable files) before anything of
     ``optimizer`` changes, so a caller can check several parts of a checkpoint before applying any."""
-    path = located(Path(path))  # a replace that died midway left the previous checkpoint aside
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(
-            f"{path} is not a complete checkpoint (no .metadata); was the save interrupted?"
-        )
-    group = getattr(optimizer, "process_group", process_group)
-    metadata = read_metadata(path)
+    path, metadata = open_checkpoint(path)
     saved = metadata.state_dict_metadata
-    refuse_bytes(metadata, saved.keys())
-    if saved.get("format/version") is None:
-        raise ValueError(f"{path} is not a halfprec optimizer checkpoint (no format/version item)")
+    check_format(path, saved)
+    group = getattr(optimizer, "process_group", process_group)
     held, every, full = _model_space(optimizer, named_parameters)
     _check_names(path, saved, every)
     _check_kinds(path, saved, optimizer)
-    state_dict: dict[str, torch.Tensor] = {}
-    chunks: dict[str, int] = {}
     plan = _plan(held, lambda h: _saved_keys(path, saved, h))
+    items: dict[str, torch.Tensor] = {}
+    chunks: dict[str, int] = {}
     for item, h, _key, elementwise in plan:
-        dtype = saved[item].properties.dtype
+        items[item] = torch.empty(h.master.numel() if elementwise else (), dtype=saved[item].properties.dtype)
         if elementwise:
-            state_dict[item] = torch.empty(h.master.numel(), dtype=dtype)
             chunks[item] = h.lo
-        else:
-            state_dict[item] = torch.empty((), dtype=dtype)
     for item, md in saved.items():
         if item.startswith(("hparam/", "scaler/", "counters/", "group/", "shape/")):
-            state_dict[item] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    _run_dcp(state_dict, group, SafeFileSystemReader(str(path)), ChunkLoadPlanner(chunks))
-    loaded = _Loaded(path, state_dict)
-    loaded.check_params(held, len(optimizer.param_groups))
-    hparams = loaded.hparams(optimizer.param_groups)
-    scaler_state = loaded.scaler_state(optimizer.loss_scaler)
-    skipped = loaded.skipped_steps()
-    keys: dict[int, list[tuple[str, bool]]] = {id(h): [] for h in held}
-    for _, h, key, elementwise in plan:
-        if key is not None:
-            keys[id(h)].append((key, elementwise))
-    states = {id(h): loaded.state_of(h, keys[id(h)]) for h in held}
+            items[item] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    _run_dcp(items, group, SafeFileSystemReader(str(path)), ChunkLoadPlanner(chunks))
+    _check_params(path, items, held, len(optimizer.param_groups))
+    hparams = _hparams(path, items, optimizer.param_groups)
+    scaler_state = _scaler_state(path, items, optimizer.loss_scaler)
+    skipped = items.get("counters/skipped_steps")
+    if skipped is None or skipped.dtype != torch.int64 or skipped.dim() or int(skipped) < 0:
+        raise ValueError(f"{path}: counters/skipped_steps is missing or not a non-negative integer")
+    masters: dict[int, torch.Tensor] = {}
+    states: dict[int, dict[str, torch.Tensor]] = {id(h): {} for h in held}
+    for item, h, key, elementwise in plan:
+        value = items[item].view(h.master.shape) if elementwise else items[item]
+        if key is None:
+            masters[id(h)] = value
+        else:
+            states[id(h)][key] = value
     if full is None:
-        return lambda: _apply_sharded(optimizer, held, loaded, states, hparams, scaler_state, skipped)
+        return lambda: _apply_sharded(optimizer, held, masters, states, hparams, scaler_state, int(skipped))
     for h in held:
         if h.numel and h.index in full["masters"]:
-            full["masters"][h.index] = loaded.master(h)
+            full["masters"][h.index] = masters[id(h)]
         if h.numel and states[id(h)]:
             full["optimizer"]["state"][h.index] = states[id(h)]
         elif h.numel:
             full["optimizer"]["state"].pop(h.index, None)
     for gi, values in enumerate(hparams):
         full["optimizer"]["param_groups"][gi].update(values)
-    full["scaler"], full["skipped_steps"] = scaler_state, skipped
+    full["scaler"], full["skipped_steps"] = scaler_state, int(skipped)
     optimizer.check_state_dict(full)
-    own = [(h.index, loaded.master(h)) for h in held if h.numel and h.index not in full["masters"]]
+    own = [(h.index, masters[id(h)]) for h in held if h.numel and h.index not in full["masters"]]
     return lambda: _apply_unsharded(optimizer, full, own)
 
 
@@ -362,9 +337,8 @@ def _check_names(path: Path, saved: dict, every: list) -> None:
 def _check_kinds(path: Path, saved: dict, optimizer) -> None:
     """The optimizer and loss scaler that wrote ``path`` are of this optimizer's kinds (ValueError)."""
     kinds = {k.split("/")[1]: k.split("/", 2)[2] for k in saved if k.startswith("kind/")}
-    groups: dict[
-        int, dict[str, None]
-    ] = {}  # saved numeric hyper-parameter names per group (older checkpoints)
+    # saved numeric hyper-parameter names per group (older checkpoints)
+    groups: dict[int, dict[str, None]] = {}
     for item in saved:
         if item.startswith("hparam/"):
             _, gi, key = item.split("/", 2)
@@ -400,81 +374,61 @@ def _saved_keys(path: Path, saved: dict, h: _Held) -> list[tuple[str, bool]]:
     return keys
 
 
-class _Loaded:
-    """The items read from a checkpoint, checked and turned into what the optimizer loads (no writes)."""
-
-    def __init__(self, path: Path, items: dict[str, torch.Tensor]) -> None:
-        self.path, self.items = path, items
-
-    def check_params(self, held: list[_Held], groups: int) -> None:
-        saved_groups = {int(k.split("/")[1]) for k in self.items if k.startswith("hparam/")}
-        if saved_groups and max(saved_groups) + 1 != groups:
+def _check_params(path: Path, items: dict[str, torch.Tensor], held: list[_Held], groups: int) -> None:
+    saved_groups = {int(k.split("/")[1]) for k in items if k.startswith("hparam/")}
+    if saved_groups and max(saved_groups) + 1 != groups:
+        raise ValueError(
+            f"{path} has {max(saved_groups) + 1} param groups, this optimizer {groups}: build the "
+            "optimizer with the param groups it was saved with"
+        )
+    for h in held:
+        shape = tuple(items[f"shape/{h.name}"].tolist())
+        if shape != h.shape:
             raise ValueError(
-                f"{self.path} has {max(saved_groups) + 1} param groups, this optimizer {groups}: build the "
-                "optimizer with the param groups it was saved with"
+                f"{path}: param {h.name!r} was saved with shape {list(shape)}, here {list(h.shape)}"
             )
-        for h in held:
-            shape = tuple(self.items[f"shape/{h.name}"].tolist())
-            if shape != h.shape:
-                raise ValueError(
-                    f"{self.path}: param {h.name!r} was saved with shape {list(shape)}, here {list(h.shape)}"
-                )
-            group = int(self.items[f"group/{h.name}"])
-            if group != h.group:
-                raise ValueError(
-                    f"{self.path}: param {h.name!r} was saved in param group {group}, it is in group {h.group} here"
-                )
+        group = int(items[f"group/{h.name}"])
+        if group != h.group:
+            raise ValueError(
+                f"{path}: param {h.name!r} was saved in param group {group}, it is in group {h.group} here"
+            )
 
-    def hparams(self, param_groups: list[dict]) -> list[dict[str, Any]]:
-        out = []
-        for gi, group in enumerate(param_groups):
-            values = {}
-            for key, live in group.items():
-                item = self.items.get(f"hparam/{gi}/{key}")
-                if item is not None:
-                    try:
-                        values[key] = _restore_hparam(live, item)
-                    except (ValueError, TypeError) as e:
-                        raise ValueError(
-                            f"{self.path}: hparam/{gi}/{key} {item.tolist()} does not fit {live!r}"
-                        ) from e
-            out.append(values)
-        return out
 
-    def scaler_state(self, scaler) -> dict[str, Any]:
-        state = scaler.state_dict()
-        for key, value in state.items():
-            if f"scaler/{key}" in self.items:
-                state[key] = _number(value, self.items[f"scaler/{key}"].item())
-        try:
-            copy.deepcopy(scaler).load_state_dict(state)  # its own checks, on a copy: nothing changes here
-        except ValueError as e:
-            raise ValueError(f"{self.path}: {e}") from e
-        return state
+def _hparams(path: Path, items: dict[str, torch.Tensor], param_groups: list[dict]) -> list[dict[str, Any]]:
+    out = []
+    for gi, group in enumerate(param_groups):
+        values = {}
+        for key, live in group.items():
+            item = items.get(f"hparam/{gi}/{key}")
+            if item is not None:
+                try:
+                    values[key] = _restore_hparam(live, item)
+                except (ValueError, TypeError) as e:
+                    raise ValueError(
+                        f"{path}: hparam/{gi}/{key} {item.tolist()} does not fit {live!r}"
+                    ) from e
+        out.append(values)
+    return out
 
-    def skipped_steps(self) -> int:
-        value = self.items.get("counters/skipped_steps")
-        if value is None or value.dtype != torch.int64 or value.dim() or int(value) < 0:
-            raise ValueError(f"{self.path}: counters/skipped_steps is missing or not a non-negative integer")
-        return int(value)
 
-    def master(self, h: _Held) -> torch.Tensor:
-        return self.items[f"master/{h.name}"].view(h.master.shape)
-
-    def state_of(self, h: _Held, keys: list[tuple[str, bool]]) -> dict[str, torch.Tensor]:
-        return {
-            key: self.items[f"state/{h.name}/{key}"].view(h.master.shape) if elementwise
-            else self.items[f"state/{h.name}/{key}"]
-            for key, elementwise in keys
-        }  # fmt: skip
+def _scaler_state(path: Path, items: dict[str, torch.Tensor], scaler) -> dict[str, Any]:
+    state = scaler.state_dict()
+    for key, value in state.items():
+        if f"scaler/{key}" in items:
+            state[key] = _number(value, items[f"scaler/{key}"].item())
+    try:
+        copy.deepcopy(scaler).load_state_dict(state)  # its own checks, on a copy: nothing changes here
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    return state
 
 
 @torch.no_grad()
-def _apply_sharded(optimizer, held, loaded, states, hparams, scaler_state, skipped) -> None:
+def _apply_sharded(optimizer, held, masters, states, hparams, scaler_state, skipped) -> None:
     for h in held:
         if not h.numel:
             continue
-        h.master.copy_(loaded.master(h))
+        h.master.copy_(masters[id(h)])
         group = optimizer.param_groups[h.group]
         on_device = group.get("capturable", False) or group.get("fused", False)
         state = {

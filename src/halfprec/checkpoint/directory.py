@@ -1,4 +1,4 @@
-"""Checkpoint directories: atomic writes, safetensors weights, loads that never run code from the file.
+"""Checkpoint directories: atomic writes, safetensors weights, a manifest of digests (docs/checkpoints.md).
 
 Layout of ``<dir>/<tag>/``::
 
@@ -8,14 +8,9 @@ Layout of ``<dir>/<tag>/``::
     engine.pt           counters, param names, LR scheduler, RNG states, client_state
     manifest.json       written last: format, layout, counters, ties, each file's size and SHA-256, its own SHA-256
 
-A save (:func:`saving`) writes everything into a hidden temporary sibling, fsyncs the files and the directory,
-renames it to ``<tag>`` (``atomic.commit``, which also replaces a tag crash-safely) and only then replaces
-``<dir>/latest`` (itself written to a temporary file and renamed). A process killed at any point leaves the previous
-checkpoint and pointer intact. ``<dir>/.published`` logs every tag ``latest`` has named: a tag is immutable once
-published, and ``keep_last`` keeps the most recently published. Each save removes the leftovers of earlier killed
-saves that no live process holds. ``*.pt`` files are read with ``torch.load(weights_only=True)``; the manifest's
-digests catch truncated or flipped bytes, which neither ``torch.load`` nor safetensors notices. Every file gets
-the mode a new file gets under the umask (safetensors alone would write the weights 0600).
+``<dir>/.published`` logs every tag ``latest`` has named: a published tag is immutable, and ``keep_last`` keeps
+the most recently published. The digests catch truncated or flipped bytes, which neither ``torch.load`` nor
+safetensors notices. Every file gets the mode a new file gets under the umask (safetensors alone writes 0600).
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .atomic import commit, file_mode, fsync_path, held, recover, remove_leftovers, unique_suffix
+from .atomic import commit, fsync_path, held, recover, remove_leftovers, unique_suffix, write_synced
 from .formats import ENGINE, FORMAT, LEGACY_FORMATS, MANIFEST
 
 __all__ = [
@@ -47,6 +42,7 @@ __all__ = [
     "seal",
     "publish",
     "save_pt",
+    "save_safetensors",
     "writing",
     "read_latest",
 ]
@@ -68,11 +64,8 @@ def _manifest_digest(manifest: dict[str, Any]) -> str:
 
 
 def _digest(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -85,11 +78,9 @@ _TAG_RULE = (
 def check_tag(tag: Any) -> str:
     """Return ``tag`` if it is a valid checkpoint tag, else raise ValueError naming it and the rule.
 
-    Tags become directory names next to ``latest`` and hidden ``.<tag>.tmp-*`` siblings, so they must be plain
-    names: a space would not survive the ``latest`` pointer, a ``/`` would leave the directory, a ``*`` would make
-    the cleanup of one tag's temporaries match another's. An int is refused rather than converted, so that
-    ``tag=0`` cannot be mistaken for "no tag".
-    """
+    Tags are plain names: a space would not survive the ``latest`` pointer, a ``/`` would leave the directory, a
+    ``*`` would make the cleanup of one tag's temporaries match another's. An int is refused, not converted, so
+    that ``tag=0`` cannot be mistaken for "no tag"."""
     if not isinstance(tag, str):
         raise ValueError(
             f"invalid checkpoint tag {tag!r} of type {type(tag).__name__}: {_TAG_RULE}; e.g. tag=f'step-{{n}}'"
@@ -140,10 +131,8 @@ def write_checkpoint(
 ) -> Path:
     """Write ``<directory>/<tag>`` atomically and point ``latest`` at it; returns the checkpoint's path.
 
-    ``weights`` go to model.safetensors; each item of ``files`` to ``<name>.pt`` with ``torch.save``; ``info``
-    (plain JSON values) into the manifest. ``overwrite=True`` replaces an existing tag in two renames (a
-    directory cannot be renamed onto a non-empty one); a crash between them leaves the old checkpoint whole at
-    ``.<tag>.replaced``, where readers find it and the next save restores it (``atomic.commit``).
+    ``weights`` go to model.safetensors; each item of ``files`` to ``<name>.pt``; ``info`` (plain JSON values)
+    into the manifest. ``overwrite=True`` replaces an existing tag crash-safely (``atomic.commit``).
     """
     with saving(directory, tag, overwrite=overwrite, keep_last=keep_last) as tmp:
         stage(tmp, weights=weights, files=files)
@@ -160,12 +149,9 @@ def saving(
     keep_last: int | None,
     tmp_name: str | None = None,
 ) -> Iterator[Path]:
-    """:func:`prepare`, then yield a new temporary directory to :func:`stage` and :func:`seal`; on success commit
-    it to ``<directory>/<tag>`` and :func:`publish` it, on error remove it.
-
-    The temporary directory is held (``atomic.held``) until it is committed, so that no other save takes it for a
-    leftover. ``tmp_name`` is a fixed name for it, for a save whose other ranks must know where to write.
-    """
+    """:func:`prepare`, then yield a new temporary directory (held until committed) to :func:`stage` and
+    :func:`seal`; on success commit it to ``<directory>/<tag>`` and :func:`publish` it, on error remove it.
+    ``tmp_name`` is a fixed name for it, for a save whose other ranks must know where to write."""
     root, final = prepare(directory, tag, overwrite=overwrite, keep_last=keep_last)
     tmp = root / (tmp_name or f".{tag}.tmp-{unique_suffix()}")
     tmp.mkdir()
@@ -187,8 +173,7 @@ def prepare(
     A save killed after its rename but before ``latest`` was replaced leaves a complete ``<tag>`` that ``latest``
     never named; the restarted run reaches the same tag again, so such an unpublished directory (not in the
     ``.published`` log) is moved aside with a warning instead of blocking it, and removed at the next save. A
-    published tag is immutable. A replace of this tag that died midway is undone first (``atomic.recover``), and
-    the leftovers of killed saves that no live process holds are removed (:func:`_remove_leftovers`).
+    replace of this tag that died midway is undone first (``atomic.recover``), and leftovers are removed.
     """
     if not os.fspath(directory):
         raise ValueError(
@@ -211,7 +196,7 @@ def prepare(
                 f"{tag!r}); nothing was written, moved or removed: choose another tag or directory, or remove "
                 f"{final} yourself"
             )
-        unpublished = not overwrite and _unpublished(root, final)
+        unpublished = not overwrite and tag not in _published(root)
         if not overwrite and not unpublished:
             raise FileExistsError(
                 f"checkpoint {final} already exists and tags are immutable; pick another tag or pass "
@@ -248,11 +233,8 @@ def _remove_leftovers(root: Path) -> None:
 
 
 def _is_checkpoint_of(path: Path, tag: str) -> bool:
-    """True for a directory that a halfprec save of ``tag`` renamed into place: its manifest says so.
-
-    The manifest is written last inside the temporary directory, before the rename, so every directory a halfprec
-    save ever put at ``<dir>/<tag>`` has one; anything else there is the user's and must not be moved or replaced.
-    """
+    """True for a directory that a halfprec save of ``tag`` renamed into place: its manifest (written before
+    the rename) says so. Anything else there is the user's and must not be moved or replaced."""
     if path.is_symlink() or not path.is_dir():
         return False
     try:
@@ -268,17 +250,33 @@ def _is_checkpoint_of(path: Path, tag: str) -> bool:
 
 def stage(tmp: Path, *, weights: dict[str, torch.Tensor] | None, files: dict[str, Any]) -> None:
     """Write the weights (safetensors) and ``<name>.pt`` files into the temporary directory ``tmp``."""
-    from safetensors.torch import save_file
-
     if weights is not None:
         stored, ties = _split_ties(weights)
-        file = tmp / "model.safetensors"
-        with writing(file):
-            save_file(stored, str(file), metadata={"format": "pt", "ties": json.dumps(ties)})
-        # safetensors writes 0600; every other file gets the mode the umask gives
-        os.chmod(file, file_mode(tmp))
+        save_safetensors(stored, tmp / "model.safetensors", {"format": "pt", "ties": json.dumps(ties)})
     for name, obj in files.items():
         save_pt(obj, tmp / f"{name}.pt")
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, a failed write named by :func:`writing`, with the mode the umask gives
+    (safetensors writes 0600)."""
+    from safetensors.torch import save_file
+
+    with writing(file):
+        save_file(tensors, str(file), metadata=metadata)
+    os.chmod(file, _file_mode(file.parent))
+
+
+def _file_mode(directory: Path) -> int:
+    """The mode a new file gets in ``directory`` (``0o666`` under the umask and default ACLs), found by making
+    one: reading the umask through ``os.umask`` would change it for every thread for a moment."""
+    probe = directory / f".mode-probe-{unique_suffix()}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o7777
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 def save_pt(obj: Any, file: Path) -> None:
@@ -305,10 +303,8 @@ def writing(file: Path) -> Iterator[None]:
 
 
 def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
-    """fsync every file under ``tmp`` and write the manifest (sizes, digests, ties) last.
-
-    ``info`` names the layout (``formats.ENGINE`` unless it says ``formats.ENGINE_SHARDED``) and the counters.
-    """
+    """fsync every file under ``tmp`` and write the manifest (sizes, digests, ties, ``info``: layout, counters)
+    last."""
     entries = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         fsync_path(path)
@@ -321,13 +317,10 @@ def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
             ties = json.loads((f.metadata() or {}).get("ties", "{}"))
     manifest = {"format": FORMAT, "layout": ENGINE, "tag": tag, "ties": ties, "files": entries, **info}
     manifest["manifest_sha256"] = _manifest_digest(manifest)
-    with writing(tmp / MANIFEST), open(tmp / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    with writing(tmp / MANIFEST):
+        write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))  # fsyncs tmp too
     for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
         fsync_path(sub)
-    fsync_path(tmp)
 
 
 def publish(root: Path, tag: str, keep_last: int | None) -> None:
@@ -380,20 +373,16 @@ def _legacy_published(root: Path, latest: str | None) -> list[str]:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    if latest is None:
+    limit = None if latest is None else step_of(root / latest)
+    if limit is None:
         return []
-    limit = step_of(root / latest)
-    found = []
-    for path in root.iterdir():
-        step = step_of(path) if not path.name.startswith(".") and _is_checkpoint_of(path, path.name) else None
-        if step is not None and limit is not None and step <= limit:
-            found.append((step, path.name))
-    return [name for _, name in sorted(found)]
+    steps = {name: step_of(root / name) for name in _checkpoints(root)}
+    return [name for step, name in sorted((s, n) for n, s in steps.items() if s is not None and s <= limit)]
 
 
-def _unpublished(root: Path, final: Path) -> bool:
-    """A complete ``<tag>`` that a save renamed into place but never published (killed before ``latest``)."""
-    return final.name not in _published(root)
+def _checkpoints(root: Path) -> list[str]:
+    """The tags of the halfprec checkpoints in ``root``."""
+    return [p.name for p in root.iterdir() if not p.name.startswith(".") and _is_checkpoint_of(p, p.name)]
 
 
 def _write_latest(root: Path, tag: str) -> None:
@@ -410,11 +399,7 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
     """Remove halfprec checkpoints but the ``keep_last`` most recently published (after a rewind, the
     checkpoints of the abandoned branch go first, whatever their step numbers)."""
     order = {tag: i for i, tag in enumerate(_published(root))}  # a tag's last publication counts
-    found = sorted(
-        (order.get(path.name, -1), path.name)
-        for path in root.iterdir()
-        if not path.name.startswith(".") and _is_checkpoint_of(path, path.name)
-    )
+    found = sorted((order.get(name, -1), name) for name in _checkpoints(root))
     for _, name in found[:-keep_last]:
         if name != keep:
             shutil.rmtree(root / name)

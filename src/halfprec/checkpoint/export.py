@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from . import read as ckpt
-from .atomic import file_mode, fsync_path, held, remove_leftovers, unique_suffix
-from .directory import writing
+from .atomic import fsync_path, held, remove_leftovers, unique_suffix
+from .directory import save_safetensors
 from .formats import DCP, ENGINE_SHARDED, layout_of
 
 __all__ = ["consolidated_weights", "export", "describe"]
@@ -32,21 +32,20 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    target = _DTYPES[dtype]
     path = Path(path)
     if layout_of(path) == DCP:
         from .consolidate import consolidate  # noqa: PLC0415 - imports torch.distributed.checkpoint
 
-        weights = consolidate(path)
-        return {k: (v.to(target) if v.is_floating_point() else v) for k, v in weights.items()}
-    manifest = ckpt.read_manifest(path)
-    weights = ckpt.load_weights(path, manifest)
-    masters = _named_masters(path, manifest)
+        weights, masters, ties = consolidate(path), {}, {}
+    else:
+        manifest = ckpt.read_manifest(path)
+        weights, masters = ckpt.load_weights(path, manifest), _named_masters(path, manifest)
+        ties = manifest.get("ties", {})
     out = {}
     for key, tensor in weights.items():
         value = masters.get(key, tensor)
-        out[key] = (value.to(target) if value.is_floating_point() else value).clone().contiguous()
-    for alias, name in manifest.get("ties", {}).items():
+        out[key] = (value.to(_DTYPES[dtype]) if value.is_floating_point() else value).clone().contiguous()
+    for alias, name in ties.items():
         out[alias] = out[name].clone()
     return out
 
@@ -69,8 +68,6 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp3
     (held while in use, see ``atomic.held``), given the mode a new file gets under the umask, and renamed onto
     ``out``. A failure leaves nothing behind; what a killed export left is removed by the next export to ``out``.
     """
-    from safetensors.torch import save_file
-
     out = Path(out)
     if out.is_dir():
         raise IsADirectoryError(
@@ -85,9 +82,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp3
     try:
         with held(tmp):
             file = tmp / out.name
-            with writing(file):
-                save_file(weights, str(file), metadata={"format": "pt", "source": str(path), "dtype": dtype})
-            os.chmod(file, file_mode(tmp))  # safetensors writes 0600; checkpoint files follow the umask
+            save_safetensors(weights, file, {"format": "pt", "source": str(path), "dtype": dtype})
             fsync_path(file)
             os.replace(file, out)
     finally:
@@ -133,10 +128,10 @@ def _by_dtype(tensors) -> str:
 def _describe_dcp(path: Path) -> list[tuple[str, Any]]:
     """Rows for a bare DCP optimizer checkpoint (``halfprec.distributed.checkpoint.save``), from its items."""
     from .consolidate import read_checkpoint  # noqa: PLC0415 - imports torch.distributed.checkpoint
+    from .safe_dcp import check_format  # noqa: PLC0415
 
     items = read_checkpoint(path)
-    if "format/version" not in items:
-        raise ValueError(f"{path} is not a halfprec optimizer checkpoint (no format/version item)")
+    check_format(path, items)
     masters = {k: v for k, v in items.items() if k.startswith("master/")}
     groups = sorted({int(k.split("/")[1]) for k in items if k.startswith("hparam/")})
     rows: list[tuple[str, Any]] = [

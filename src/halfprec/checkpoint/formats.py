@@ -1,11 +1,10 @@
 """Which kind of checkpoint a directory holds, as its writer recorded it in ``manifest.json``.
 
-Three layouts exist: the engine's ``<tag>`` directory with ``optimizer.pt`` (:data:`ENGINE`), the same with the
-optimizer as a DCP directory ``optimizer/`` (:data:`ENGINE_SHARDED`, ZeRO-1/2), and a bare optimizer checkpoint of
-``halfprec.distributed.checkpoint.save`` (:data:`DCP`). The writer names the layout in the manifest (key
-``layout``; a DCP directory gets a small manifest of its own), so readers never guess from the files present.
-Checkpoints written before the layout was recorded are told apart by the rule of that time, in one function,
-:func:`_legacy_layout`.
+The engine's ``<tag>`` directory with ``optimizer.pt`` (:data:`ENGINE`), the same with the optimizer as a DCP
+directory ``optimizer/`` (:data:`ENGINE_SHARDED`, ZeRO-1/2), and a bare optimizer checkpoint of
+``halfprec.distributed.checkpoint.save`` (:data:`DCP`). Writers record it (key ``layout``; a DCP directory gets
+a small manifest of its own), so readers never guess from the files present, except for checkpoints written
+before the layout was recorded (by the rule of that time: where DCP's ``.metadata`` is).
 """
 
 from __future__ import annotations
@@ -46,8 +45,8 @@ def layout_of(path: str | Path, manifest: dict[str, Any] | None = None) -> str |
     if manifest is None:
         try:
             manifest = json.loads((path / MANIFEST).read_text())
-        except (FileNotFoundError, NotADirectoryError):
-            return _legacy_layout(path, None)
+        except (FileNotFoundError, NotADirectoryError):  # none, or older: a bare DCP checkpoint had .metadata
+            return DCP if (path / ".metadata").is_file() else None
         except (OSError, ValueError):
             return ENGINE
     if not isinstance(manifest, dict):
@@ -55,23 +54,10 @@ def layout_of(path: str | Path, manifest: dict[str, Any] | None = None) -> str |
     if manifest.get("format") == DCP_FORMAT:
         return DCP
     layout = manifest.get("layout")
-    if layout is None:
-        return _legacy_layout(path, manifest)
+    if layout is None:  # older: the files (covered by the digests) told a sharded engine's optimizer
+        return ENGINE_SHARDED if "optimizer/.metadata" in manifest.get("files", {}) else ENGINE
     if layout not in _LAYOUTS:
         from .directory import CheckpointError  # noqa: PLC0415 - directory imports this module
 
         raise CheckpointError(f"{path / MANIFEST} names layout {layout!r}, expected one of {list(_LAYOUTS)}")
     return layout
-
-
-def _legacy_layout(path: Path, manifest: dict[str, Any] | None) -> str | None:
-    """The layout of a checkpoint written before the writers recorded it (halfprec up to the ``checkpoint/``
-    package): the only rule that code had, the presence of DCP's ``.metadata`` file.
-
-    Without a manifest, a directory holding ``.metadata`` was a bare DCP optimizer checkpoint. With one (an engine
-    checkpoint), its optimizer was sharded exactly when the manifest lists ``optimizer/.metadata`` (the list of
-    files is covered by the manifest's digests, so the file system is not probed). New checkpoints never get here.
-    """
-    if manifest is None:
-        return DCP if (path / ".metadata").is_file() else None
-    return ENGINE_SHARDED if "optimizer/.metadata" in manifest.get("files", {}) else ENGINE

@@ -1,8 +1,7 @@
 """Reading a checkpoint directory: find it (``latest``, tags, a DCP directory), verify it, load its files.
 
-Kept apart from the writer (``directory``) because every reader goes through these few functions and nothing
-else: the manifest is verified (sizes, SHA-256, its own digest) before any file is used, and ``*.pt`` files load
-with ``torch.load(weights_only=True)``, so no code from the file runs.
+Every reader goes through these few functions: the manifest is verified (sizes, SHA-256, its own digest) before
+any file is used, and ``*.pt`` files load with ``torch.load(weights_only=True)``, so no code from the file runs.
 """
 
 from __future__ import annotations
@@ -22,12 +21,9 @@ __all__ = ["resolve", "read_manifest", "load_weights", "load_pt"]
 
 
 def resolve(directory: str | os.PathLike, tag: str | None = None, *, tag_option: str = "tag=") -> Path:
-    """The checkpoint directory for ``tag``, or the one ``latest`` points at. Also accepts a tag directory.
-
-    Also accepts a DCP optimizer checkpoint's directory (``formats.layout_of``). ``tag_option`` is how the
-    caller's user names a tag (``"--tag"`` on the command line), for the error hints. A checkpoint whose replace
-    died midway is found at its aside (``atomic.located``).
-    """
+    """The checkpoint directory for ``tag``, or the one ``latest`` points at; also a tag directory or a DCP
+    optimizer checkpoint's. ``tag_option`` is how the caller's user names a tag (``"--tag"`` on the command
+    line), for the error hints. A checkpoint whose replace died midway is found at its aside."""
     root = located(Path(directory))
     if tag is None and layout_of(root) is not None:
         return root
@@ -42,42 +38,38 @@ def resolve(directory: str | os.PathLike, tag: str | None = None, *, tag_option:
         pointer = root / LATEST
         if not pointer.exists():
             tags = _tags_in(root)
-            if not tags:
-                raise CheckpointError(
-                    f"no checkpoint in {root}: no {LATEST} pointer and no tag directory with a {MANIFEST}; pass "
-                    "the directory that save_checkpoint() wrote to"
-                )
             raise CheckpointError(
-                f"no checkpoint in {root}: {pointer} does not exist; pass {tag_option} with one of: "
-                f"{', '.join(tags)}"
+                f"no checkpoint in {root}: no {LATEST} pointer and no tag directory with a {MANIFEST}; pass the "
+                "directory that save_checkpoint() wrote to"
+                if tags == "(none)"
+                else f"no checkpoint in {root}: {pointer} does not exist; pass {tag_option} with one of: {tags}"
             )
         tag = read_latest(root)
         try:
             check_tag(tag)
         except ValueError as e:
             raise CheckpointError(
-                f"{pointer} is damaged: {e}; pass {tag_option} with one of: {', '.join(_tags_in(root)) or '(none)'}"
+                f"{pointer} is damaged: {e}; pass {tag_option} with one of: {_tags_in(root)}"
             ) from e
     path = located(root / check_tag(tag))
     if not path.is_dir():
-        raise CheckpointError(
-            f"checkpoint {path} does not exist; checkpoints in {root}: {', '.join(_tags_in(root)) or '(none)'}"
-        )
+        raise CheckpointError(f"checkpoint {path} does not exist; checkpoints in {root}: {_tags_in(root)}")
     return path
 
 
-def _tags_in(root: Path, limit: int = 10) -> list[str]:
-    """Names of the checkpoint directories in ``root`` (at most ``limit``), for error messages."""
+def _tags_in(root: Path, limit: int = 10) -> str:
+    """Names of the checkpoint directories in ``root`` (the first ``limit``; ``(none)``), for error messages."""
     try:
         tags = sorted(
             p.name for p in root.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()
         )
     except OSError:
-        return []
-    return tags[:limit] + ([f"... ({len(tags) - limit} more)"] if len(tags) > limit else [])
+        tags = []
+    more = [f"... ({len(tags) - limit} more)"] if len(tags) > limit else []
+    return ", ".join(tags[:limit] + more) or "(none)"
 
 
-def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
+def read_manifest(path: Path) -> dict[str, Any]:
     """Read ``manifest.json`` and check every file's size and digest; errors name the file."""
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
@@ -98,20 +90,19 @@ def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
         raise CheckpointError(
             f"{manifest_path} is corrupted: its contents do not match the SHA-256 it was written with"
         )
-    if verify:
-        for name, entry in manifest["files"].items():
-            file = path / name
-            if not file.exists():
-                raise CheckpointError(f"checkpoint file {file} is missing")
-            size = file.stat().st_size
-            if size != entry["size"]:
-                raise CheckpointError(
-                    f"checkpoint file {file} is truncated or extended: {size} bytes, expected {entry['size']}"
-                )
-            if _digest(file) != entry["sha256"]:
-                raise CheckpointError(
-                    f"checkpoint file {file} is corrupted: its SHA-256 does not match the manifest"
-                )
+    for name, entry in manifest["files"].items():
+        file = path / name
+        if not file.exists():
+            raise CheckpointError(f"checkpoint file {file} is missing")
+        size = file.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(
+                f"checkpoint file {file} is truncated or extended: {size} bytes, expected {entry['size']}"
+            )
+        if _digest(file) != entry["sha256"]:
+            raise CheckpointError(
+                f"checkpoint file {file} is corrupted: its SHA-256 does not match the manifest"
+            )
     return manifest
 
 

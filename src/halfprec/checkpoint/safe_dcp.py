@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import pathlib
 import pickle
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +37,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-__all__ = ["SafeFileSystemReader", "ChunkSavePlanner", "ChunkLoadPlanner", "read_metadata", "refuse_bytes"]
+from .atomic import located
+
+__all__ = ["SafeFileSystemReader", "ChunkSavePlanner", "ChunkLoadPlanner", "open_checkpoint", "check_format"]
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -75,9 +77,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
         )
 
 
-def read_metadata(path: str | os.PathLike) -> Metadata:
+def _read_metadata(path: str | os.PathLike) -> Metadata:
     """Unpickle ``path/.metadata`` allowing only DCP's metadata classes."""
-    with open(pathlib.Path(path) / ".metadata", "rb") as f:
+    with open(Path(path) / ".metadata", "rb") as f:
         metadata = _RestrictedUnpickler(io.BytesIO(f.read())).load()
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError(f"{path}/.metadata holds a {type(metadata).__name__}, not DCP Metadata")
@@ -88,21 +90,35 @@ class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``read_metadata`` runs no code from the file."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(self.path)
+        metadata = _read_metadata(self.path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-def refuse_bytes(metadata: Metadata, keys) -> None:
-    """Raise before reading if any of ``keys`` is a pickled object (a byte item) in the checkpoint."""
-    for key in keys:
-        if isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata):
+def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Metadata]:
+    """``(where, metadata)`` of the DCP checkpoint at ``path`` (``atomic.located``), checked before any item is
+    read: complete (a ``.metadata``), and no item a pickled object (a byte item) that loading would unpickle."""
+    path = located(Path(path))  # a replace that died midway left the previous checkpoint aside
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a complete DCP checkpoint (no .metadata); was the save interrupted?"
+        )
+    metadata = _read_metadata(path)
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
             raise ValueError(
                 f"checkpoint item {key!r} is a pickled Python object; halfprec checkpoints hold tensors only and "
                 "never unpickle items (that could run code from the file)"
             )
+    return path, metadata
+
+
+def check_format(path: Path, keys) -> None:
+    """Raise ValueError unless ``keys`` (a checkpoint's items) are those of a halfprec optimizer checkpoint."""
+    if "format/version" not in keys:
+        raise ValueError(f"{path} is not a halfprec optimizer checkpoint (no format/version item)")
 
 
 class ChunkSavePlanner(DefaultSavePlanner):
