@@ -66,8 +66,11 @@ def _manifest_digest(manifest: dict[str, Any]) -> str:
 
 
 def _digest(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except FileNotFoundError as e:  # pruned or replaced by another process since the caller listed it
+        raise CheckpointError(f"checkpoint file {path} is missing") from e
 
 
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
