@@ -94,7 +94,7 @@ def test_tags_are_immutable_and_keep_last_prunes(tmp_path):
     for _ in range(3):
         train(engine, 1)
         engine.save_checkpoint(tmp_path, keep_last=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".published", "latest", "step-2", "step-3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", ".published", "latest", "step-2", "step-3"]
     with pytest.raises(FileExistsError, match="step-3 already exists and tags are immutable"):
         engine.save_checkpoint(tmp_path)
     engine.save_checkpoint(tmp_path, overwrite=True)

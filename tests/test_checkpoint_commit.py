@@ -146,7 +146,7 @@ def test_leftovers_of_dead_saves_are_removed_and_live_ones_kept(tmp_path):
         train(engine, 1)
         engine.save_checkpoint(tmp_path)
         hidden = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
-    assert hidden == [".notes", ".published", ".step-9.tmp-89abcdef"]
+    assert hidden == [".lock", ".notes", ".published", ".step-9.tmp-89abcdef"]
 
 
 def test_a_killed_save_leaves_nothing_after_the_next_save(tmp_path):
@@ -163,7 +163,7 @@ def test_a_killed_save_leaves_nothing_after_the_next_save(tmp_path):
             engine.save_checkpoint(root)
         train(engine, 1)
         engine.save_checkpoint(root)  # removes what the previous save moved aside
-        assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == [".published"]
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == [".lock", ".published"]
 
 
 def test_dcp_leftover_of_a_dead_save_is_removed_and_a_live_one_refused(tmp_path):

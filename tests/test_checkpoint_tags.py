@@ -100,7 +100,7 @@ def test_prune_keeps_directories_halfprec_did_not_write(tmp_path):
     for _ in range(3):
         train(engine, 1)
         engine.save_checkpoint(tmp_path, keep_last=1)
-    assert sorted(os.listdir(tmp_path)) == [".published", "latest", "step-0", "step-3"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", ".published", "latest", "step-0", "step-3"]
 
 
 def test_missing_pointer_lists_the_checkpoints_there(tmp_path, engine):

@@ -64,12 +64,18 @@ def _aside(final: Path) -> Path:
     return final.with_name(_REPLACED.format(final.name))
 
 
-def commit(tmp: Path, final: Path) -> None:
+def commit(tmp: Path, final: Path, *, replace: bool = True) -> None:
     """Rename the complete directory ``tmp`` to ``final``, replacing an existing ``final``; fsync the parent.
-    A crash at any point leaves a complete checkpoint at ``final`` or at ``.<name>.replaced``."""
+    A crash at any point leaves a complete checkpoint at ``final`` or at ``.<name>.replaced``. With
+    ``replace=False`` an existing ``final`` (something written since the caller checked) is a FileExistsError."""
     aside = _aside(final)
     recover(final)
     if final.exists() or final.is_symlink():
+        if not replace:
+            raise FileExistsError(
+                f"{final} appeared while this save was writing and was kept; nothing was published: pick another "
+                "tag, or pass overwrite=True to replace it"
+            )
         if aside.exists():  # a commit died after its second rename: final is newer, the aside is garbage
             _discard(final)
         os.rename(final, aside)

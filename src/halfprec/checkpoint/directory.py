@@ -37,6 +37,7 @@ __all__ = [
     "check_tag",
     "write_checkpoint",
     "saving",
+    "locked",
     "prepare",
     "stage",
     "seal",
@@ -49,6 +50,7 @@ __all__ = [
 
 LATEST = "latest"
 PUBLISHED = ".published"  # the tags ``latest`` has named, oldest first, one per line (hidden: not a tag)
+LOCK = ".lock"  # held by every save into the directory (``locked``)
 
 
 class CheckpointError(RuntimeError):
@@ -64,8 +66,11 @@ def _manifest_digest(manifest: dict[str, Any]) -> str:
 
 
 def _digest(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except FileNotFoundError as e:  # pruned or replaced by another process since the caller listed it
+        raise CheckpointError(f"checkpoint file {path} is missing") from e
 
 
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -149,32 +154,43 @@ def saving(
     keep_last: int | None,
     tmp_name: str | None = None,
 ) -> Iterator[Path]:
-    """:func:`prepare`, then yield a new temporary directory (held until committed) to :func:`stage` and
-    :func:`seal`; on success commit it to ``<directory>/<tag>`` and :func:`publish` it, on error remove it.
-    ``tmp_name`` is a fixed name for it, for a save whose other ranks must know where to write."""
-    root, final = prepare(directory, tag, overwrite=overwrite, keep_last=keep_last)
-    tmp = root / (tmp_name or f".{tag}.tmp-{unique_suffix()}")
-    tmp.mkdir()
-    try:
-        with held(tmp):
-            yield tmp
-            commit(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publish(root, tag, keep_last)
+    """Under the directory's lock (:func:`locked`), :func:`prepare`, then yield a new temporary directory (held
+    until committed) to :func:`stage` and :func:`seal`; on success commit it to ``<directory>/<tag>`` and
+    :func:`publish` it, on error remove it. ``tmp_name`` is a fixed name for it, for a save whose other ranks must
+    know where to write."""
+    root, final = _checked(directory, tag, keep_last)
+    _refuse_foreign(final, tag)  # before the lock file is made: such a save writes nothing
+    with locked(root):
+        root, final = prepare(directory, tag, overwrite=overwrite, keep_last=keep_last)
+        tmp = root / (tmp_name or f".{tag}.tmp-{unique_suffix()}")
+        tmp.mkdir()
+        try:
+            with held(tmp):
+                yield tmp
+                commit(tmp, final, replace=overwrite)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        publish(root, tag, keep_last)
 
 
-def prepare(
-    directory: str | os.PathLike, tag: str, *, overwrite: bool, keep_last: int | None
-) -> tuple[Path, Path]:
-    """Check the arguments of a save; returns ``(root, final)``. Raises before anything is written.
+@contextlib.contextmanager
+def locked(root: Path) -> Iterator[None]:
+    """Hold ``<root>/.lock`` exclusively: the saves into one directory run one at a time, across processes.
 
-    A save killed after its rename but before ``latest`` was replaced leaves a complete ``<tag>`` that ``latest``
-    never named; the restarted run reaches the same tag again, so such an unpublished directory (not in the
-    ``.published`` log) is moved aside with a warning instead of blocking it, and removed at the next save. A
-    replace of this tag that died midway is undone first (``atomic.recover``), and leftovers are removed.
-    """
+    Concurrent saves are serialized, so nothing a save checks in :func:`prepare` (is the tag free, is that
+    temporary directory a dead save's) changes before its commit, and pruning sees every publication.
+    ``filelock`` takes an OS lock (``flock``) on the file: the kernel releases it when its holder dies, so a
+    killed save never blocks the next one. The file stays (hidden, so no tag and no leftover)."""
+    from filelock import FileLock
+
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(os.fspath(root / LOCK)):
+        yield
+
+
+def _checked(directory: str | os.PathLike, tag: str, keep_last: int | None) -> tuple[Path, Path]:
+    """``(root, final)`` of a save whose arguments are valid; ValueError otherwise."""
     if not os.fspath(directory):
         raise ValueError(
             "checkpoint directory is '' (it would write into the current directory); pass a directory such as "
@@ -186,16 +202,26 @@ def prepare(
         isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
     ):
         raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+    return root, final
+
+
+def prepare(
+    directory: str | os.PathLike, tag: str, *, overwrite: bool, keep_last: int | None
+) -> tuple[Path, Path]:
+    """Check the arguments of a save; returns ``(root, final)``. Raises before anything is written. The caller
+    holds :func:`locked`, so no live save is running in the directory.
+
+    A save killed after its rename but before ``latest`` was replaced leaves a complete ``<tag>`` that ``latest``
+    never named; the restarted run reaches the same tag again, so such an unpublished directory (not in the
+    ``.published`` log) is moved aside with a warning instead of blocking it, and removed at the next save. A
+    replace of this tag that died midway is undone first (``atomic.recover``), and leftovers are removed.
+    """
+    root, final = _checked(directory, tag, keep_last)
     if root.is_dir():
         recover(final)
+    _refuse_foreign(final, tag)
     unpublished = False
     if final.exists() or final.is_symlink():
-        if not _is_checkpoint_of(final, tag):
-            raise FileExistsError(
-                f"{final} exists and is not a halfprec checkpoint (no {MANIFEST} of format {FORMAT!r} for tag "
-                f"{tag!r}); nothing was written, moved or removed: choose another tag or directory, or remove "
-                f"{final} yourself"
-            )
         unpublished = not overwrite and tag not in _published(root)
         if not overwrite and not unpublished:
             raise FileExistsError(
@@ -215,6 +241,15 @@ def prepare(
         )
     root.mkdir(parents=True, exist_ok=True)
     return root, final
+
+
+def _refuse_foreign(final: Path, tag: str) -> None:
+    if (final.exists() or final.is_symlink()) and not _is_checkpoint_of(final, tag):
+        raise FileExistsError(
+            f"{final} exists and is not a halfprec checkpoint (no {MANIFEST} of format {FORMAT!r} for tag "
+            f"{tag!r}); nothing was written, moved or removed: choose another tag or directory, or remove "
+            f"{final} yourself"
+        )
 
 
 # what killed saves leave: temporaries (held while in use), trash of a replace, moved-aside unpublished tags
@@ -402,4 +437,5 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
     found = sorted((order.get(name, -1), name) for name in _checkpoints(root))
     for _, name in found[:-keep_last]:
         if name != keep:
-            shutil.rmtree(root / name)
+            with contextlib.suppress(FileNotFoundError):  # removed by hand meanwhile: pruned all the same
+                shutil.rmtree(root / name)
