@@ -4,12 +4,13 @@ engine's config keeps its scaler settings while the dynamic state (scale, tracke
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from halfprec import checkpoint as ckpt
-from halfprec.resume import check_scaler_kind
+from halfprec.resume import scaler_kind_error
 
 from .engine_util import build, snapshot, train
 
@@ -65,14 +66,22 @@ def test_scaler_kind_mismatch_is_refused_before_anything_changes(tmp_path, saved
     assert all(torch.equal(p, q) for p, q in pairs)
 
 
-def test_sharded_checkpoint_kind_comes_from_the_saved_config(tmp_path):
-    """Sharded optimizer files do not record the scaler's type: the saved config tells it."""
+def test_kind_refusal_is_worded_in_the_saved_and_current_config():
+    """Wherever the scaler's refusal comes from (the optimizer file, or chained under a sharded load's error), the
+    engine words it with the saved config's and its own settings; other errors are not its business."""
     engine = build("fp16", static_loss_scale=64.0)
+    with pytest.raises(ValueError) as refused:
+        engine.optimizer.loss_scaler.check_state_dict({"type": "DynamicLossScaler"})
+    sharded = ValueError(f"checkpoint ckpt: {refused.value}")  # how the sharded load words it
+    sharded.__cause__ = refused.value
     state = {"config": {"precision": "fp16", "static_loss_scale": None}}
-    with pytest.raises(ckpt.CheckpointError, match="saved with a DynamicLossScaler \\(precision='fp16'"):
-        check_scaler_kind(tmp_path, state, None, engine.optimizer.loss_scaler, engine.config)
-    saved = {"config": {"precision": "fp16", "static_loss_scale": 8.0}}
-    check_scaler_kind(tmp_path, saved, None, engine.optimizer.loss_scaler, engine.config)
+    for error in (refused.value, sharded):
+        message = str(scaler_kind_error(Path("ckpt"), error, state, engine.config))
+        assert message.startswith(
+            "ckpt was saved with a DynamicLossScaler (precision='fp16', static_loss_scale=None)"
+        )
+        assert "this engine has a StaticLossScaler (precision='fp16', static_loss_scale=64.0)" in message
+    assert scaler_kind_error(Path("ckpt"), ValueError("other"), state, engine.config) is None
 
 
 def test_config_settings_win_and_dynamic_state_comes_from_the_checkpoint(tmp_path):

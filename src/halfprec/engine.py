@@ -22,7 +22,7 @@ from ._checks import is_int
 from .config import Config, check_fields
 from .optim.base import MixedPrecisionOptimizer
 from .precision import DTYPES
-from .resume import check_scaler_kind, keep_scaler_settings
+from .resume import keep_scaler_settings, scaler_kind_error
 
 __all__ = ["Engine", "StepRecord", "initialize"]
 
@@ -401,14 +401,18 @@ class Engine:
                 "loads checkpoints saved by a sharded engine, or pass load_optimizer_states=False"
             )
         optim_state = None if sharded_files else ckpt.load_pt(path, "optimizer")
-        check_scaler_kind(path, engine_state, optim_state, self.optimizer.loss_scaler, self.config)
-        if sharded_files:
-            from .checkpoint.dcp import staged_load
-
-            return staged_load(self.optimizer, path / "optimizer", named_parameters=self.module)
         try:
+            if sharded_files:
+                from .checkpoint.dcp import staged_load
+
+                return staged_load(self.optimizer, path / "optimizer", named_parameters=self.module)
             self.optimizer.check_state_dict(optim_state)
         except ValueError as e:
+            kind_error = scaler_kind_error(path, e, engine_state, self.config)
+            if kind_error is not None:
+                raise kind_error from e
+            if sharded_files:
+                raise
             raise ckpt.CheckpointError(f"{path / 'optimizer.pt'}: {e}") from e
         return lambda: self.optimizer.load_state_dict(optim_state)
 

@@ -1,7 +1,7 @@
 """The engine's two checks around loading a loss scaler from a checkpoint, in the config's words.
 
 The policies belong to the scaler (``check_state_dict``, ``load_state_dict(..., keep_settings=True)``); here is
-what only the engine knows: the saved config (sharded files do not store the scaler's kind) and its setting names.
+what only the engine knows: the saved config and its setting names, in which it words the scaler's errors.
 """
 
 from __future__ import annotations
@@ -11,35 +11,30 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointError
-from .config import Config, config_name, dynamic_scaling
-from .scaler import LossScaler
+from .config import Config, config_name
+from .scaler import LossScaler, ScalerKindError
 
-__all__ = ["check_scaler_kind", "keep_scaler_settings"]
+__all__ = ["keep_scaler_settings", "scaler_kind_error"]
 
 
-def check_scaler_kind(
-    path: Path, engine_state: Any, optim_state: Any, scaler: LossScaler, config: Config
-) -> None:
-    """Raise CheckpointError when the checkpoint's loss scaler (from the optimizer file, else the saved config)
-    is of another kind than this engine's: a dynamic scaler's state means nothing to a static one."""
-    saved_config = engine_state.get("config") if isinstance(engine_state, dict) else None
-    saved_config = saved_config if isinstance(saved_config, dict) else {}
-    saved = None
-    if isinstance(optim_state, dict) and isinstance(optim_state.get("scaler"), dict):
-        saved = optim_state["scaler"].get("type")
-    elif "precision" in saved_config:
-        dynamic = dynamic_scaling(saved_config["precision"], saved_config.get("static_loss_scale"))
-        saved = "DynamicLossScaler" if dynamic else "StaticLossScaler"
-    mine = type(scaler).__name__
-    if saved is None or saved == mine:
-        return
+def scaler_kind_error(
+    path: Path, error: ValueError, engine_state: dict[str, Any], config: Config
+) -> CheckpointError | None:
+    """``error`` in the config's terms when a ``ScalerKindError`` caused it (the checkpoint's loss scaler is of
+    another kind than this engine's, whose state means nothing to it); else None."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, ScalerKindError):
+        cause = cause.__cause__
+    if cause is None:
+        return None
+    saved_config = engine_state.get("config")
     then = ""
-    if "precision" in saved_config:
+    if isinstance(saved_config, dict) and "precision" in saved_config:
         static = saved_config.get("static_loss_scale")
         then = f" (precision={saved_config['precision']!r}, static_loss_scale={static!r})"
     now = f"precision={config.precision!r}, static_loss_scale={config.static_loss_scale!r}"
-    raise CheckpointError(
-        f"{path} was saved with a {saved}{then} but this engine has a {mine} ({now}): its loss-scaler state "
+    return CheckpointError(
+        f"{path} was saved with a {cause.saved}{then} but this engine has a {cause.mine} ({now}): its loss-scaler state "
         "cannot be loaded. Set the config's precision and static_loss_scale as when it was saved, or pass "
         "load_optimizer_states=False to load the weights only (no optimizer or loss-scaler state then)"
     )

@@ -13,7 +13,15 @@ import torch
 
 from ._checks import DYNAMIC_SETTINGS, check_dynamic_settings, check_power_of_two
 
-__all__ = ["DynamicLossScaler", "KeptSettings", "LossScaler", "StaticLossScaler"]
+__all__ = ["DynamicLossScaler", "KeptSettings", "LossScaler", "ScalerKindError", "StaticLossScaler"]
+
+
+class ScalerKindError(ValueError):
+    """A loss-scaler state of another kind (``saved``) than the scaler's (``mine``)."""
+
+    def __init__(self, message: str, saved: str, mine: str) -> None:
+        super().__init__(message)
+        self.saved, self.mine = saved, mine
 
 
 class KeptSettings(NamedTuple):
@@ -122,10 +130,12 @@ class LossScaler:
         """Raise ValueError unless ``state_dict`` is the state of a scaler of this kind (changes nothing)."""
         kind = state_dict.get("type") if isinstance(state_dict, dict) else type(state_dict).__name__
         if kind != type(self).__name__:
-            raise ValueError(
+            raise ScalerKindError(
                 f"cannot load a {kind!r} loss-scaler state into a {type(self).__name__}: build the optimizer with "
                 f"the kind of loss scaler it was saved with (loss_scaler=halfprec.{kind}(...), or the same "
-                "precision and loss scaling settings), or load only the weights"
+                "precision and loss scaling settings), or load only the weights",
+                str(kind),
+                type(self).__name__,
             )
 
     def load_state_dict(self, state_dict: dict[str, Any], *, keep_settings: bool = False) -> KeptSettings:

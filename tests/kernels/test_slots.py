@@ -1,8 +1,10 @@
-"""The slot tables: every slot fits its row, no two share a column, and ``hp_row`` places values by name."""
+"""The slot tables: every slot fits its row, no two share a column, ``hp_row`` places values by name, and
+``HyperTable`` uploads the rows (plain values when one changes, 0-d tensors every time, no change in capture)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from halfprec.kernels import slots
 
@@ -33,3 +35,26 @@ def test_hp_row_places_values_by_name():
     assert sum(row) == 1.5
     with pytest.raises(AttributeError):
         slots.hp_row(slots.SGD_HP, BETA1=0.9)
+
+
+def _row(*values):
+    return [*values] + [0.0] * (slots.HP_WIDTH - len(values))
+
+
+def test_rows_land_in_float64_with_zero_padding():
+    hyper = slots.HyperTable(2, torch.device("cpu"))
+    hyper.upload([_row(0.5, True), _row(torch.tensor(0.25), 3)])
+    assert hyper.table.shape == (2, slots.HP_WIDTH) and hyper.table.dtype == torch.float64
+    assert hyper.table[:, :2].tolist() == [[0.5, 1.0], [0.25, 3.0]]
+    assert not hyper.table[:, 2:].any()
+
+
+def test_tensor_values_are_copied_at_every_upload_and_plain_changes_refused_in_capture():
+    hyper = slots.HyperTable(1, torch.device("cpu"))
+    lr = torch.tensor(0.5)
+    hyper.upload([_row(lr, 2.0)])
+    lr.fill_(0.125)
+    hyper.upload([_row(lr, 2.0)], capturing=True)  # same plain values: allowed while capturing
+    assert hyper.table[0, :2].tolist() == [0.125, 2.0]
+    with pytest.raises(RuntimeError, match="changed while a CUDA graph was being captured"):
+        hyper.upload([_row(lr, 3.0)], capturing=True)

@@ -22,8 +22,11 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Any, NamedTuple
 
+import torch
+
 __all__ = [
     "Kind",
+    "HyperTable",
     "ALIGN",
     "HP_WIDTH",
     "PSCAL_WIDTH",
@@ -138,3 +141,30 @@ def hp_row(table: NamedTuple, **values: Any) -> list[Any]:
     for name, value in values.items():
         row[getattr(table, name)] = value
     return row
+
+
+class HyperTable:
+    """The ``hp`` table on the device (``table``), for the fused optimizers and the sharded fused local step. Plain
+    values are uploaded when one changes; 0-d tensor values are copied at every upload."""
+
+    def __init__(self, n_groups: int, device: torch.device) -> None:
+        self.table = torch.zeros(n_groups, HP_WIDTH, dtype=torch.float64, device=device)
+        self._key: Any = None
+
+    def upload(self, rows: list[list[Any]], capturing: bool = False) -> None:
+        rows = [[v if torch.is_tensor(v) else float(v) for v in row] for row in rows]
+        key = tuple(tuple(None if torch.is_tensor(v) else v for v in row) for row in rows)
+        if key != self._key:
+            if capturing:
+                raise RuntimeError(
+                    "a param group's hyper-parameters changed while a CUDA graph was being "
+                    "captured; run one eager step first, and use 0-d device tensors for values "
+                    "that change between replays (group['lr'] = torch.tensor(lr, device='cuda'))"
+                )
+            cpu = torch.tensor([[0.0 if v is None else v for v in row] for row in key], dtype=torch.float64)
+            self.table.copy_(cpu, non_blocking=True)
+            self._key = key
+        for gi, row in enumerate(rows):
+            for k, v in enumerate(row):
+                if torch.is_tensor(v):
+                    self.table[gi, k].copy_(v, non_blocking=True)

@@ -541,18 +541,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 "weights"
             )
 
-    def check_state_values(self, state_dict: dict[str, Any]) -> None:
+    def check_state_values(self, state_dict: dict[str, Any], where: str = "state dict") -> None:
         """Raise ValueError unless the values a load writes fit: one floating master of its param's shape for each
-        param that has a master, a non-negative int of skipped steps, a loss-scaler state that this scaler takes.
-        Checked before the first write, so that a failed load changes nothing."""
+        param that has a master, and the counters (``check_counters``). Checked before the first write, so that a
+        failed load changes nothing; ``where`` names the source in the errors."""
         entries = self._param_entries()
         want = [i for i, entry in enumerate(entries) if entry["master"]]
         masters = state_dict.get("masters")
         if not isinstance(masters, dict) or sorted(int(k) for k in masters) != want:
             found = sorted(int(k) for k in masters) if isinstance(masters, dict) else type(masters).__name__
-            raise ValueError(
-                f"state dict holds masters of params {found}, this optimizer has masters of {want}"
-            )
+            raise ValueError(f"{where} holds masters of params {found}, this optimizer has masters of {want}")
         for k, value in masters.items():
             if (
                 not (torch.is_tensor(value) and value.is_floating_point())
@@ -560,13 +558,20 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             ):
                 shape = list(value.shape) if torch.is_tensor(value) else type(value).__name__
                 raise ValueError(
-                    f"state dict's master of param {k} is {shape}, expected a floating tensor of shape "
+                    f"{where}'s master of param {k} is {shape}, expected a floating tensor of shape "
                     f"{entries[int(k)]['shape']}"
                 )
-        skipped = state_dict.get("skipped_steps")
-        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
-            raise ValueError(f"state dict's skipped_steps must be a non-negative int, got {skipped!r}")
-        copy.deepcopy(self.loss_scaler).load_state_dict(state_dict["scaler"])  # its checks, on a copy
+        self.check_counters(state_dict["scaler"], state_dict.get("skipped_steps"), where)
+
+    def check_counters(self, scaler_state: Any, skipped_steps: Any, where: str = "state dict") -> None:
+        """Raise ValueError unless ``skipped_steps`` is a non-negative int and this loss scaler takes
+        ``scaler_state`` (its own checks, on a copy); ``where`` names the source in the errors."""
+        if isinstance(skipped_steps, bool) or not isinstance(skipped_steps, int) or skipped_steps < 0:
+            raise ValueError(f"{where}'s skipped_steps must be a non-negative int, got {skipped_steps!r}")
+        try:
+            copy.deepcopy(self.loss_scaler).load_state_dict(scaler_state)
+        except ValueError as e:
+            raise ValueError(f"{where}'s loss-scaler state: {e}") from e
 
 
 def _role(entry: dict[str, Any]) -> str:

@@ -130,9 +130,6 @@ def fused_from_torch(
         skip_nonfinite=skip_nonfinite,
         param_dtype=param_dtype,
     )
-    for mine, theirs in zip(fused.param_groups, optimizer.param_groups, strict=True):
-        if any(p is not q for p, q in zip(mine["params"], theirs["params"], strict=True)):
-            raise AssertionError("fused optimizer groups must hold the torch optimizer's params")
     fused.param_groups = optimizer.param_groups
     if saved_state is not None:
         fused.load_state_dict(saved_state)

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
 
 from .layout import LOW_PRECISION
 
-__all__ = ["SCALAR_KEYS", "Target", "is_elementwise", "move_state", "restore_state_dtypes"]
+__all__ = ["SCALAR_KEYS", "Target", "adopt_views", "is_elementwise", "move_state", "restore_state_dtypes"]
 
 # 0-d state entries of the elementwise torch optimizers; every other state tensor has the param's shape. The
 # names matter only for 0-d params, whose per-element state is 0-d as well.
@@ -146,3 +147,17 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, saved_state: dict, pa
                     live[key] = value.clone()
             elif current.dtype != value.dtype:
                 live[key] = value.to(device=current.device, copy=True)
+
+
+def adopt_views(state: dict, names: Iterable[str], view: Callable[[str], torch.Tensor]) -> None:
+    """Copy ``state``'s elementwise tensors ``names`` (absent or None ones skipped) into ``view(name)``, a view of
+    a flat fp32 buffer, and put the view in their place: one launch then updates them all."""
+    for name in names:
+        value = state.get(name)
+        if value is None:
+            continue
+        target = view(name)
+        if value.data_ptr() != target.data_ptr():
+            with torch.no_grad():
+                target.copy_(value.reshape(target.shape))
+            state[name] = target

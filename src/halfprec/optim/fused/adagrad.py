@@ -42,9 +42,9 @@ class FusedAdagrad(FusedOptimizer):
             check_number(name, group[name], 0.0, None, index)
         self._refuse_flags(group, index, ("maximize",), "torch.optim.Adagrad")
 
-    def _init_state(self) -> None:
-        for i in range(len(self._trainable)):
-            self._state_view("sum", i).fill_(float(self._group(i)["initial_accumulator_value"]))
+    @classmethod
+    def initial_value(cls, name: str, group: dict[str, Any]) -> float:
+        return float(group["initial_accumulator_value"])
 
     @classmethod
     def hp_row(cls, group: dict[str, Any]) -> list[Any]:

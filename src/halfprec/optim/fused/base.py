@@ -19,7 +19,9 @@ local step (``sharded/fused_step.py``) reads too:
 
 * ``KIND``: the ``kernels.slots.Kind`` that picks the finalize program's branch and the update kernel;
 * ``STATE_NAMES``: the torch names of its elementwise state, each a flat fp32 buffer per chunk here;
-* ``hp_row(group)``: a param group's row of the hyper-parameter table the finalize program reads.
+* ``hp_row(group)``: a param group's row of the hyper-parameter table the finalize program reads;
+* ``group_state(group)``, ``initial_value(name, group)``: the state a group's params hold, and what it starts
+  from at a param's first update.
 
 Checkpoints are in the exact path's format (``MixedPrecisionOptimizer.state_dict()``), so they move between the
 paths; ``load_state_dict()`` also takes a plain torch optimizer state dict.
@@ -33,11 +35,12 @@ from typing import Any
 
 import torch
 
-from ...kernels.slots import HP_WIDTH, PSCAL_WIDTH, Kind
+from ...kernels.slots import PSCAL_WIDTH, HyperTable, Kind
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_options, check_unfrozen, tell_schedulers
 from ..layout import Chunk, chunk_params
+from ..state import adopt_views
 from .grads import GradViews
 from .results import DeviceResults, SkipReporter
 
@@ -173,8 +176,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._steps = torch.zeros(n, dtype=torch.float32, device=dev)
         self._pgroup = torch.tensor(group_of or [0], dtype=torch.int32).to(dev)
         self._pscal = torch.zeros(n, PSCAL_WIDTH, dtype=torch.float32, device=dev)
-        self._hp = torch.zeros(len(self.param_groups), HP_WIDTH, dtype=torch.float64, device=dev)
-        self._hp_key: Any = None
+        self._hyper = HyperTable(len(self.param_groups), dev)
         self._scalars = torch.zeros(8, dtype=torch.float32, device=dev)
         self._grads = GradViews(trainable, self._where, dev)
 
@@ -197,18 +199,29 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                     f"path (halfprec.MixedPrecisionOptimizer over {torch_name})"
                 )
 
-    def _needed_state(self) -> tuple[str, ...]:
-        """The state buffers the next step needs (SGD needs its momentum buffer only with momentum)."""
-        return self.STATE_NAMES
+    @classmethod
+    def group_state(cls, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state a param of ``group`` holds once stepped (SGD: its momentum buffer only with momentum)."""
+        return cls.STATE_NAMES
+
+    @classmethod
+    def initial_value(cls, name: str, group: dict[str, Any]) -> float:
+        """The value state ``name`` starts from at a param's first update, as torch creates it."""
+        return 0.0
 
     def _init_state(self) -> None:
         """Eager state that the torch optimizer creates in its constructor (Adagrad's ``sum``)."""
+        if self._EAGER_STATE:
+            for i in range(len(self._trainable)):
+                group = self._group(i)
+                for name in self.group_state(group):
+                    self._state_view(name, i).fill_(self.initial_value(name, group))
 
     def _ensure_state(self) -> None:
         """Allocate the state buffers, as torch does at a param's first update (Adagrad's ``sum`` filled with its
         initial value, as its constructor would): at every step, or a load or export that needs them."""
-        for chunk in self._chunks:
-            for name in self._needed_state():
+        for name in {name for group in self.param_groups for name in self.group_state(group)}:
+            for chunk in self._chunks:
                 chunk.add_state(name)
         if not self._state_ready:
             self._init_state()
@@ -224,6 +237,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
 
     def _state_view(self, name: str, i: int) -> torch.Tensor:
         chunk, local = self._where[i]
+        chunk.add_state(name)
         return chunk.view(chunk.state[name], local)
 
     def _export_state(self, i: int, step: float) -> dict[str, Any]:
@@ -238,8 +252,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         step = float(saved.get("step", 0.0))
         if step == 0:
             return 0.0  # no state yet (Adagrad's constructor-made one: keep ours, a 16-bit copy is not exact)
-        for name in self.STATE_NAMES:
-            self._state_view(name, i).copy_(saved[name])
+        adopt_views(dict(saved), self.STATE_NAMES, lambda name: self._state_view(name, i))
         return step
 
     def _group(self, i: int) -> dict[str, Any]:
@@ -270,22 +283,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
 
     # --- the step --------------------------------------------------------------------------------------
     def _upload_hyper(self, capturing: bool) -> None:
-        rows = [[v if torch.is_tensor(v) else float(v) for v in self.hp_row(g)] for g in self.param_groups]
-        key = tuple(tuple(None if torch.is_tensor(v) else v for v in row) for row in rows)
-        if key != self._hp_key:
-            if capturing:
-                raise RuntimeError(
-                    "a param group's hyper-parameters changed while a CUDA graph was being "
-                    "captured; run one eager step first, and use 0-d device tensors for values "
-                    "that change between replays (group['lr'] = torch.tensor(lr, device='cuda'))"
-                )
-            cpu = torch.tensor([[0.0 if v is None else v for v in row] for row in key], dtype=torch.float64)
-            self._hp.copy_(cpu, non_blocking=True)
-            self._hp_key = key
-        for gi, row in enumerate(rows):
-            for k, v in enumerate(row):
-                if torch.is_tensor(v):
-                    self._hp[gi, k].copy_(v, non_blocking=True)
+        self._hyper.upload([self.hp_row(g) for g in self.param_groups], capturing)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -323,7 +321,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         fused_scaler = self.loss_scaler if scaler_kernel.fusable(self.loss_scaler, self._device) else None
         norm.finalize(
             self._sq[:off], self._bad[:off], scale, self._scalars, self.max_grad_norm, flags, self._steps,
-            self._pgroup, self._hp, self._pscal, check=self._checks_grads, kind=self.KIND, scaler=fused_scaler,
+            self._pgroup, self._hyper.table, self._pscal, check=self._checks_grads, kind=self.KIND, scaler=fused_scaler,
         )  # fmt: skip
         for k in range(len(self._chunks)):
             self._launch_update(k)
@@ -442,7 +440,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             self._validate_group(group, gi)
         for group, new in zip(self.param_groups, merged, strict=True):
             group.update(new)
-        self._hp_key = None
         steps = [0.0] * len(self._trainable)
         with torch.no_grad():
             self._ensure_state()

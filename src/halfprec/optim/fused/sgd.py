@@ -39,8 +39,9 @@ class FusedSGD(FusedOptimizer):
         super().__init__(params, hyper, **options)
         self._momentum_was_zero: list[bool] | None = None  # per group, at the last step
 
-    def _needed_state(self) -> tuple[str, ...]:
-        return self.STATE_NAMES if any(float(g["momentum"]) != 0 for g in self.param_groups) else ()
+    @classmethod
+    def group_state(cls, group: dict[str, Any]) -> tuple[str, ...]:
+        return cls.STATE_NAMES if float(group["momentum"]) != 0 else ()
 
     def _upload_hyper(self, capturing: bool) -> None:
         # torch starts a momentum buffer at a param's first step *with momentum*; the kernel knows only the
@@ -80,14 +81,11 @@ class FusedSGD(FusedOptimizer):
 
     def _export_state(self, i: int, step: float) -> dict[str, Any]:
         chunk, _ = self._where[i]
-        if step == 0 or float(self._group(i)["momentum"]) == 0 or "momentum_buffer" not in chunk.state:
+        if step == 0 or not self.group_state(self._group(i)) or "momentum_buffer" not in chunk.state:
             return {}
         return {"momentum_buffer": self._state_view("momentum_buffer", i).clone()}
 
     def _import_state(self, i: int, saved: dict[str, Any]) -> float:
-        buf = saved.get("momentum_buffer")
-        if buf is None:
+        if saved.get("momentum_buffer") is None:
             return 0.0
-        self._where[i][0].add_state("momentum_buffer")
-        self._state_view("momentum_buffer", i).copy_(buf)
-        return 1.0
+        return super()._import_state(i, saved | {"step": 1.0})  # torch keeps no count: one step at least

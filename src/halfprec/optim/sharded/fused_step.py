@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from ...kernels.slots import HP_WIDTH, PSCAL_WIDTH
+from ...kernels.slots import PSCAL_WIDTH, HyperTable
 from ..checks import tell_schedulers
 from ..layout import ALIGN, Layout
+from ..state import adopt_views
 
 __all__ = ["FusedLocalStep"]
 
@@ -56,14 +57,11 @@ class FusedLocalStep:
         from ...kernels.settings import settings
         from ..select import fused_class
 
-        cls = fused_class(optimizer)
+        self.fused = fused_class(optimizer)  # the fused optimizers' per-algorithm protocol (fused/base.py)
         self.optimizer = optimizer
-        self.kind = cls.KIND  # the fused optimizers' per-algorithm protocol (fused/base.py)
-        self.hp_row = cls.hp_row
         self.master = flat_master
         self.device = flat_master.device
-        self.sgd = isinstance(optimizer, torch.optim.SGD)  # no step counter; a buffer only with momentum
-        self.state_names = cls.STATE_NAMES
+        self.sgd = isinstance(optimizer, torch.optim.SGD)  # no step counter
         # the pieces in local order; k indexes every per-piece device array
         self.pieces = sorted(layout.pieces, key=lambda pc: pc.local)
         self.params = [piece_params[pc.param] for pc in self.pieces]
@@ -85,16 +83,13 @@ class FusedLocalStep:
         self.flags = torch.zeros(n, dtype=torch.int32, device=dev)
         self.pgroup = torch.tensor(self.group_of or [0], dtype=torch.int32).to(dev)
         self.pscal = torch.zeros(n, PSCAL_WIDTH, dtype=torch.float32, device=dev)
-        self.hp = torch.zeros(len(optimizer.param_groups), HP_WIDTH, dtype=torch.float64, device=dev)
+        self.hyper = HyperTable(len(optimizer.param_groups), dev)
         self.scalars = torch.zeros(8, dtype=torch.float32, device=dev)
         self.zero = torch.zeros(1, dtype=torch.float32, device=dev)
         self.one = torch.ones((), dtype=torch.float32, device=dev)  # the grad shard is already unscaled
         self.buffers: dict[str, torch.Tensor] = {}  # allocated at the first step: construction stays inert
 
     # --- state ---------------------------------------------------------------------------------------------
-    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return () if self.sgd and float(group["momentum"]) == 0 else self.state_names
-
     def _view(self, name: str, k: int) -> torch.Tensor:
         if name not in self.buffers:
             self.buffers[name] = torch.zeros_like(self.master)
@@ -106,15 +101,7 @@ class FusedLocalStep:
         state = self.optimizer.state.get(self.params[k])
         if not state:
             return None
-        for name in self._state_names(group):
-            value = state.get(name)
-            if value is None:
-                continue
-            view = self._view(name, k)
-            if value.data_ptr() != view.data_ptr():
-                with torch.no_grad():
-                    view.copy_(value.reshape(-1))
-                state[name] = view
+        adopt_views(state, self.fused.group_state(group), lambda name: self._view(name, k))
         step = state.get("step")
         if torch.is_tensor(step) and step.device.type != "cpu":
             state["step"] = step.detach().to("cpu", torch.float32)  # torch's non-capturable format
@@ -125,10 +112,8 @@ class FusedLocalStep:
         state = self.optimizer.state[self.params[k]]
         if not self.sgd:
             state["step"] = torch.tensor(0.0)
-        for name in self._state_names(group):
-            view = self._view(name, k)
-            view.fill_(float(group["initial_accumulator_value"]) if name == "sum" else 0.0)
-            state[name] = view
+        for name in self.fused.group_state(group):
+            state[name] = self._view(name, k).fill_(self.fused.initial_value(name, group))
         return state
 
     # --- the step ------------------------------------------------------------------------------------------
@@ -156,7 +141,7 @@ class FusedLocalStep:
             if self.sgd:
                 # the kernel's first-step flag (count + 1 == 1) copies the grad into a new momentum buffer
                 had = state is not None and state.get("momentum_buffer") is not None
-                if not had and self._state_names(group):
+                if not had and self.fused.group_state(group):
                     self._begin(k, group)
                 counts.append(1.0 if had else 0.0)
             else:
@@ -167,20 +152,19 @@ class FusedLocalStep:
         if not any(flags):  # no piece here got a grad (or this rank holds none): nothing to update
             return
         host = torch.tensor([counts, flags], dtype=torch.float32)
-        rows = torch.tensor([[float(v) for v in self.hp_row(g)] for g in groups], dtype=torch.float64)
         dev = host.to(self.device, non_blocking=True)
         self.steps.copy_(dev[0])
         self.flags.copy_(dev[1])
-        self.hp.copy_(rows, non_blocking=True)
+        self.hyper.upload([self.fused.hp_row(g) for g in groups])
         finalize(
-            self.zero, self.zero, self.one, self.scalars, None, self.flags, self.steps, self.pgroup, self.hp,
-            self.pscal, check=False, kind=self.kind,
+            self.zero, self.zero, self.one, self.scalars, None, self.flags, self.steps, self.pgroup, self.hyper.table,
+            self.pscal, check=False, kind=self.fused.KIND,
         )  # fmt: skip
         self.scalars[2].copy_(self.one if coef is None else coef)
-        state = [self.buffers[name] for name in self.state_names if name in self.buffers]
+        state = [self.buffers[name] for name in self.fused.STATE_NAMES if name in self.buffers]
         for table, aligned in ((self.aligned, True), (self.loose, False)):
             update(
-                self.kind,
+                self.fused.KIND,
                 self.master,
                 grad_shard,
                 self.master,
