@@ -28,7 +28,8 @@ __all__ = [
 FORMAT = "halfprec-checkpoint/2"  # /2: the manifest carries its own SHA-256
 LEGACY_FORMATS = ("halfprec-checkpoint/1",)  # still loaded (without the manifest's self-digest)
 DCP_FORMAT = "halfprec-dcp/2"  # a DCP optimizer checkpoint's manifest: its name, digests, its own SHA-256
-DCP_LEGACY_FORMATS = ("halfprec-dcp/1",)  # only the format: loaded with a warning that nothing can be verified
+# only the format (and the items' version): loaded with a warning that nothing can be verified
+DCP_LEGACY_FORMATS = ("halfprec-dcp/1",)
 MANIFEST = "manifest.json"
 
 ENGINE = "engine"
