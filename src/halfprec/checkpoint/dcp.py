@@ -43,7 +43,7 @@ from ..optim.state import is_elementwise
 from .atomic import commit, remove_if_dead
 from .atomic import held as held_dir  # ``held`` names what a rank holds here
 from .directory import seal as seal_directory
-from .formats import DCP, DCP_FORMAT
+from .formats import DCP, DCP_FORMAT, MANIFEST
 from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, check_format, open_checkpoint
 
 __all__ = ["save", "load", "FORMAT_VERSION"]
@@ -229,7 +229,8 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
 
 def seal(directory: Path, name: str) -> None:
     """Write the manifest of the DCP checkpoint in ``directory``, to be published as ``name``: the engine's
-    (``directory.seal``), of format ``formats.DCP_FORMAT``."""
+    (``directory.seal``), of format ``formats.DCP_FORMAT``; an earlier manifest there is replaced."""
+    (directory / MANIFEST).unlink(missing_ok=True)
     seal_directory(directory, name, {"format": DCP_FORMAT, "layout": DCP})
 
 
