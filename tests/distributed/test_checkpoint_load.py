@@ -146,18 +146,19 @@ def checkpoint_items(path):
 
 
 def rewrite(path, items) -> None:
-    """Write ``items`` as the checkpoint at ``path`` (plain DCP save, the manifest kept)."""
+    """Write ``items`` as the checkpoint at ``path`` (plain DCP save, re-sealed as someone editing it would)."""
     import shutil
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
-    manifest = (path / "manifest.json").read_text()
+    from halfprec.checkpoint.dcp import seal
+
     shutil.rmtree(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(items, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
-    (path / "manifest.json").write_text(manifest)
+    seal(path, path.name)
 
 
 # --- another optimizer's checkpoint (issue 16 item 3) ---------------------------------------------------------

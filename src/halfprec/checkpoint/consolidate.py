@@ -1,7 +1,8 @@
 """Read a halfprec optimizer checkpoint (any world size) into whole tensors, without a process group.
 
 ``halfprec export`` calls ``consolidate(dir)`` to get the FP32 weights keyed by parameter name and writes
-them as safetensors. Nothing but ``.metadata`` is unpickled, and that through an allow-list.
+them as safetensors. Every file is verified against the checkpoint's manifest first (``safe_dcp.open_checkpoint``);
+nothing but ``.metadata`` is unpickled, and that through an allow-list.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from .safe_dcp import SafeFileSystemReader, check_format, open_checkpoint
 
-__all__ = ["consolidate", "read_checkpoint"]
+__all__ = ["consolidate", "read_checkpoint", "masters_of"]
 
 
 def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -34,6 +35,11 @@ def consolidate(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The FP32 master weights of a checkpoint, in their params' shapes, keyed by parameter name."""
     items = read_checkpoint(checkpoint_dir)
     check_format(checkpoint_dir, items)
+    return masters_of(items)
+
+
+def masters_of(items: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The masters among a checkpoint's items (:func:`read_checkpoint`), in their params' shapes, by name."""
     out = {}
     for key, value in items.items():
         if key.startswith("master/"):

@@ -10,7 +10,8 @@ the world size that wrote it):
 ``hparam/{group}/{key}``       numeric group hyper-parameters (lr, betas, weight_decay, ...), fp64
 ``scaler/{key}``               loss-scaler state and settings; ``counters/skipped_steps``; ``format/version``
 ``kind/optimizer/{name}``      the optimizer (``algorithm()``) and ``kind/scaler/{type}`` the loss scaler: 1
-``manifest.json``              written by rank 0 last: ``{"format": "halfprec-dcp/1"}`` (``formats.layout_of``)
+``manifest.json``              written by rank 0 last (``directory.seal``): the format, the directory's name,
+                               each file's size and SHA-256, its own SHA-256; verified before any file is read
 =============================  =====================================================================
 
 Every item is a tensor, so loading unpickles only ``.metadata``, through an allow-list (``safe_dcp``). State
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import os
 import warnings
@@ -40,9 +40,10 @@ from ..optim.base import MixedPrecisionOptimizer
 from ..optim.sharded import ShardedMixedPrecisionOptimizer
 from ..optim.sharded.checks import named_trainable
 from ..optim.state import is_elementwise
-from .atomic import commit, remove_if_dead, write_synced
+from .atomic import commit, remove_if_dead
 from .atomic import held as held_dir  # ``held`` names what a rank holds here
-from .formats import DCP_FORMAT, MANIFEST
+from .directory import seal as seal_directory
+from .formats import DCP, DCP_FORMAT, MANIFEST
 from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, check_format, open_checkpoint
 
 __all__ = ["save", "load", "FORMAT_VERSION"]
@@ -219,16 +220,18 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
         _barrier(group)
         _run_dcp(state_dict, group, FileSystemWriter(str(tmp)), ChunkSavePlanner(chunks))
         _barrier(group)
-        if rank == 0:  # the layout (``formats.layout_of``), after every rank's files are in
-            write_synced(
-                tmp / MANIFEST,
-                json.dumps(
-                    {"format": DCP_FORMAT, "format_version": FORMAT_VERSION}, indent=1, sort_keys=True
-                ),
-            )
+        if rank == 0:  # after every rank's files are in
+            seal(tmp, path.name)
             commit(tmp, path)
     _barrier(group)
     return path
+
+
+def seal(directory: Path, name: str) -> None:
+    """Write the manifest of the DCP checkpoint in ``directory``, to be published as ``name``: the engine's
+    (``directory.seal``), of format ``formats.DCP_FORMAT``; an earlier manifest there is replaced."""
+    (directory / MANIFEST).unlink(missing_ok=True)
+    seal_directory(directory, name, {"format": DCP_FORMAT, "layout": DCP})
 
 
 def _live_keys(h: _Held) -> list[tuple[str, bool]]:

@@ -39,7 +39,7 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
         weights, masters, ties = consolidate(path), {}, {}
     else:
         manifest = ckpt.read_manifest(path)
-        weights, masters = ckpt.load_weights(path, manifest), _named_masters(path, manifest)
+        weights, masters = ckpt.load_weights(path, manifest), _engine_parts(path, manifest)[0]
         ties = manifest.get("ties", {})
     out = {}
     for key, tensor in weights.items():
@@ -50,15 +50,32 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
     return out
 
 
-def _named_masters(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The fp32 masters of an engine checkpoint by parameter name (sharded: from its DCP optimizer files)."""
+def _engine_parts(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(masters, counters)`` of an engine checkpoint: the fp32 masters by parameter name (sharded: from its DCP
+    optimizer files) and the counters as its files hold them, cross-checked against the manifest's
+    (``read.check_counters``), so that what ``inspect`` shows is what a load restores."""
+    engine = ckpt.load_pt(path, "engine")
     if layout_of(path, manifest) == ENGINE_SHARDED:
-        from .consolidate import consolidate  # noqa: PLC0415 - written by a ZeRO-1/2 engine
+        from .consolidate import masters_of, read_checkpoint  # noqa: PLC0415 - written by a ZeRO-1/2 engine
+        from .safe_dcp import check_format  # noqa: PLC0415
 
-        return consolidate(path / "optimizer")
-    names = ckpt.load_pt(path, "engine")["param_names"]
-    optim = ckpt.load_pt(path, "optimizer")
-    return {names[int(i)]: m for i, m in optim["masters"].items() if names[int(i)] is not None}
+        items = read_checkpoint(path / "optimizer")
+        check_format(path / "optimizer", items)
+        masters, source, optimizer = masters_of(items), "optimizer", "sharded (DCP, reshardable)"
+        skipped, scale = items["counters/skipped_steps"].item(), items["scaler/scale"].item()
+    else:
+        names, optim = engine["param_names"], ckpt.load_pt(path, "optimizer")
+        masters = {names[int(i)]: m for i, m in optim["masters"].items() if names[int(i)] is not None}
+        source, optimizer = "optimizer.pt", f"MixedPrecisionOptimizer, {optim['scaler']['type']}"
+        skipped, scale = optim.get("skipped_steps", manifest.get("skipped_steps")), optim["scaler"]["scale"]
+    counters = {
+        "global_step": (engine["global_step"], "engine.pt"),
+        "skipped_steps": (skipped, source),
+        "precision": (engine.get("config", {}).get("precision", manifest.get("precision")), "engine.pt"),
+        "loss_scale": (scale, source),
+    }
+    ckpt.check_counters(path, manifest, counters)
+    return masters, {"optimizer": optimizer, **{key: value for key, (value, _) in counters.items()}}
 
 
 def export(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32") -> Path:
@@ -97,20 +114,19 @@ def describe(path: str | os.PathLike) -> list[tuple[str, Any]]:
         return _describe_dcp(path)
     manifest = ckpt.read_manifest(path)
     weights = ckpt.load_weights(path, manifest)
-    sharded = layout_of(path, manifest) == ENGINE_SHARDED
-    scaler = None if sharded else ckpt.load_pt(path, "optimizer")["scaler"]["type"]
+    masters, counters = _engine_parts(path, manifest)
     rows: list[tuple[str, Any]] = [
         ("path", str(path)),
         ("tag", manifest["tag"]),
-        ("global_step", manifest["global_step"]),
-        ("skipped_steps", manifest["skipped_steps"]),
-        ("precision", manifest["precision"]),
-        ("optimizer", "sharded (DCP, reshardable)" if sharded else f"MixedPrecisionOptimizer, {scaler}"),
-        ("loss scale", f"{manifest['loss_scale']:g}"),
+        ("global_step", counters["global_step"]),
+        ("skipped_steps", counters["skipped_steps"]),
+        ("precision", counters["precision"]),
+        ("optimizer", counters["optimizer"]),
+        ("loss scale", f"{counters['loss_scale']:g}"),
         ("tensors", len(weights)),
         ("tied names", len(manifest.get("ties", {}))),
         ("elements by dtype", _by_dtype(weights.values())),
-        ("master params", len(_named_masters(path, manifest))),
+        ("master params", len(masters)),
     ]
     for name, entry in sorted(manifest["files"].items()):
         rows.append((f"file {name}", f"{entry['size']:,} bytes"))

@@ -17,6 +17,7 @@ __all__ = [
     "FORMAT",
     "LEGACY_FORMATS",
     "DCP_FORMAT",
+    "DCP_LEGACY_FORMATS",
     "MANIFEST",
     "ENGINE",
     "ENGINE_SHARDED",
@@ -26,7 +27,9 @@ __all__ = [
 
 FORMAT = "halfprec-checkpoint/2"  # /2: the manifest carries its own SHA-256
 LEGACY_FORMATS = ("halfprec-checkpoint/1",)  # still loaded (without the manifest's self-digest)
-DCP_FORMAT = "halfprec-dcp/1"  # the manifest of a bare DCP optimizer checkpoint
+DCP_FORMAT = "halfprec-dcp/2"  # a DCP optimizer checkpoint's manifest: its name, digests, its own SHA-256
+# only the format (and the items' version): loaded with a warning that nothing can be verified
+DCP_LEGACY_FORMATS = ("halfprec-dcp/1",)
 MANIFEST = "manifest.json"
 
 ENGINE = "engine"
@@ -51,7 +54,7 @@ def layout_of(path: str | Path, manifest: dict[str, Any] | None = None) -> str |
             return ENGINE
     if not isinstance(manifest, dict):
         return ENGINE
-    if manifest.get("format") == DCP_FORMAT:
+    if manifest.get("format") in (DCP_FORMAT, *DCP_LEGACY_FORMATS):
         return DCP
     layout = manifest.get("layout")
     if layout is None:  # older: the files (covered by the digests) told a sharded engine's optimizer

@@ -1,13 +1,14 @@
 """Reading a checkpoint directory: find it (``latest``, tags, a DCP directory), verify it, load its files.
 
-Every reader goes through these few functions: the manifest is verified (sizes, SHA-256, its own digest) before
-any file is used, and ``*.pt`` files load with ``torch.load(weights_only=True)``, so no code from the file runs.
+Every reader goes through these few functions: the manifest is verified (sizes, SHA-256, its own digest, the
+directory's name) before any file is used, for the engine's format and DCP's alike, and ``*.pt`` files load with ``torch.load(weights_only=True)``, so no code from the file runs.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,9 @@ import torch
 
 from .atomic import located
 from .directory import LATEST, CheckpointError, _digest, _manifest_digest, check_tag, read_latest
-from .formats import DCP_FORMAT, FORMAT, LEGACY_FORMATS, MANIFEST, layout_of
+from .formats import DCP_FORMAT, DCP_LEGACY_FORMATS, FORMAT, LEGACY_FORMATS, MANIFEST, layout_of
 
-__all__ = ["resolve", "read_manifest", "load_weights", "load_pt"]
+__all__ = ["resolve", "read_manifest", "read_dcp_manifest", "check_counters", "load_weights", "load_pt"]
 
 
 def resolve(directory: str | os.PathLike, tag: str | None = None, *, tag_option: str = "tag=") -> Path:
@@ -70,25 +71,77 @@ def _tags_in(root: Path, limit: int = 10) -> str:
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    """Read ``manifest.json`` and check every file's size and digest; errors name the file."""
-    manifest_path = path / MANIFEST
-    if not manifest_path.exists():
-        raise CheckpointError(f"{manifest_path} is missing: the checkpoint is incomplete")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{manifest_path} is corrupted: {e}") from e
-    if isinstance(manifest, dict) and manifest.get("format") == DCP_FORMAT:
+    """Read an engine checkpoint's ``manifest.json`` and verify it (:func:`_verify`); errors name the file."""
+    manifest = _manifest_json(path)
+    if isinstance(manifest, dict) and manifest.get("format") in (DCP_FORMAT, *DCP_LEGACY_FORMATS):
         raise CheckpointError(
             f"{path} is an optimizer checkpoint of halfprec.distributed.checkpoint.save, not an engine checkpoint: "
             "load it with halfprec.distributed.checkpoint.load(optimizer, path)"
         )
     if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, *LEGACY_FORMATS):
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"{manifest_path} has format {found!r}, expected {FORMAT!r}")
-    if manifest["format"] == FORMAT and manifest.get("manifest_sha256") != _manifest_digest(manifest):
+        raise CheckpointError(f"{path / MANIFEST} has format {found!r}, expected {FORMAT!r}")
+    return _verify(path, manifest, FORMAT)
+
+
+_UNVERIFIED: set[str] = set()  # DCP checkpoints already warned about in this process
+
+
+def read_dcp_manifest(path: Path) -> dict[str, Any] | None:
+    """Verify the DCP optimizer checkpoint at ``path`` (:func:`_verify`) and return its manifest; None, with a
+    warning once per process, for one written before its manifest had digests (``formats.DCP_LEGACY_FORMATS``)."""
+    manifest = _manifest_json(path) if (path / MANIFEST).exists() else None
+    found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+    if manifest is None or (found in DCP_LEGACY_FORMATS and set(manifest) <= {"format", "format_version"}):
+        if str(path) not in _UNVERIFIED:
+            _UNVERIFIED.add(str(path))
+            warnings.warn(
+                f"{path} was written by an older halfprec, without a manifest of digests: a damaged file cannot "
+                "be detected; save it again with this version to protect it",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return None
+    if found in DCP_LEGACY_FORMATS:  # a /1 writer wrote nothing else
+        raise CheckpointError(
+            f"{path / MANIFEST} claims format {found!r} but carries {sorted(set(manifest) - {'format', 'format_version'})}, which only "
+            f"{DCP_FORMAT!r} writes: its format was edited, so it cannot be trusted; save the checkpoint again"
+        )
+    if found != DCP_FORMAT:
+        raise CheckpointError(f"{path / MANIFEST} has format {found!r}, expected {DCP_FORMAT!r}")
+    return _verify(path, manifest, DCP_FORMAT)
+
+
+def _manifest_json(path: Path) -> Any:
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        raise CheckpointError(f"{manifest_path} is missing: the checkpoint is incomplete")
+    try:
+        return json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{manifest_path} is corrupted: {e}") from e
+
+
+def _verify(path: Path, manifest: dict[str, Any], current: str) -> dict[str, Any]:
+    """Check the manifest's own SHA-256 (format ``current``; an older format must not carry it), that ``path``
+    is the directory it was written as (not renamed, nor a link to another tag), and every file's size and
+    SHA-256."""
+    manifest_path = path / MANIFEST
+    if manifest["format"] != current and "manifest_sha256" in manifest:
+        raise CheckpointError(
+            f"{manifest_path} claims format {manifest['format']!r} but carries the self-digest that only "
+            f"{current!r} writes: its format was edited, so it cannot be trusted; save the checkpoint again"
+        )
+    if manifest["format"] == current and manifest.get("manifest_sha256") != _manifest_digest(manifest):
         raise CheckpointError(
             f"{manifest_path} is corrupted: its contents do not match the SHA-256 it was written with"
+        )
+    here = Path(os.path.abspath(path))
+    tag = manifest.get("tag")
+    if not isinstance(tag, str) or "/" in tag or located(here.parent / tag) != here:
+        raise CheckpointError(
+            f"{path} holds the checkpoint written as {tag!r} (its manifest says so): it was renamed, or is a link, "
+            f"and would load as another checkpoint than the one it names; rename it back to {tag!r}"
         )
     for name, entry in manifest["files"].items():
         file = path / name
@@ -104,6 +157,18 @@ def read_manifest(path: Path) -> dict[str, Any]:
                 f"checkpoint file {file} is corrupted: its SHA-256 does not match the manifest"
             )
     return manifest
+
+
+def check_counters(path: Path, manifest: dict[str, Any], found: dict[str, tuple[Any, str]]) -> None:
+    """Raise unless each value the manifest records equals the one read from the checkpoint's files: ``found``
+    is ``{key: (value, file it was read from)}``. Tools show the files' values; a manifest edited and re-sealed
+    to say otherwise is refused rather than believed."""
+    for key, (value, source) in found.items():
+        if key in manifest and value is not None and manifest[key] != value:
+            raise CheckpointError(
+                f"{path / MANIFEST} says {key} is {manifest[key]!r} but {path / source} holds {value!r}: the "
+                "manifest was edited after the save, so the checkpoint cannot be trusted"
+            )
 
 
 def load_weights(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:

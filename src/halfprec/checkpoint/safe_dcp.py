@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .atomic import located
+from .read import read_dcp_manifest
 
 __all__ = ["SafeFileSystemReader", "ChunkSavePlanner", "ChunkLoadPlanner", "open_checkpoint", "check_format"]
 
@@ -99,12 +100,14 @@ class SafeFileSystemReader(FileSystemReader):
 
 def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Metadata]:
     """``(where, metadata)`` of the DCP checkpoint at ``path`` (``atomic.located``), checked before any item is
-    read: complete (a ``.metadata``), and no item a pickled object (a byte item) that loading would unpickle."""
+    read: complete (a ``.metadata``), every file as its manifest records it (``read.read_dcp_manifest``), and no
+    item a pickled object (a byte item) that loading would unpickle."""
     path = located(Path(path))  # a replace that died midway left the previous checkpoint aside
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(
             f"{path} is not a complete DCP checkpoint (no .metadata); was the save interrupted?"
         )
+    read_dcp_manifest(path)
     metadata = _read_metadata(path)
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
