@@ -171,3 +171,71 @@ def test_the_lock_of_a_killed_save_does_not_block(tmp_path):
     train(engine, 1)
     assert engine.save_checkpoint(root, tag="a") == root / "a"  # the kernel dropped the dead holder's flock
     assert sorted(p.name for p in root.iterdir()) == [".lock", ".published", "a", "latest"]
+
+
+def test_a_load_waits_for_a_running_save(tmp_path):
+    # issue 16 item 5: a load verifies the digests, then reads the files; a save (an overwrite, a prune) running
+    # in between could swap them. Loads hold the directory's lock as saves do: a load meets a locked directory
+    # and waits (deterministic, unlike the race itself)
+    engine = build("bf16")
+    train(engine, 1)
+    root = tmp_path / "ck"
+    engine.save_checkpoint(root, tag="a")
+    started, done = _FORK.Event(), _FORK.Event()
+
+    def load():
+        started.set()
+        build("bf16").load_checkpoint(root, tag="a")
+        done.set()
+
+    with locked(root):
+        proc = _FORK.Process(target=load)
+        proc.start()
+        assert started.wait(20)
+        assert not done.wait(1.0)  # blocked behind the save holding the lock
+    proc.join(30)
+    assert proc.exitcode == 0 and done.is_set()
+
+
+def _overwriter(engines, root, rounds, barrier):
+    torch.set_num_threads(1)
+    barrier.wait()
+    for i in range(rounds):
+        which = i % 2
+        engines[which].save_checkpoint(root, tag="t", overwrite=True, client_state={"which": which})
+
+
+def _overwrite_reader(expected, root, loads, barrier, results):
+    torch.set_num_threads(1)
+    reader = build("bf16")
+    barrier.wait()
+    for _ in range(loads):
+        def check():
+            which = reader.load_checkpoint(root, tag="t")["which"]
+            state = reader.module.state_dict()
+            if any(not torch.equal(state[k], v) for k, v in expected[which].items()):
+                raise AssertionError(f"a load of checkpoint {which} mixed in the other's weights")
+            if reader.global_step != which + 1:
+                raise AssertionError(f"checkpoint {which} loaded with global_step {reader.global_step}")
+
+        results.put(_outcome(check))
+
+
+def test_a_load_racing_overwrites_sees_one_checkpoint_whole(tmp_path):
+    # two states saved alternately under one tag with overwrite=True while a reader loads it: every load is
+    # one of the two, whole (weights and counters of the same save)
+    engines = [build("bf16"), build("bf16")]
+    train(engines[0], 1)
+    train(engines[1], 2)
+    expected = [{k: v.clone() for k, v in e.module.state_dict().items()} for e in engines]
+    root = tmp_path / "ck"
+    engines[0].save_checkpoint(root, tag="t", client_state={"which": 0})
+    barrier, results, loads = _FORK.Barrier(2), _FORK.Queue(), 30
+    _run(
+        [
+            (_overwriter, (engines, root, 30, barrier)),
+            (_overwrite_reader, (expected, root, loads, barrier, results)),
+        ]
+    )
+    outcomes = [results.get(timeout=10) for _ in range(loads)]
+    assert outcomes == ["ok"] * loads, [o for o in outcomes if o != "ok"][:3]

@@ -8,6 +8,7 @@ the skips; the wrapped optimizer's own counters and the LR schedule do not move 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
@@ -313,8 +314,6 @@ class Engine:
     def _save_sharded(self, directory, tag, engine_state, info, overwrite, keep_last) -> Path:
         """Every rank writes its optimizer shard (DCP) and RNG state into one temporary directory; rank 0 adds
         weights and counters, seals it and renames it. Assumes a filesystem that every rank sees."""
-        import contextlib
-
         import torch.distributed as dist
 
         from .distributed import checkpoint as dckpt
@@ -365,16 +364,20 @@ class Engine:
         engine's config (a warning lists any that the checkpoint had otherwise); its dynamic state (scale,
         growth tracker, hysteresis budget) comes from the checkpoint.
         """
-        path = ckpt.resolve(directory, tag)
-        manifest = ckpt.read_manifest(path)
-        weights = ckpt.load_weights(path, manifest)
-        _check_weights(self.module, weights, path)
-        engine_state = ckpt.load_pt(path, "engine")
-        counters = _check_engine_state(path, engine_state)
-        sharded_files = ckpt.layout_of(path, manifest) == ckpt.ENGINE_SHARDED
-        if load_optimizer_states:
-            load_optimizer = self._staged_optimizer_load(path, engine_state, sharded_files)
-        rng = self._staged_rng(path, engine_state) if load_rng_states else None
+        root = ckpt.resolve(directory, tag).parent
+        # one process reads under the directory's lock, so a concurrent overwrite or prune cannot swap files
+        # between the digest check and the read; a sharded engine's ranks load collectively (no lock: deadlock)
+        with contextlib.nullcontext() if self._sharded else ckpt.reading(root):
+            path = ckpt.resolve(directory, tag)
+            manifest = ckpt.read_manifest(path)
+            weights = ckpt.load_weights(path, manifest)
+            _check_weights(self.module, weights, path)
+            engine_state = ckpt.load_pt(path, "engine")
+            counters = _check_engine_state(path, engine_state)
+            sharded_files = ckpt.layout_of(path, manifest) == ckpt.ENGINE_SHARDED
+            if load_optimizer_states:
+                load_optimizer = self._staged_optimizer_load(path, engine_state, sharded_files)
+            rng = self._staged_rng(path, engine_state) if load_rng_states else None
         configured = self.optimizer.loss_scaler.state_dict() if load_optimizer_states else {}
         # nothing has changed so far; from here on every step is a write
         self.optimizer.zero_grad(set_to_none=True)  # an unfinished accumulation's grads

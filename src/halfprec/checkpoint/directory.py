@@ -16,6 +16,7 @@ safetensors notices. Every file gets the mode a new file gets under the umask (s
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -38,6 +39,7 @@ __all__ = [
     "write_checkpoint",
     "saving",
     "locked",
+    "reading",
     "prepare",
     "stage",
     "seal",
@@ -187,6 +189,29 @@ def locked(root: Path) -> Iterator[None]:
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(os.fspath(root / LOCK)):
         yield
+
+
+@contextlib.contextmanager
+def reading(root: Path) -> Iterator[None]:
+    """Hold ``<root>/.lock`` while one process verifies and reads a checkpoint in ``root``: the saves hold it
+    too, so an ``overwrite=True`` save or a prune cannot swap files between the digest check and the read, and
+    the reader gets the old or the new checkpoint whole (never a mix). Readers wait for a running save. Where
+    the lock file cannot be made (a read-only directory), nothing can save there either: read without it.
+    Not for a collective (multi-rank) load, whose ranks would wait for each other under the lock."""
+    from filelock import FileLock
+
+    lock = FileLock(os.fspath(root / LOCK))
+    try:
+        lock.acquire()
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _checked(directory: str | os.PathLike, tag: str, keep_last: int | None) -> tuple[Path, Path]:

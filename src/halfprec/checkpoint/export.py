@@ -17,7 +17,7 @@ import torch
 
 from . import read as ckpt
 from .atomic import fsync_path, held, remove_leftovers, unique_suffix
-from .directory import save_safetensors
+from .directory import reading, save_safetensors
 from .formats import DCP, ENGINE_SHARDED, layout_of
 
 __all__ = ["consolidated_weights", "export", "describe"]
@@ -38,8 +38,9 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
 
         weights, masters, ties = consolidate(path), {}, {}
     else:
-        manifest = ckpt.read_manifest(path)
-        weights, masters = ckpt.load_weights(path, manifest), _engine_parts(path, manifest)[0]
+        with reading(path.parent):  # see Engine.load_checkpoint
+            manifest = ckpt.read_manifest(path)
+            weights, masters = ckpt.load_weights(path, manifest), _engine_parts(path, manifest)[0]
         ties = manifest.get("ties", {})
     out = {}
     for key, tensor in weights.items():
@@ -112,9 +113,10 @@ def describe(path: str | os.PathLike) -> list[tuple[str, Any]]:
     path = Path(path)
     if layout_of(path) == DCP:
         return _describe_dcp(path)
-    manifest = ckpt.read_manifest(path)
-    weights = ckpt.load_weights(path, manifest)
-    masters, counters = _engine_parts(path, manifest)
+    with reading(path.parent):  # see Engine.load_checkpoint
+        manifest = ckpt.read_manifest(path)
+        weights = ckpt.load_weights(path, manifest)
+        masters, counters = _engine_parts(path, manifest)
     rows: list[tuple[str, Any]] = [
         ("path", str(path)),
         ("tag", manifest["tag"]),
