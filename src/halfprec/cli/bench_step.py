@@ -19,7 +19,15 @@ import halfprec
 
 from ..optim import FusedAdagrad, FusedAdamW, FusedLamb, FusedSGD
 
-__all__ = ["BenchRow", "copy_bandwidth", "run_bench", "FLOOR_BYTES", "WORKLOADS"]
+__all__ = [
+    "BenchRow",
+    "FLOOR_BYTES",
+    "WORKLOADS",
+    "bench_fused_optimizer",
+    "bench_params",
+    "copy_bandwidth",
+    "run_bench",
+]
 
 # LAMB: the three-pass design's bytes (norm 2 + stage 22 + apply 18); torch has no LAMB to compare with
 FLOOR_BYTES = {"adamw": 30, "sgd": 22, "adagrad": 22, "lamb": 42}
@@ -76,7 +84,8 @@ def copy_bandwidth(nbytes: int = 2 << 30, *, iters: int = 20) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def _params(shapes, dtype):
+def bench_params(shapes, dtype):
+    """CUDA params of ``shapes`` in ``dtype`` with small random grads (seeded), as the bench times them."""
     g = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g).to(dtype)) for s in shapes]
     for p in params:
@@ -98,7 +107,8 @@ def _torch_opt(name, params, *, fused=None):
     return cls(params, **hyper, fused=fused)
 
 
-def _fused_opt(name, params):
+def bench_fused_optimizer(name, params):
+    """The fused optimizer ``name`` over ``params`` with the bench's settings (clipping at 1.0; fp16 scaled)."""
     _, cls, hyper = _OPTIMIZERS[name]
     scaler = halfprec.DynamicLossScaler() if params[0].dtype == torch.float16 else None
     return cls(params, **hyper, loss_scaler=scaler, max_grad_norm=1.0)
@@ -158,10 +168,10 @@ def _extra_mib(fn, before=None) -> float:
 def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) -> dict[str, Any]:
     """One implementation's measured ``BenchRow`` fields: n_params, ms, extra_mib (fused: also the skipped-step
     and CUDA-graph times)."""
-    params = _params(shapes, dtype)
+    params = bench_params(shapes, dtype)
     row = {"n_params": sum(p.numel() for p in params)}
     if impl == "fused":
-        opt = _fused_opt(name, params)
+        opt = bench_fused_optimizer(name, params)
         mark, fn = opt.mark_grads, opt.step  # mark_grads: what backward's hooks do
     elif impl == "torch":
         opt = halfprec.MixedPrecisionOptimizer(_torch_opt(name, params), max_grad_norm=1.0, impl="torch")
