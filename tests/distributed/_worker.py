@@ -465,16 +465,16 @@ def scenario_misc(out: str) -> dict:
     # gets a grad, so (buckets go strictly in order) everything waits for the end of backward ...
     opt.backward(loss_of(model, 5, RANK, 0, torch.bfloat16, []))
     res["buckets"] = len(opt.layout.buckets)
-    res["overlapped_with_unused_first"] = opt._reducer.overlapped
+    res["overlapped_with_unused_first"] = opt.reducer.overlapped
     # ... while without it the early buckets go out during backward
     model5 = make_model(torch.bfloat16)
     used = [p for n, p in model5.named_parameters() if p.requires_grad and n != "unused"]
     opt5 = ShardedMixedPrecisionOptimizer(torch.optim.AdamW(used), named_parameters=model5, bucket_size=30)
     opt5.backward(loss_of(model5, 5, RANK, 0, torch.bfloat16, []))
-    res["overlapped"] = opt5._reducer.overlapped
+    res["overlapped"] = opt5.reducer.overlapped
     # bytes from the start of the flat grad buffer (None: no grad): views into it are at offsets >= 0
     res["stage1_grad_offsets"] = {
-        n: None if p.grad is None else p.grad.data_ptr() - opt._reducer.flat_grad.data_ptr()
+        n: None if p.grad is None else p.grad.data_ptr() - opt.reducer.flat_grad.data_ptr()
         for n, p in model.named_parameters()
         if p.requires_grad and n != "unused"
     }
@@ -830,11 +830,11 @@ def _fused_edges() -> dict:
             opt.step()
             opt.zero_grad()
             sched.step()
-    res["pieces_held"] = [opt._names[pc.param] for pc in opt.layout.pieces]
+    res["pieces_held"] = [opt.param_name(pc.param) for pc in opt.layout.pieces]
     res["xy"] = {n: p.detach().float().clone() for n, p in two.items()}
     res["sched_warnings"] = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
     res["steps"] = {
-        opt._names[pc.param]: float(opt.state[opt._piece_params[pc.param]]["step"])
+        opt.param_name(pc.param): float(opt.state[opt.piece_param(pc.param)]["step"])
         for pc in opt.layout.pieces
     }
     opt.param_groups[0]["maximize"] = True

@@ -212,6 +212,20 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             lo, hi = b.shard_range(self.rank)
             self.flat_master[b.local : b.local + b.shard].copy_(self.flat_param[lo:hi])
 
+    @property
+    def reducer(self) -> GradReducer:
+        """The gradient reducer: its flat grad buffer (``flat_grad``) and whether the last backward's reduction
+        overlapped it (``overlapped``)."""
+        return self._reducer
+
+    def param_name(self, index: int) -> str:
+        """The name of the param at layout ``index`` (``layout.pieces[k].param``)."""
+        return self._names[index]
+
+    def piece_param(self, index: int) -> torch.nn.Parameter | None:
+        """The inner optimizer's param for this rank's piece of layout param ``index`` (None: held elsewhere)."""
+        return self._piece_params.get(index)
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Stage 1: accumulate grads locally (no communication) for the micro-batches run inside."""
         return self._reducer.no_sync()
