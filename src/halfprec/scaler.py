@@ -161,13 +161,26 @@ class LossScaler:
                 tensor.fill_(state_dict[key])
         return kept
 
+    # The constructor's setting names, the initial scale first (kept in _init_scale, the others in attributes
+    # of their names), and the keys state_dict() saves them under where those differ
+    _SETTINGS: tuple[str, ...] = ()
+    _SAVED_AS: dict[str, str] = {}
+    # Settings a resumed scaler does not use (a dynamic one's init_scale: only where a fresh one starts)
+    _NO_EFFECT_ON_RESUME: tuple[str, ...] = ()
+
+    def _attribute(self, setting: str) -> str:
+        return "_init_scale" if setting == self._SETTINGS[0] else setting
+
     def settings(self) -> dict[str, Any]:
         """The constructor's keyword arguments for a scaler with these settings (no state)."""
-        raise NotImplementedError
+        return {k: getattr(self, self._attribute(k)) for k in self._SETTINGS}
+
+    def _config(self) -> dict[str, Any]:
+        return {self._SAVED_AS.get(k, k): v for k, v in self.settings().items()}
 
     def _saved_settings(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The settings a state dict holds, under the constructor's names (None where one is missing)."""
-        raise NotImplementedError
+        return {k: state_dict.get(self._SAVED_AS.get(k, k)) for k in self._SETTINGS}
 
     def _with_own_settings(self, saved: dict[str, Any]) -> tuple[dict[str, Any], KeptSettings]:
         mine, theirs = self.settings(), self._saved_settings(saved)
@@ -179,33 +192,25 @@ class LossScaler:
         wanted = {**saved, **self._config()}
         return wanted, KeptSettings(differed, self._fit_state(wanted))
 
-    # Settings a resumed scaler does not use (a dynamic one's init_scale: only where a fresh one starts)
-    _NO_EFFECT_ON_RESUME: tuple[str, ...] = ()
-
     def _fit_state(self, wanted: dict[str, Any]) -> list[str]:
         """Move the state in ``wanted`` (saved state, own settings) into the settings' range; say what moved."""
         return []
 
-    def _config(self) -> dict[str, Any]:
-        return {}
-
-    @classmethod
-    def _from_config(cls, config: dict[str, Any]) -> LossScaler:
-        return cls(**config)
-
     def _check_values(self, state_dict: dict[str, Any]) -> None:
         """The loaded settings pass the constructor's checks and the scale is a power of two (ValueError)."""
-        config = {k: state_dict[k] for k in self._config() if k in state_dict}
+        saved = {k: self._SAVED_AS.get(k, k) for k in self._SETTINGS}
         try:
-            self._from_config(config)
+            type(self)(**{k: state_dict[key] for k, key in saved.items() if key in state_dict})
         except (TypeError, ValueError) as e:
             raise ValueError(f"loss-scaler state dict holds invalid settings: {e}") from e
         if "scale" in state_dict:
             check_power_of_two("scale", state_dict["scale"])
 
     def _load_config(self, state_dict: dict[str, Any]) -> None:
-        if "init_scale" in state_dict:
-            self._init_scale = float(state_dict["init_scale"])
+        for setting, value in self.settings().items():
+            key = self._SAVED_AS.get(setting, setting)
+            if key in state_dict:
+                setattr(self, self._attribute(setting), type(value)(state_dict[key]))
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
@@ -218,11 +223,8 @@ class StaticLossScaler(LossScaler):
     def __init__(self, scale: float = 1.0) -> None:
         super().__init__(check_power_of_two("scale", scale))
 
-    def _config(self) -> dict[str, Any]:
-        return {"init_scale": self._init_scale}
-
-    def settings(self) -> dict[str, Any]:
-        return {"scale": self._init_scale}
+    _SETTINGS = ("scale",)
+    _SAVED_AS = {"scale": "init_scale"}
 
     def _saved_settings(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         # the state dict holds the scale twice (scale, init_scale); scale is the one the steps used
@@ -231,10 +233,6 @@ class StaticLossScaler(LossScaler):
     def _fit_state(self, wanted: dict[str, Any]) -> list[str]:
         wanted["scale"] = self._init_scale  # a static scaler's scale is its setting, not state
         return []
-
-    @classmethod
-    def _from_config(cls, config: dict[str, Any]) -> LossScaler:
-        return cls(config.get("init_scale", 1.0))
 
 
 class DynamicLossScaler(LossScaler):
@@ -316,17 +314,7 @@ class DynamicLossScaler(LossScaler):
     def at_min_scale(self) -> torch.Tensor:
         return self.scale <= self.min_scale
 
-    def _config(self) -> dict[str, Any]:
-        return {
-            key: self._init_scale if key == "init_scale" else getattr(self, key) for key in DYNAMIC_SETTINGS
-        }
-
-    def settings(self) -> dict[str, Any]:
-        return self._config()
-
-    def _saved_settings(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return {key: state_dict.get(key) for key in DYNAMIC_SETTINGS}
-
+    _SETTINGS = DYNAMIC_SETTINGS
     _NO_EFFECT_ON_RESUME = ("init_scale",)
 
     def _fit_state(self, wanted: dict[str, Any]) -> list[str]:
@@ -340,9 +328,3 @@ class DynamicLossScaler(LossScaler):
             )
             wanted["hysteresis_left"] = self.hysteresis
         return adjusted
-
-    def _load_config(self, state_dict: dict[str, Any]) -> None:
-        for key in DYNAMIC_SETTINGS:
-            if key != "init_scale" and key in state_dict:
-                setattr(self, key, type(getattr(self, key))(state_dict[key]))
-        super()._load_config(state_dict)
