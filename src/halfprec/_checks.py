@@ -113,8 +113,7 @@ def check_dynamic_settings(
     ``spelled`` maps a setting to the name the caller's user wrote it under, for the messages (``Config``
     still accepts ``initial_scale`` for ``init_scale``).
     """
-    names = {key: key for key in DYNAMIC_SETTINGS}
-    names.update(spelled or {})
+    names = {key: key for key in DYNAMIC_SETTINGS} | dict(spelled or {})
     checked = {
         key: check_power_of_two(names[key], settings[key])
         for key in ("init_scale", "growth_factor", "backoff_factor", "min_scale")

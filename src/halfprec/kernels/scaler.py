@@ -137,5 +137,4 @@ def dynamic_update(scaler: DynamicLossScaler, found_inf: torch.Tensor) -> None:
             f"found_inf must be a one-element tensor on {scale.device}, got shape {tuple(found_inf.shape)} "
             f"on {found_inf.device}"
         )
-    tracker, left, gf, bf, gi, hy, ms = scaler_args(scaler)
-    _dynamic_update_kernel[(1,)](found_inf, scale, tracker, left, gf, bf, gi, hy, ms, num_warps=1)
+    _dynamic_update_kernel[(1,)](found_inf, scale, *scaler_args(scaler), num_warps=1)
