@@ -93,9 +93,7 @@ class LossScaler:
         # fp64 reciprocal, then fp32: exact for the powers of two we allow.
         return self.scale.double().reciprocal().float()
 
-    @property
-    def is_dynamic(self) -> bool:
-        return False
+    is_dynamic: bool = False
 
     @property
     def is_unit(self) -> bool:
@@ -276,10 +274,6 @@ class DynamicLossScaler(LossScaler):
         self.hysteresis = checked["hysteresis"]
         self.min_scale = checked["min_scale"]
 
-    @property
-    def is_dynamic(self) -> bool:
-        return True
-
     def _fresh_state(self, device: torch.device) -> dict[str, torch.Tensor]:
         state = super()._fresh_state(device)
         state["growth_tracker"] = torch.zeros((), dtype=torch.int64, device=device)
@@ -314,6 +308,7 @@ class DynamicLossScaler(LossScaler):
     def at_min_scale(self) -> torch.Tensor:
         return self.scale <= self.min_scale
 
+    is_dynamic = True
     _SETTINGS = DYNAMIC_SETTINGS
     _NO_EFFECT_ON_RESUME = ("init_scale",)
 

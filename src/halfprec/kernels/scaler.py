@@ -5,17 +5,7 @@ The fused step runs it inside its finalize program (``norm.finalize(..., scaler=
 launch for it at all; ``dynamic_update`` is the same update as a launch of its own for callers that have no
 finalize pass. Both read and write the scaler's own state tensors (``scale`` fp32, ``growth_tracker`` and
 ``hysteresis_left`` int64, all 0-d), so the scaler object, its ``state_dict`` and the generic torch path see the
-same state. The schedule, op by op as in ``DynamicLossScaler.update`` (which stays the reference)::
-
-    overflow     = found_inf > 0
-    tracker_next = 0 if overflow else tracker + 1
-    grow         = tracker_next >= growth_interval
-    backoff      = overflow and hysteresis_left - 1 <= 0
-    grown        = scale * growth_factor, or scale if that is not finite
-    backed_off   = clamp(scale * backoff_factor, min=min_scale)
-    scale        = backed_off if backoff else grown if grow else scale
-    hysteresis_left = hysteresis if backoff or grow else hysteresis_left - 1 if overflow else hysteresis_left
-    growth_tracker  = 0 if grow else tracker_next
+same state. ``_dynamic_step`` is ``DynamicLossScaler.update`` op by op (which stays the reference).
 
 Products are fp32, as torch computes a 0-d fp32 tensor times a Python float. ``fusable`` takes only
 configurations in which no fp32 subnormal can decide a result (``min_scale`` a normal fp32, the factors within
