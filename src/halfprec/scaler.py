@@ -118,11 +118,8 @@ class LossScaler:
 
     # --- checkpoint state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        state = self._ensure()
-        out: dict[str, Any] = {"type": type(self).__name__}
-        out.update({k: v.item() for k, v in state.items()})
-        out.update(self._config())
-        return out
+        state = {k: v.item() for k, v in self._ensure().items()}
+        return {"type": type(self).__name__, **state, **self._config()}
 
     def check_state_dict(self, state_dict: Any) -> None:
         """Raise ValueError unless ``state_dict`` is the state of a scaler of this kind (changes nothing)."""
@@ -139,12 +136,10 @@ class LossScaler:
     def load_state_dict(self, state_dict: dict[str, Any], *, keep_settings: bool = False) -> KeptSettings:
         """Load what ``state_dict()`` returned: settings and state, or with ``keep_settings=True`` the state only.
 
-        ``keep_settings=True`` is the engine's resume policy: the settings this scaler was built with win over
-        the saved ones, while the dynamic state (scale, growth tracker, hysteresis budget) comes from
-        ``state_dict``, moved into the kept settings' range (a scale below ``min_scale`` is raised to it, a
-        budget above ``hysteresis`` is lowered to it). Loading the saved settings too would leave the config the
-        scaler was built from saying one thing while the scaler does another. The result lists what differed,
-        for the caller's warning (empty without ``keep_settings``). A ValueError changes nothing.
+        ``keep_settings=True`` is the engine's resume policy: the settings this scaler was built with (and its
+        config says) win; the dynamic state comes from ``state_dict``, moved into their range (a scale below
+        ``min_scale`` raised to it, a budget above ``hysteresis`` lowered to it). The result lists what
+        differed, for the caller's warning (empty without ``keep_settings``). A ValueError changes nothing.
         """
         self.check_state_dict(state_dict)
         self._check_values(state_dict)
