@@ -44,7 +44,7 @@ from .atomic import commit, remove_if_dead
 from .atomic import held as held_dir  # ``held`` names what a rank holds here
 from .directory import seal as seal_directory
 from .formats import DCP, DCP_FORMAT, MANIFEST
-from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, check_format, open_checkpoint
+from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, open_checkpoint
 
 __all__ = ["save", "load", "FORMAT_VERSION"]
 
@@ -275,7 +275,6 @@ def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, pr
     ``optimizer`` changes, so a caller can check several parts of a checkpoint before applying any."""
     path, metadata = open_checkpoint(path)
     saved = metadata.state_dict_metadata
-    check_format(path, saved)
     group = getattr(optimizer, "process_group", process_group)
     held, every, full = _model_space(optimizer, named_parameters)
     _check_names(path, saved, every)
