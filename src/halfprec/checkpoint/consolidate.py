@@ -13,7 +13,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .safe_dcp import SafeFileSystemReader, check_format, open_checkpoint
+from .safe_dcp import SafeFileSystemReader, open_checkpoint
 
 __all__ = ["consolidate", "read_checkpoint", "masters_of"]
 
@@ -33,9 +33,7 @@ def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor
 
 def consolidate(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The FP32 master weights of a checkpoint, in their params' shapes, keyed by parameter name."""
-    items = read_checkpoint(checkpoint_dir)
-    check_format(checkpoint_dir, items)
-    return masters_of(items)
+    return masters_of(read_checkpoint(checkpoint_dir))
 
 
 def masters_of(items: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -44,7 +44,7 @@ from .atomic import commit, remove_if_dead
 from .atomic import held as held_dir  # ``held`` names what a rank holds here
 from .directory import seal as seal_directory
 from .formats import DCP, DCP_FORMAT, MANIFEST
-from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, check_format, open_checkpoint
+from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, open_checkpoint
 
 __all__ = ["save", "load", "FORMAT_VERSION"]
 
@@ -55,17 +55,13 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _run_dcp(state_dict: dict[str, torch.Tensor], group, storage, planner) -> None:
-    """``dcp.save`` to a ``FileSystemWriter`` or ``dcp.load`` from a reader, in a process group or without one
-    (DCP then warns that it assumes a single process: that is the intent here)."""
+def _run_dcp(run, state_dict: dict[str, torch.Tensor], group, planner, **storage) -> None:
+    """``dcp.save`` or ``dcp.load`` (``run``), in a process group or without one (DCP then warns that it assumes
+    a single process: that is the intent here)."""
     with warnings.catch_warnings():
         if not _distributed():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        kwargs = dict(planner=planner, process_group=group, no_dist=not _distributed())
-        if isinstance(storage, FileSystemWriter):
-            dcp.save(state_dict, storage_writer=storage, **kwargs)
-        else:
-            dcp.load(state_dict, storage_reader=storage, **kwargs)
+        run(state_dict, planner=planner, process_group=group, no_dist=not _distributed(), **storage)
 
 
 def _barrier(group) -> None:
@@ -169,22 +165,20 @@ def _global_items(optimizer, every: list) -> dict[str, torch.Tensor]:
     return items
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _scaler_numbers(state: dict[str, Any]) -> dict[str, int | float]:
-    return {k: v for k, v in state.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: v for k, v in state.items() if _is_number(v)}
 
 
 def _hparam_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, bool) or value is None:
-        return None
     if torch.is_tensor(value):
         return value.detach().to("cpu", copy=True)
-    if isinstance(value, (int, float)):
+    if _is_number(value):
         return torch.tensor(float(value), dtype=torch.float64)
-    if (
-        isinstance(value, tuple)
-        and value
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-    ):
+    if isinstance(value, tuple) and value and all(map(_is_number, value)):
         return torch.tensor([float(v) for v in value], dtype=torch.float64)
     return None
 
@@ -214,11 +208,18 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
         state_dict.update(_global_items(optimizer, every))
     tmp = path.with_name(path.name + ".tmp")
     with contextlib.ExitStack() as hold:
-        if rank == 0:
-            _fresh_tmp(tmp, path)
+        if rank == 0:  # remove the temporary directory a killed save left; refuse one of a save still running
+            if (tmp.exists() or tmp.is_symlink()) and not remove_if_dead(tmp):
+                raise FileExistsError(
+                    f"{tmp} is being written by another save of {path} that is still running; wait for it to "
+                    "finish or save to another path"
+                )
+            tmp.mkdir(parents=True)
             hold.enter_context(held_dir(tmp))  # until committed: no other save takes it for a leftover
         _barrier(group)
-        _run_dcp(state_dict, group, FileSystemWriter(str(tmp)), ChunkSavePlanner(chunks))
+        _run_dcp(
+            dcp.save, state_dict, group, ChunkSavePlanner(chunks), storage_writer=FileSystemWriter(str(tmp))
+        )
         _barrier(group)
         if rank == 0:  # after every rank's files are in
             seal(tmp, path.name)
@@ -251,16 +252,6 @@ def _live_keys(h: _Held) -> list[tuple[str, bool]]:
     return keys
 
 
-def _fresh_tmp(tmp: Path, path: Path) -> None:
-    """Create ``tmp``, removing the one a killed save left; refuse the one of a save still running."""
-    if (tmp.exists() or tmp.is_symlink()) and not remove_if_dead(tmp):
-        raise FileExistsError(
-            f"{tmp} is being written by another save of {path} that is still running; wait for it to finish or "
-            "save to another path"
-        )
-    tmp.mkdir(parents=True)
-
-
 # --- load -------------------------------------------------------------------------------------------------
 def load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None) -> None:
     """Load a checkpoint written at any world size into ``optimizer`` (any ``MixedPrecisionOptimizer``).
@@ -275,7 +266,6 @@ def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, pr
     ``optimizer`` changes, so a caller can check several parts of a checkpoint before applying any."""
     path, metadata = open_checkpoint(path)
     saved = metadata.state_dict_metadata
-    check_format(path, saved)
     group = getattr(optimizer, "process_group", process_group)
     held, every, full = _model_space(optimizer, named_parameters)
     _check_names(path, saved, every)
@@ -290,7 +280,7 @@ def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, pr
     for item, md in saved.items():
         if item.startswith(("hparam/", "scaler/", "counters/", "group/", "shape/")):
             items[item] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    _run_dcp(items, group, SafeFileSystemReader(str(path)), ChunkLoadPlanner(chunks))
+    _run_dcp(dcp.load, items, group, ChunkLoadPlanner(chunks), storage_reader=SafeFileSystemReader(str(path)))
     _check_params(path, items, held, len(optimizer.param_groups))
     hparams = _hparams(path, items, optimizer.param_groups)
     scaler_state = _scaler_state(path, items, optimizer.loss_scaler)
@@ -468,8 +458,6 @@ def _restore_hparam(live: Any, saved: torch.Tensor) -> Any:
 def _number(live: Any, saved: float | int) -> Any:
     """The saved value, in the live value's type when that loses nothing: an optimizer built with ``lr=1`` (an
     int) and scheduled to 0.25 resumes at 0.25, not ``int(0.25) == 0``; an int setting stays an int."""
-    if isinstance(live, int) and not isinstance(live, bool) and float(saved).is_integer():
-        return int(saved)
-    if isinstance(live, (int, float)) and not isinstance(live, bool):
-        return float(saved)
+    if _is_number(live):
+        return int(saved) if isinstance(live, int) and float(saved).is_integer() else float(saved)
     return type(live)(saved)

@@ -38,9 +38,7 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
 
         weights, masters, ties = consolidate(path), {}, {}
     else:
-        with reading(path.parent):  # see Engine.load_checkpoint
-            manifest = ckpt.read_manifest(path)
-            weights, masters = ckpt.load_weights(path, manifest), _engine_parts(path, manifest)[0]
+        manifest, weights, masters, _ = _read_engine(path)
         ties = manifest.get("ties", {})
     out = {}
     for key, tensor in weights.items():
@@ -51,24 +49,29 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
     return out
 
 
-def _engine_parts(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``(masters, counters)`` of an engine checkpoint: the fp32 masters by parameter name (sharded: from its DCP
-    optimizer files) and the counters as its files hold them, cross-checked against the manifest's
-    (``read.check_counters``), so that what ``inspect`` shows is what a load restores."""
-    engine = ckpt.load_pt(path, "engine")
-    if layout_of(path, manifest) == ENGINE_SHARDED:
-        from .consolidate import masters_of, read_checkpoint  # noqa: PLC0415 - written by a ZeRO-1/2 engine
-        from .safe_dcp import check_format  # noqa: PLC0415
+def _read_engine(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """``(manifest, weights, masters, counters)`` of an engine checkpoint, read under its directory's lock (see
+    ``Engine.load_checkpoint``): the fp32 masters by parameter name (sharded: from its DCP optimizer files) and
+    the counters as its files hold them, cross-checked against the manifest's (``read.check_counters``), so that
+    what ``inspect`` shows is what a load restores."""
+    with reading(path.parent):
+        manifest = ckpt.read_manifest(path)
+        weights = ckpt.load_weights(path, manifest)
+        engine = ckpt.load_pt(path, "engine")
+        if layout_of(path, manifest) == ENGINE_SHARDED:
+            from .consolidate import masters_of, read_checkpoint  # noqa: PLC0415 - written by a ZeRO-1/2 engine
 
-        items = read_checkpoint(path / "optimizer")
-        check_format(path / "optimizer", items)
-        masters, source, optimizer = masters_of(items), "optimizer", "sharded (DCP, reshardable)"
-        skipped, scale = items["counters/skipped_steps"].item(), items["scaler/scale"].item()
-    else:
-        names, optim = engine["param_names"], ckpt.load_pt(path, "optimizer")
-        masters = {names[int(i)]: m for i, m in optim["masters"].items() if names[int(i)] is not None}
-        source, optimizer = "optimizer.pt", f"MixedPrecisionOptimizer, {optim['scaler']['type']}"
-        skipped, scale = optim.get("skipped_steps", manifest.get("skipped_steps")), optim["scaler"]["scale"]
+            items = read_checkpoint(path / "optimizer")
+            masters, source, optimizer = masters_of(items), "optimizer", "sharded (DCP, reshardable)"
+            skipped, scale = items["counters/skipped_steps"].item(), items["scaler/scale"].item()
+        else:
+            names, optim = engine["param_names"], ckpt.load_pt(path, "optimizer")
+            masters = {names[int(i)]: m for i, m in optim["masters"].items() if names[int(i)] is not None}
+            source, optimizer = "optimizer.pt", f"MixedPrecisionOptimizer, {optim['scaler']['type']}"
+            skipped, scale = (
+                optim.get("skipped_steps", manifest.get("skipped_steps")),
+                optim["scaler"]["scale"],
+            )
     counters = {
         "global_step": (engine["global_step"], "engine.pt"),
         "skipped_steps": (skipped, source),
@@ -76,7 +79,8 @@ def _engine_parts(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, torch
         "loss_scale": (scale, source),
     }
     ckpt.check_counters(path, manifest, counters)
-    return masters, {"optimizer": optimizer, **{key: value for key, (value, _) in counters.items()}}
+    shown = {"optimizer": optimizer, **{key: value for key, (value, _) in counters.items()}}
+    return manifest, weights, masters, shown
 
 
 def export(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32") -> Path:
@@ -113,10 +117,7 @@ def describe(path: str | os.PathLike) -> list[tuple[str, Any]]:
     path = Path(path)
     if layout_of(path) == DCP:
         return _describe_dcp(path)
-    with reading(path.parent):  # see Engine.load_checkpoint
-        manifest = ckpt.read_manifest(path)
-        weights = ckpt.load_weights(path, manifest)
-        masters, counters = _engine_parts(path, manifest)
+    manifest, weights, masters, counters = _read_engine(path)
     rows: list[tuple[str, Any]] = [
         ("path", str(path)),
         ("tag", manifest["tag"]),
@@ -146,10 +147,8 @@ def _by_dtype(tensors) -> str:
 def _describe_dcp(path: Path) -> list[tuple[str, Any]]:
     """Rows for a bare DCP optimizer checkpoint (``halfprec.distributed.checkpoint.save``), from its items."""
     from .consolidate import read_checkpoint  # noqa: PLC0415 - imports torch.distributed.checkpoint
-    from .safe_dcp import check_format  # noqa: PLC0415
 
     items = read_checkpoint(path)
-    check_format(path, items)
     masters = {k: v for k, v in items.items() if k.startswith("master/")}
     groups = sorted({int(k.split("/")[1]) for k in items if k.startswith("hparam/")})
     rows: list[tuple[str, Any]] = [

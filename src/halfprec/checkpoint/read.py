@@ -73,15 +73,13 @@ def _tags_in(root: Path, limit: int = 10) -> str:
 def read_manifest(path: Path) -> dict[str, Any]:
     """Read an engine checkpoint's ``manifest.json`` and verify it (:func:`_verify`); errors name the file."""
     manifest = _manifest_json(path)
-    if isinstance(manifest, dict) and manifest.get("format") in (DCP_FORMAT, *DCP_LEGACY_FORMATS):
+    if _format(manifest) in (DCP_FORMAT, *DCP_LEGACY_FORMATS):
         raise CheckpointError(
             f"{path} is an optimizer checkpoint of halfprec.distributed.checkpoint.save, not an engine checkpoint: "
             "load it with halfprec.distributed.checkpoint.load(optimizer, path)"
         )
-    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, *LEGACY_FORMATS):
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"{path / MANIFEST} has format {found!r}, expected {FORMAT!r}")
-    return _verify(path, manifest, FORMAT)
+    digest = {"manifest_sha256"} & set(manifest) if isinstance(manifest, dict) else set()
+    return _verify(path, manifest, FORMAT, LEGACY_FORMATS, digest)
 
 
 _UNVERIFIED: set[str] = set()  # DCP checkpoints already warned about in this process
@@ -91,8 +89,8 @@ def read_dcp_manifest(path: Path) -> dict[str, Any] | None:
     """Verify the DCP optimizer checkpoint at ``path`` (:func:`_verify`) and return its manifest; None, with a
     warning once per process, for one written before its manifest had digests (``formats.DCP_LEGACY_FORMATS``)."""
     manifest = _manifest_json(path) if (path / MANIFEST).exists() else None
-    found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-    if manifest is None or (found in DCP_LEGACY_FORMATS and set(manifest) <= {"format", "format_version"}):
+    extra = set(manifest) - {"format", "format_version"} if isinstance(manifest, dict) else set()
+    if manifest is None or (_format(manifest) in DCP_LEGACY_FORMATS and not extra):
         if str(path) not in _UNVERIFIED:
             _UNVERIFIED.add(str(path))
             warnings.warn(
@@ -102,14 +100,11 @@ def read_dcp_manifest(path: Path) -> dict[str, Any] | None:
                 stacklevel=4,
             )
         return None
-    if found in DCP_LEGACY_FORMATS:  # a /1 writer wrote nothing else
-        raise CheckpointError(
-            f"{path / MANIFEST} claims format {found!r} but carries {sorted(set(manifest) - {'format', 'format_version'})}, which only "
-            f"{DCP_FORMAT!r} writes: its format was edited, so it cannot be trusted; save the checkpoint again"
-        )
-    if found != DCP_FORMAT:
-        raise CheckpointError(f"{path / MANIFEST} has format {found!r}, expected {DCP_FORMAT!r}")
-    return _verify(path, manifest, DCP_FORMAT)
+    return _verify(path, manifest, DCP_FORMAT, DCP_LEGACY_FORMATS, extra)
+
+
+def _format(manifest: Any) -> str:
+    return manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
 
 
 def _manifest_json(path: Path) -> Any:
@@ -122,17 +117,21 @@ def _manifest_json(path: Path) -> Any:
         raise CheckpointError(f"{manifest_path} is corrupted: {e}") from e
 
 
-def _verify(path: Path, manifest: dict[str, Any], current: str) -> dict[str, Any]:
-    """Check the manifest's own SHA-256 (format ``current``; an older format must not carry it), that ``path``
-    is the directory it was written as (not renamed, nor a link to another tag), and every file's size and
-    SHA-256."""
-    manifest_path = path / MANIFEST
-    if manifest["format"] != current and "manifest_sha256" in manifest:
+def _verify(
+    path: Path, manifest: Any, current: str, legacy: tuple[str, ...], extra: set[str]
+) -> dict[str, Any]:
+    """Check the format (``current``, or one of ``legacy``, which must not carry the keys ``extra`` that only
+    ``current`` writes), the manifest's own SHA-256, that ``path`` is the directory it was written as (not
+    renamed, nor a link to another tag), and every file's size and SHA-256."""
+    manifest_path, found = path / MANIFEST, _format(manifest)
+    if found not in (current, *legacy):
+        raise CheckpointError(f"{manifest_path} has format {found!r}, expected {current!r}")
+    if found != current and extra:
         raise CheckpointError(
-            f"{manifest_path} claims format {manifest['format']!r} but carries the self-digest that only "
-            f"{current!r} writes: its format was edited, so it cannot be trusted; save the checkpoint again"
+            f"{manifest_path} claims format {found!r} but carries {sorted(extra)}, which only {current!r} "
+            "writes: its format was edited, so it cannot be trusted; save the checkpoint again"
         )
-    if manifest["format"] == current and manifest.get("manifest_sha256") != _manifest_digest(manifest):
+    if found == current and manifest.get("manifest_sha256") != _manifest_digest(manifest):
         raise CheckpointError(
             f"{manifest_path} is corrupted: its contents do not match the SHA-256 it was written with"
         )

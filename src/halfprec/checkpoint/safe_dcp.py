@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from .atomic import located
 from .read import read_dcp_manifest
 
-__all__ = ["SafeFileSystemReader", "ChunkSavePlanner", "ChunkLoadPlanner", "open_checkpoint", "check_format"]
+__all__ = ["SafeFileSystemReader", "ChunkSavePlanner", "ChunkLoadPlanner", "open_checkpoint"]
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -100,8 +100,8 @@ class SafeFileSystemReader(FileSystemReader):
 
 def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Metadata]:
     """``(where, metadata)`` of the DCP checkpoint at ``path`` (``atomic.located``), checked before any item is
-    read: complete (a ``.metadata``), every file as its manifest records it (``read.read_dcp_manifest``), and no
-    item a pickled object (a byte item) that loading would unpickle."""
+    read: complete (a ``.metadata``), every file as its manifest records it (``read.read_dcp_manifest``), no
+    item a pickled object (a byte item) that loading would unpickle, and a halfprec optimizer checkpoint's items."""
     path = located(Path(path))  # a replace that died midway left the previous checkpoint aside
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(
@@ -115,13 +115,9 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Metadata]:
                 f"checkpoint item {key!r} is a pickled Python object; halfprec checkpoints hold tensors only and "
                 "never unpickle items (that could run code from the file)"
             )
-    return path, metadata
-
-
-def check_format(path: Path, keys) -> None:
-    """Raise ValueError unless ``keys`` (a checkpoint's items) are those of a halfprec optimizer checkpoint."""
-    if "format/version" not in keys:
+    if "format/version" not in metadata.state_dict_metadata:
         raise ValueError(f"{path} is not a halfprec optimizer checkpoint (no format/version item)")
+    return path, metadata
 
 
 class ChunkSavePlanner(DefaultSavePlanner):
