@@ -234,7 +234,10 @@ ELSEWHERE = {
     "cli/bench_step.py": (["tests/cli/test_bench.py", "tests/optim/test_gpu.py"], "the bench's rows (GPU)"),
     "kernels/lamb.py": (["tests/optim/fused/test_lamb.py"], "through FusedLamb against the reference LAMB"),
     "optim/fused/results.py": (["tests/optim/fused/test_base.py"], "the fused skip log and device results"),
-    "optim/fused/grads.py": (["tests/optim/fused/test_adam.py", "tests/optim/test_base.py"], "grad views, marks"),
+    "optim/fused/grads.py": (
+        ["tests/optim/fused/test_adam.py", "tests/optim/test_base.py"],
+        "grad views, marks",
+    ),
     "optim/fused/adagrad.py": (["tests/optim/fused/test_sgd.py"], "beside SGD: the same parity harness"),
     "optim/sharded/checks.py": (["tests/distributed/test_errors.py"], "multi-process tests"),
     "optim/sharded/fused_step.py": (["tests/distributed/test_fused.py"], "multi-process tests"),

@@ -210,6 +210,7 @@ def _overwrite_reader(expected, root, loads, barrier, results):
     reader = build("bf16")
     barrier.wait()
     for _ in range(loads):
+
         def check():
             which = reader.load_checkpoint(root, tag="t")["which"]
             state = reader.module.state_dict()

@@ -788,4 +788,6 @@ def test_a_norm_whose_fp32_square_overflows_skips_as_documented(value, skipped):
     mp.step()
     grads = [p.grad.float() for p in model.parameters()]
     ref = torch.nn.utils.get_total_norm(grads)  # what clip_grad_norm_ computes on these grads in fp32
-    assert mp.step_was_skipped is skipped and math.isinf(mp.grad_norm) is skipped and math.isinf(ref) is skipped
+    assert (
+        mp.step_was_skipped is skipped and math.isinf(mp.grad_norm) is skipped and math.isinf(ref) is skipped
+    )

@@ -75,7 +75,9 @@ def assert_same_state(ref, fused, dtype):
     assert sr["params"] == sf["params"]
     assert sorted(sr["masters"]) == sorted(sf["masters"])
     for k in sr["masters"]:
-        torch.testing.assert_close(sf["masters"][k].cpu(), sr["masters"][k].cpu(), **tol("fused_master", dtype))
+        torch.testing.assert_close(
+            sf["masters"][k].cpu(), sr["masters"][k].cpu(), **tol("fused_master", dtype)
+        )
     str_, stf = sr["optimizer"]["state"], sf["optimizer"]["state"]
     assert sorted(str_) == sorted(stf), (sorted(str_), sorted(stf))
     for k in str_:

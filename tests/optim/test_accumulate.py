@@ -153,6 +153,23 @@ def test_zero_grad_mid_accumulation_drops_it():
     assert all(bits_equal(a, b) for a, b in zip(seen[-1], sums, strict=True))
 
 
+@pytest.mark.parametrize("clear", ["model.zero_grad", "nothing"])
+def test_a_step_ends_the_accumulation_whoever_clears_the_grads(clear):
+    # model.zero_grad() cannot reach the fp32 master grads; a step's consumed grads must still not be added to
+    # the next step's (they were unscaled, clipped and applied)
+    model, mp = build(torch.float16, FP32)
+    seen = seen_grads(mp)
+    for step in range(3):
+        sums = twin_sums(model, step, 2, torch.float16, SCALE)
+        for j in range(2):
+            mp.backward(loss_of(model, step, j, torch.float16))
+        mp.step()
+        if clear == "model.zero_grad":
+            model.zero_grad(set_to_none=True)
+        unscaled = [s / SCALE for s in sums]
+        assert all(bits_equal(a, b) for a, b in zip(seen[-1], unscaled, strict=True)), step
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_state_dict_round_trip_mid_training(dtype):
     def train(model, mp, steps):

@@ -107,7 +107,9 @@ def _caught(run) -> list[warnings.WarningMessage]:
 
 
 def _exact(model, **kw):
-    return halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), impl="torch", **kw)
+    return halfprec.MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3), impl="torch", **kw
+    )
 
 
 def _fused(model, **kw):
@@ -178,7 +180,10 @@ def test_fp32_on_purpose_casts_nothing_and_does_not_warn():
     before = [p.detach().clone() for p in model.parameters()]
     caught = _caught(lambda: _exact(model, param_dtype=torch.float32))
     assert caught == []
-    assert all(p.dtype == torch.float32 and torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(
+        p.dtype == torch.float32 and torch.equal(p, b)
+        for p, b in zip(model.parameters(), before, strict=True)
+    )
     other = _model()
     engine_caught = _caught(
         lambda: halfprec.initialize(other, torch.optim.SGD(other.parameters(), lr=0.1), precision="fp32")
@@ -193,5 +198,7 @@ def test_16bit_model_does_not_warn():
 
 @pytest.mark.parametrize("bad", [torch.float64, torch.int8, "bf16"])
 def test_param_dtype_error_names_the_choices(bad):
-    with pytest.raises(ValueError, match=r"param_dtype must be torch.float16, torch.bfloat16, torch.float32 or None"):
+    with pytest.raises(
+        ValueError, match=r"param_dtype must be torch.float16, torch.bfloat16, torch.float32 or None"
+    ):
         _exact(_model(), param_dtype=bad)

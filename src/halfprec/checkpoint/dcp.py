@@ -357,7 +357,9 @@ def _check_kinds(path: Path, saved: dict, optimizer) -> None:
         mine = _scaler_numbers(optimizer.loss_scaler.state_dict())
         theirs = {k[len("scaler/") :] for k in saved if k.startswith("scaler/")}
         scaler = (
-            type(optimizer.loss_scaler).__name__ if theirs == set(mine) else f"loss scaler with the fields {sorted(theirs)}"
+            type(optimizer.loss_scaler).__name__
+            if theirs == set(mine)
+            else f"loss scaler with the fields {sorted(theirs)}"
         )
     try:
         optimizer.loss_scaler.check_state_dict({"type": scaler})

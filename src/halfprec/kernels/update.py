@@ -156,6 +156,7 @@ def _update_kernel(
             p = p - clr * (g / (tl.sqrt(s) + eps))
             _store(master_ptr, param_ptr, offs, p, mask, PARAM)
 
+
 def param_arg(param: torch.Tensor, master: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The param buffer as the kernels take it, and its ``PARAM`` code (fp32 params: the master itself)."""
     if param.dtype == torch.float32:

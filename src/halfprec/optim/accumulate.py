@@ -40,6 +40,7 @@ class GradAccumulator:
                 )
         self.store = store
         self.state = state
+        self.consumed = False  # a step read the master grads: the next grad starts a new accumulation
         self.hooked = 0  # chunks of the store whose params carry the hook (add_param_group adds chunks)
         self.hook_new_chunks()
 
@@ -58,8 +59,17 @@ class GradAccumulator:
                 "a backward ran after unscale_() and before step(): its grads would be added, still loss-scaled, "
                 "to unscaled ones. Call unscale_() after the last backward() of the step."
             )
+        self.begin()
         self.store.add_grad(c, k, param.grad)
         param.grad = None
+
+    def begin(self) -> None:
+        """Before adding a grad: drop the master grads a step already consumed. A loop that clears only the
+        model's grads (``model.zero_grad()``, which cannot reach the masters) then still starts each step's
+        accumulation from zero instead of adding to grads that were unscaled, clipped and applied."""
+        if self.consumed:
+            self.store.clear_grads()
+            self.consumed = False
 
 
 def _on_grad(ref: weakref.ref, c: int, k: int, param: torch.Tensor) -> None:

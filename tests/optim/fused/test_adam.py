@@ -164,7 +164,9 @@ def test_backward_hooks_views_and_accumulation(zero):
             n2.zero_grad()
     assert_same_state(ref, fused, torch.float16)
     for p, q in zip(n1.parameters(), n2.parameters(), strict=True):
-        assert torch.equal(p, q) or torch.allclose(p.float(), q.float(), **tol("fused_param_neighbour", torch.float16))
+        assert torch.equal(p, q) or torch.allclose(
+            p.float(), q.float(), **tol("fused_param_neighbour", torch.float16)
+        )
     # the unused layer never got a grad: not updated, no state
     assert 4 not in fused.state_dict()["optimizer"]["state"]
     chunk, local = fused._where[0]
