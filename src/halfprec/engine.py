@@ -93,6 +93,7 @@ def initialize(
         skip_nonfinite=config.skip_nonfinite,
         param_dtype=dtype,  # fp32 too: a model trained in fp32 on purpose (precision="fp32")
         impl=config.impl,
+        grad_accum_dtype=torch.float32 if config.grad_accum_dtype == "fp32" else None,
     )
     if config.zero_stage in (1, 2):
         from .optim.sharded import ShardedMixedPrecisionOptimizer  # noqa: PLC0415 - needs torch.distributed

@@ -32,8 +32,10 @@ from typing import Any
 import torch
 
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
+from .accumulate import GradAccumulator
 from .checks import (
     check_dtypes,
+    check_grad_accum_dtype,
     check_options,
     check_params,
     check_saved_groups,
@@ -114,12 +116,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             optimizer is torch Adam/AdamW/SGD/Adagrad on CUDA with its ``foreach``/``fused`` left at their
             defaults and Triton importable; see ``halfprec.optim.select``). A fused result is a
             ``halfprec.optim.Fused*`` optimizer: a subclass of this one.
+        grad_accum_dtype: ``None`` accumulates micro-batch grads in the params' 16-bit ``.grad`` (one 16-bit
+            rounding per micro-batch); ``torch.float32`` adds each 16-bit grad, as backward produces it, into its
+            fp32 master grad and releases the 16-bit one (``accumulate.py``; no extra memory: the master grads
+            exist on this path). Exact strategy only for now (ValueError on the fused and sharded ones).
     """
 
     optimizer: torch.optim.Optimizer | None = (
         None  # the wrapped one (exact, sharded); None: fused owns its groups
     )
     impl = "torch"  # the strategy: "torch" (exact, inner torch step) or "triton" (fused kernels)
+    grad_accum_dtype: torch.dtype | None = None  # None: 16-bit .grad; torch.float32: the master grads
+    _accumulator: GradAccumulator | None = None  # the fp32 accumulation's hooks (exact strategy)
     _FORMAT = FORMAT
 
     def __init__(
@@ -131,9 +139,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         skip_nonfinite: bool = True,
         param_dtype: torch.dtype | None = None,
         impl: str = "auto",
+        grad_accum_dtype: torch.dtype | None = None,
     ) -> None:
         _check_wrappable(optimizer, dict(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype,
                                          skip_nonfinite=skip_nonfinite))  # fmt: skip
+        check_grad_accum_dtype(grad_accum_dtype)
         self._init_wrapping(optimizer)
         self._init_options(
             max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype
@@ -160,6 +170,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             dtypes={p.dtype for p in self._trained},
             device=devices.pop() if devices else torch.device("cpu"),
         )
+        if grad_accum_dtype is not None:
+            self.grad_accum_dtype = grad_accum_dtype
+            self._accumulator = GradAccumulator(self._store, self._s)
 
     # --- the contract: construction pieces every strategy uses -------------------------------------------
     def _init_wrapping(self, optimizer: torch.optim.Optimizer) -> None:
@@ -224,8 +237,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         return list(self._model_params)
 
     def _backward_params(self) -> list[torch.nn.Parameter]:
-        """The params whose ``.grad`` a backward fills, before the step reads them (the scale guard's view)."""
-        return self._model_params
+        """The params whose ``.grad`` a backward fills, before the step reads them (the scale guard's view);
+        with fp32 accumulation the masters too, whose grads the hooks fill."""
+        if self._accumulator is None:
+            return self._model_params
+        return self._model_params + self._store.master_params()
+
+    def _grad_holders(self) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` a step consumes (``GradMarks`` of a step): the trained params, and with
+        fp32 accumulation the masters too (the hooks move the 16-bit grads there)."""
+        if self._accumulator is None:
+            return self._trained
+        return self._trained + self._store.master_params()
 
     # --- the contract: read-only results ----------------------------------------------------------------
     @property
@@ -397,6 +420,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 "one device: build another optimizer for the other device"
             )
         mapping = self._build_masters([{"params": params}])
+        if self._accumulator is not None:
+            self._accumulator.hook_new_chunks()
         group["params"] = [mapping.get(p, p) for p in params]
         self.optimizer.add_param_group(group)
         self._has_fp16 = self._has_fp16 or any(p.dtype == torch.float16 for p in self._trained)
@@ -421,12 +446,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         check_dtypes(self._trained, self._trained_dtypes)
         self._store.check_devices()
         stepped = self._s.stepped_grads
-        if stepped is not None and stepped.marks and stepped.same(self._trained):
+        if stepped is not None and stepped.marks and stepped.same(self._grad_holders()):
             raise RuntimeError(
                 "step() called again without a new backward(): these grads were already applied (and fp32 grads "
                 "unscaled in place); call zero_grad() and backward() before the next step()"
             )
-        filled = self._store.copy_grads_in()
+        if self._accumulator is None:
+            filled = self._store.copy_grads_in()
+        else:
+            if any(p.grad is not None for p in self._store.model_params()):
+                self._accumulator.begin()  # grads assigned by hand after a step: a new accumulation too
+            filled = self._store.add_grads_in()
+            self._accumulator.consumed = True
         own = [p.grad for p in self._own if p.grad is not None]
         if filled + own and not self.loss_scaler.is_unit:
             torch._foreach_mul_(filled + own, self.loss_scaler.inv_scale())
@@ -458,7 +489,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             values = torch.cat([values, norm.to(device=device, dtype=torch.float32).reshape(1)])
         values = values.tolist()  # the one host sync of the step
         self._record_step(values, values[4] if norm is not None else None)
-        self._s.stepped_grads = GradMarks(self._trained)
+        self._s.stepped_grads = GradMarks(self._grad_holders())
         if self._s.step_was_skipped:
             return
         if self.max_grad_norm is not None:
@@ -466,7 +497,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, None)
         self.optimizer.step()
         self._store.copy_params_out()
-        self._s.stepped_grads = GradMarks(self._trained)  # fp32 own grads changed in place
+        self._s.stepped_grads = GradMarks(self._grad_holders())  # fp32 grads changed in place
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the grads of every param of the groups, frozen ones included (as torch does)."""

@@ -15,6 +15,7 @@ from ..scaler import LossScaler
 
 __all__ = [
     "check_dtypes",
+    "check_grad_accum_dtype",
     "check_options",
     "check_params",
     "check_saved_groups",
@@ -41,6 +42,23 @@ def check_options(
     if not isinstance(skip_nonfinite, bool):
         raise ValueError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
     check_low_precision(param_dtype, allow_fp32=True)
+
+
+def check_grad_accum_dtype(value: Any, *, strategy: str = "torch") -> None:
+    """Raise ValueError unless ``value`` is None (grads accumulate in the params' 16-bit ``.grad``) or
+    ``torch.float32`` (in the fp32 master grads), and ``strategy`` (``"torch"``, ``"fused"``, ``"sharded"``) has
+    fp32 accumulation (only the exact one, for now: no silent fallback to 16-bit accumulation elsewhere)."""
+    if value is not None and value is not torch.float32:
+        raise ValueError(
+            f"grad_accum_dtype must be None (accumulate in the params' 16-bit .grad) or torch.float32 (in the fp32 "
+            f"master grads), got {value!r}"
+        )
+    if value is not None and strategy != "torch":
+        raise ValueError(
+            f"grad_accum_dtype={value} is not yet supported on the {strategy} path, use impl='torch' "
+            "(halfprec.MixedPrecisionOptimizer(torch_optimizer, impl='torch', grad_accum_dtype=torch.float32)), "
+            "or grad_accum_dtype=None"
+        )
 
 
 def check_unfrozen(frozen: Iterable[torch.Tensor]) -> None:

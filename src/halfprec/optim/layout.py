@@ -221,6 +221,30 @@ class MasterStore:
             torch._foreach_copy_(filled_dst, filled_src)
         return filled_dst
 
+    @torch.no_grad()
+    def add_grad(self, c: int, k: int, grad: torch.Tensor) -> None:
+        """Add ``grad`` (16-bit) into the fp32 grad of master ``k`` of chunk ``c`` (its view of the chunk's flat
+        grad buffer, the one ``copy_grads_in`` fills): copied when the master has no grad, else added with one
+        fp32 rounding."""
+        chunk, m = self.chunks[c], self.masters[c][k]
+        if chunk.grad is None:
+            chunk.make_grad(torch.float32)
+        if m.grad is None:
+            m.grad = chunk.grad_views[k]
+            m.grad.copy_(grad)
+        else:
+            m.grad.add_(grad)
+
+    def add_grads_in(self) -> list[torch.Tensor]:
+        """``copy_grads_in`` under fp32 accumulation: add each model grad still held (assigned by hand) into its
+        master grad and release it. Returns the master grads that hold a grad (still scaled)."""
+        for c, chunk in enumerate(self.chunks):
+            for k, p in enumerate(chunk.params):
+                if p.grad is not None:
+                    self.add_grad(c, k, p.grad)
+                    p.grad = None
+        return [m.grad for m in self.master_params() if m.grad is not None]
+
     def clear_grads(self) -> None:
         for m in self.master_params():
             m.grad = None

@@ -105,6 +105,7 @@ def fused_from_torch(
     max_grad_norm: float | None = None,
     skip_nonfinite: bool = True,
     param_dtype: torch.dtype | None = None,
+    grad_accum_dtype: torch.dtype | None = None,
 ):
     """The fused optimizer equivalent to ``optimizer``: same params, groups and per-group hyper-parameters
     (every group key is copied, so LR schedulers and state dicts carry over), and its state if it has any.
@@ -129,6 +130,7 @@ def fused_from_torch(
         max_grad_norm=max_grad_norm,
         skip_nonfinite=skip_nonfinite,
         param_dtype=param_dtype,
+        grad_accum_dtype=grad_accum_dtype,
     )
     fused.param_groups = optimizer.param_groups
     if saved_state is not None:

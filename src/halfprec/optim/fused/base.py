@@ -38,7 +38,7 @@ import torch
 from ...kernels.slots import PSCAL_WIDTH, HyperTable, Kind
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
-from ..checks import check_dtypes, check_options, check_unfrozen, tell_schedulers
+from ..checks import check_dtypes, check_grad_accum_dtype, check_options, check_unfrozen, tell_schedulers
 from ..layout import Chunk, chunk_params
 from ..state import adopt_views
 from .grads import GradViews
@@ -83,7 +83,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = True,
         param_dtype: torch.dtype | None = None,
+        grad_accum_dtype: torch.dtype | None = None,
     ) -> None:
+        check_grad_accum_dtype(grad_accum_dtype, strategy="fused")
         from ...kernels import triton_status
 
         ok, why = triton_status()

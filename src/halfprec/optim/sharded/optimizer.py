@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
-from ..checks import check_dtypes, check_unfrozen, clear_grads
+from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear_grads
 from ..layout import Layout
 from ..state import Target, move_state, restore_state_dtypes
 from .checks import check_optimizer, named_trainable
@@ -67,6 +67,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             Adagrad; ``_fused_step``; the fused path's tolerance); ``"auto"`` picks ``"triton"`` when
             ``halfprec.optim.select.select_impl`` would (CUDA params, Triton, the inner ``foreach``/``fused``
             left at their defaults). An explicit ``"triton"`` that cannot be honoured raises.
+        grad_accum_dtype: ``None`` only, for now (``torch.float32``, fp32 accumulation as on the exact path,
+            raises ValueError).
     """
 
     def __init__(
@@ -83,8 +85,10 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         process_group: dist.ProcessGroup | None = None,
         impl: str = "auto",
+        grad_accum_dtype: torch.dtype | None = None,
     ) -> None:
         check_optimizer(optimizer, loss_scaler, max_grad_norm, param_dtype)
+        check_grad_accum_dtype(grad_accum_dtype, strategy="sharded")
         from ..select import select_impl
 
         self.impl = select_impl(optimizer, impl)

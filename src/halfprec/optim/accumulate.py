@@ -1,0 +1,78 @@
+"""FP32 gradient accumulation for the exact strategy (``grad_accum_dtype=torch.float32``).
+
+A post-accumulate-grad hook on every 16-bit trained param adds the grad backward just produced into the param's
+fp32 master grad (``MasterStore.add_grad``: its view of the chunk's flat grad buffer, the buffer the 16-bit path
+copies into at the step, so no memory is added) and releases the 16-bit ``.grad``: 16-bit grad memory is
+transient, and k micro-batches round once each in fp32 instead of once each in 16 bits. fp32 params are their own
+masters and accumulate in their fp32 ``.grad`` as usual.
+
+Not yet with data parallelism: DDP all-reduces ``.grad`` from hooks of its own, which would find the grads
+released (the fp32 all-reduce into the master grads is a later part of issue 19), so a process group of more
+than one rank is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from .layout import MasterStore
+from .results import StepState
+
+__all__ = ["GradAccumulator"]
+
+
+class GradAccumulator:
+    """The hooks that accumulate ``store``'s model grads into its fp32 master grads. ``state``: the optimizer's
+    step record, whose ``unscaled`` flag makes a backward between ``unscale_()`` and ``step()`` an error (its
+    grads would be added, still scaled, to unscaled ones)."""
+
+    def __init__(self, store: MasterStore, state: StepState) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            world = torch.distributed.get_world_size()
+            if world > 1:
+                raise ValueError(
+                    f"grad_accum_dtype=torch.float32 with a process group of {world} ranks: DDP's all-reduce "
+                    "reads the 16-bit .grad that fp32 accumulation releases, so it is not supported with data "
+                    "parallelism yet; use grad_accum_dtype=None"
+                )
+        self.store = store
+        self.state = state
+        self.consumed = False  # a step read the master grads: the next grad starts a new accumulation
+        self.hooked = 0  # chunks of the store whose params carry the hook (add_param_group adds chunks)
+        self.hook_new_chunks()
+
+    def hook_new_chunks(self) -> None:
+        """Hook the params of the store's chunks made since the last call."""
+        ref = weakref.ref(self)  # the hooks live on the params: they must not keep the optimizer alive
+        for c in range(self.hooked, len(self.store.chunks)):
+            for k, p in enumerate(self.store.chunks[c].params):
+                p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref, c, k))
+        self.hooked = len(self.store.chunks)
+
+    def on_grad(self, c: int, k: int, param: torch.Tensor) -> None:
+        """Param ``k`` of chunk ``c`` got a grad: add it into its master grad and release it."""
+        if self.state.unscaled:
+            raise RuntimeError(
+                "a backward ran after unscale_() and before step(): its grads would be added, still loss-scaled, "
+                "to unscaled ones. Call unscale_() after the last backward() of the step."
+            )
+        self.begin()
+        self.store.add_grad(c, k, param.grad)
+        param.grad = None
+
+    def begin(self) -> None:
+        """Before adding a grad: drop the master grads a step already consumed. A loop that clears only the
+        model's grads (``model.zero_grad()``, which cannot reach the masters) then still starts each step's
+        accumulation from zero instead of adding to grads that were unscaled, clipped and applied."""
+        if self.consumed:
+            self.store.clear_grads()
+            self.consumed = False
+
+
+def _on_grad(ref: weakref.ref, c: int, k: int, param: torch.Tensor) -> None:
+    accumulator = ref()
+    if accumulator is not None:
+        accumulator.on_grad(c, k, param)
