@@ -176,6 +176,13 @@ def saving(
         publish(root, tag, keep_last)
 
 
+def _lock(root: Path):
+    """The directory's lock, which saves (:func:`locked`) and loads (:func:`reading`) take."""
+    from filelock import FileLock
+
+    return FileLock(os.fspath(root / LOCK))
+
+
 @contextlib.contextmanager
 def locked(root: Path) -> Iterator[None]:
     """Hold ``<root>/.lock`` exclusively: the saves into one directory run one at a time, across processes.
@@ -184,10 +191,8 @@ def locked(root: Path) -> Iterator[None]:
     temporary directory a dead save's) changes before its commit, and pruning sees every publication.
     ``filelock`` takes an OS lock (``flock``) on the file: the kernel releases it when its holder dies, so a
     killed save never blocks the next one. The file stays (hidden, so no tag and no leftover)."""
-    from filelock import FileLock
-
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(os.fspath(root / LOCK)):
+    with _lock(root):
         yield
 
 
@@ -198,9 +203,7 @@ def reading(root: Path) -> Iterator[None]:
     the reader gets the old or the new checkpoint whole (never a mix). Readers wait for a running save. Where
     the lock file cannot be made (a read-only directory), nothing can save there either: read without it.
     Not for a collective (multi-rank) load, whose ranks would wait for each other under the lock."""
-    from filelock import FileLock
-
-    lock = FileLock(os.fspath(root / LOCK))
+    lock = _lock(root)
     try:
         lock.acquire()
     except OSError as e:
