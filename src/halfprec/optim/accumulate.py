@@ -63,6 +63,19 @@ class GradAccumulator:
         self.store.add_grad(c, k, param.grad)
         param.grad = None
 
+    def collect(self) -> list[torch.Tensor]:
+        """At the step: add the model grads assigned by hand (no hook ran for them) the same way, end the
+        accumulation (the next grad starts a new one) and return the master grads that hold a grad (still
+        scaled)."""
+        for c, chunk in enumerate(self.store.chunks):
+            for k, p in enumerate(chunk.params):
+                if p.grad is not None:
+                    self.begin()  # grads assigned by hand after a step: a new accumulation too
+                    self.store.add_grad(c, k, p.grad)
+                    p.grad = None
+        self.consumed = True
+        return [m.grad for m in self.store.master_params() if m.grad is not None]
+
     def begin(self) -> None:
         """Before adding a grad: drop the master grads a step already consumed. A loop that clears only the
         model's grads (``model.zero_grad()``, which cannot reach the masters) then still starts each step's

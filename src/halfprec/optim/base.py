@@ -317,7 +317,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._scale_guard.check(self._backward_params(), self.loss_scaler)
+        self._scale_guard.check(self._backward_params, self.loss_scaler)
         self._step()
         return loss
 
@@ -451,13 +451,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 "step() called again without a new backward(): these grads were already applied (and fp32 grads "
                 "unscaled in place); call zero_grad() and backward() before the next step()"
             )
-        if self._accumulator is None:
-            filled = self._store.copy_grads_in()
-        else:
-            if any(p.grad is not None for p in self._store.model_params()):
-                self._accumulator.begin()  # grads assigned by hand after a step: a new accumulation too
-            filled = self._store.add_grads_in()
-            self._accumulator.consumed = True
+        filled = self._store.copy_grads_in() if self._accumulator is None else self._accumulator.collect()
         own = [p.grad for p in self._own if p.grad is not None]
         if filled + own and not self.loss_scaler.is_unit:
             torch._foreach_mul_(filled + own, self.loss_scaler.inv_scale())

@@ -235,16 +235,6 @@ class MasterStore:
         else:
             m.grad.add_(grad)
 
-    def add_grads_in(self) -> list[torch.Tensor]:
-        """``copy_grads_in`` under fp32 accumulation: add each model grad still held (assigned by hand) into its
-        master grad and release it. Returns the master grads that hold a grad (still scaled)."""
-        for c, chunk in enumerate(self.chunks):
-            for k, p in enumerate(chunk.params):
-                if p.grad is not None:
-                    self.add_grad(c, k, p.grad)
-                    p.grad = None
-        return [m.grad for m in self.master_params() if m.grad is not None]
-
     def clear_grads(self) -> None:
         for m in self.master_params():
             m.grad = None

@@ -104,9 +104,10 @@ class ScaleGuard:
         self.scaled = True
 
     def check(self, params, loss_scaler) -> None:
-        """At a step: warn once when grads exist, the scale is not 1 and no loss was scaled since the last step."""
+        """At a step: warn once when grads exist, the scale is not 1 and no loss was scaled since the last step.
+        ``params``: returns the params whose grads to look at (called only then, off the usual path)."""
         scaled, self.scaled = self.scaled, False
-        if scaled or self.warned or loss_scaler.is_unit or all(p.grad is None for p in params):
+        if scaled or self.warned or loss_scaler.is_unit or all(p.grad is None for p in params()):
             return
         self.warned = True
         warn_caller(

@@ -306,7 +306,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         if not capturing:
             check_unfrozen(self._frozen)
             check_dtypes(self._trainable, self._dtypes)
-            self._scale_guard.check(self._backward_params(), self.loss_scaler)
+            self._scale_guard.check(self._backward_params, self.loss_scaler)
             self._reporter.drain()
             self._grads.adopt(type(self).__name__)
             for chunk in self._chunks:
