@@ -29,6 +29,7 @@ __all__ = [
     "recover",
     "located",
     "held",
+    "tmp_dir",
     "remove_if_dead",
     "remove_leftovers",
     "unique_suffix",
@@ -120,6 +121,18 @@ def held(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def tmp_dir(path: Path) -> Iterator[Path]:
+    """Make the directory ``path`` and hold it (:func:`held`) while the caller fills it; remove what is left of it
+    (all of it on error, nothing once the caller has renamed it) at the end."""
+    path.mkdir()
+    try:
+        with held(path):
+            yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def remove_if_dead(path: Path) -> bool:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterable
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from .safe_dcp import SafeFileSystemReader, open_checkpoint
 
-__all__ = ["consolidate", "read_checkpoint", "masters_of"]
+__all__ = ["consolidate", "read_checkpoint", "masters_of", "hparam_groups"]
 
 
 def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -44,3 +45,11 @@ def masters_of(items: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             name = key.removeprefix("master/")
             out[name] = value.view(tuple(items[f"shape/{name}"].tolist())).contiguous()
     return out
+
+
+def hparam_groups(items: Iterable[str]) -> dict[int, list[str]]:
+    """``{group: [key, ...]}`` of a checkpoint's numeric hyper-parameter items (``hparam/{group}/{key}``)."""
+    groups: dict[int, list[str]] = {}
+    for _, gi, key in (item.split("/", 2) for item in items if item.startswith("hparam/")):
+        groups.setdefault(int(gi), []).append(key)
+    return groups

@@ -16,9 +16,7 @@ the world size that wrote it):
 
 Every item is a tensor, so loading unpickles only ``.metadata``, through an allow-list (``safe_dcp``). State
 is allocated from the checkpoint's own metadata, so no state key can be silently left out (DCP loads in place
-and skips what the destination does not hold). Every rank writes into ``{path}.tmp`` (held by rank 0); rank 0
-commits it with ``atomic.commit``. A sharded optimizer is read through ``model_space()``, any other through
-``state_dict()``, whose format every strategy shares: the one branch on the type is :func:`_model_space`.
+and skips what the destination does not hold). The one branch on the optimizer's type is :func:`_model_space`.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import torch
@@ -36,12 +35,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from .._checks import is_number
 from ..optim.base import MixedPrecisionOptimizer
 from ..optim.sharded import ShardedMixedPrecisionOptimizer
 from ..optim.sharded.checks import named_trainable
 from ..optim.state import is_elementwise
 from .atomic import commit, remove_if_dead
 from .atomic import held as held_dir  # ``held`` names what a rank holds here
+from .consolidate import hparam_groups
 from .directory import seal as seal_directory
 from .formats import DCP, DCP_FORMAT, MANIFEST
 from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, open_checkpoint
@@ -111,7 +112,9 @@ def _model_space(optimizer, named_parameters) -> tuple[list[_Held], list[tuple],
     full = optimizer.state_dict()
     model = optimizer.model_params()
     index = {id(p): k for k, p in enumerate(model)}
-    names, params, groups = named_trainable(_Groups(model, optimizer.param_groups), named_parameters)
+    it = iter(model)  # the model's params arranged in the optimizer's groups, which hold the masters
+    by_group = [{"params": [next(it) for _ in g["params"]]} for g in optimizer.param_groups]
+    names, params, groups = named_trainable(SimpleNamespace(param_groups=by_group), named_parameters)
     held = []
     for name, p, group in zip(names, params, groups, strict=True):
         k = index[id(p)]
@@ -120,14 +123,6 @@ def _model_space(optimizer, named_parameters) -> tuple[list[_Held], list[tuple],
             _Held(name, tuple(p.shape), group, 0, master, full["optimizer"]["state"].get(k, {}), True, k)
         )
     return held, [(h.name, h.shape, h.group) for h in held], full
-
-
-class _Groups:
-    """The model's params arranged in the optimizer's groups (what ``named_trainable`` walks)."""
-
-    def __init__(self, model: list, groups: list[dict]) -> None:
-        it = iter(model)
-        self.param_groups = [{"params": [next(it) for _ in g["params"]]} for g in groups]
 
 
 def _plan(held: list[_Held], state_keys) -> list[tuple[str, _Held, str | None, bool]]:
@@ -165,20 +160,16 @@ def _global_items(optimizer, every: list) -> dict[str, torch.Tensor]:
     return items
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _scaler_numbers(state: dict[str, Any]) -> dict[str, int | float]:
-    return {k: v for k, v in state.items() if _is_number(v)}
+    return {k: v for k, v in state.items() if is_number(v)}
 
 
 def _hparam_tensor(value: Any) -> torch.Tensor | None:
     if torch.is_tensor(value):
         return value.detach().to("cpu", copy=True)
-    if _is_number(value):
+    if is_number(value):
         return torch.tensor(float(value), dtype=torch.float64)
-    if isinstance(value, tuple) and value and all(map(_is_number, value)):
+    if isinstance(value, tuple) and value and all(map(is_number, value)):
         return torch.tensor([float(v) for v in value], dtype=torch.float64)
     return None
 
@@ -330,16 +321,12 @@ def _check_names(path: Path, saved: dict, every: list) -> None:
 def _check_kinds(path: Path, saved: dict, optimizer) -> None:
     """The optimizer and loss scaler that wrote ``path`` are of this optimizer's kinds (ValueError)."""
     kinds = {k.split("/")[1]: k.split("/", 2)[2] for k in saved if k.startswith("kind/")}
-    # saved numeric hyper-parameter names per group (older checkpoints)
-    groups: dict[int, dict[str, None]] = {}
-    for item in saved:
-        if item.startswith("hparam/"):
-            _, gi, key = item.split("/", 2)
-            groups.setdefault(int(gi), {})[key] = None
+    # older checkpoints: told by the numeric hyper-parameters their groups hold
     numeric = {k for g in optimizer.param_groups for k, v in g.items() if _hparam_tensor(v) is not None}
+    other = dict.fromkeys(k for k in optimizer.defaults if k not in numeric)
     optimizer.check_algorithm(
         kinds.get("optimizer"),
-        [{**g, **{k: None for k in optimizer.defaults if k not in numeric}} for g in groups.values()],
+        [{**dict.fromkeys(keys), **other} for keys in hparam_groups(saved).values()],
         where=f"checkpoint {path}",
     )
     scaler = kinds.get("scaler")
@@ -370,7 +357,7 @@ def _saved_keys(path: Path, saved: dict, h: _Held) -> list[tuple[str, bool]]:
 
 
 def _check_params(path: Path, items: dict[str, torch.Tensor], held: list[_Held], groups: int) -> None:
-    saved_groups = {int(k.split("/")[1]) for k in items if k.startswith("hparam/")}
+    saved_groups = hparam_groups(items)
     if saved_groups and max(saved_groups) + 1 != groups:
         raise ValueError(
             f"{path} has {max(saved_groups) + 1} param groups, this optimizer {groups}: build the "
@@ -458,6 +445,6 @@ def _restore_hparam(live: Any, saved: torch.Tensor) -> Any:
 def _number(live: Any, saved: float | int) -> Any:
     """The saved value, in the live value's type when that loses nothing: an optimizer built with ``lr=1`` (an
     int) and scheduled to 0.25 resumes at 0.25, not ``int(0.25) == 0``; an int setting stays an int."""
-    if _is_number(live):
+    if is_number(live):
         return int(saved) if isinstance(live, int) and float(saved).is_integer() else float(saved)
     return type(live)(saved)

@@ -8,9 +8,8 @@ Layout of ``<dir>/<tag>/``::
     engine.pt           counters, param names, LR scheduler, RNG states, client_state
     manifest.json       written last: format, layout, counters, ties, each file's size and SHA-256, its own SHA-256
 
-``<dir>/.published`` logs every tag ``latest`` has named: a published tag is immutable, and ``keep_last`` keeps
-the most recently published. The digests catch truncated or flipped bytes, which neither ``torch.load`` nor
-safetensors notices. Every file gets the mode a new file gets under the umask (safetensors alone writes 0600).
+``<dir>/.published`` logs every tag ``latest`` has named (published tags are immutable; ``keep_last`` keeps the
+most recent). The digests catch truncated or flipped bytes, which neither ``torch.load`` nor safetensors notices.
 """
 
 from __future__ import annotations
@@ -29,8 +28,9 @@ from typing import Any
 
 import torch
 
-from .atomic import commit, fsync_path, held, recover, remove_leftovers, unique_suffix, write_synced
-from .formats import ENGINE, FORMAT, LEGACY_FORMATS, MANIFEST
+from .._checks import is_int
+from .atomic import commit, fsync_path, held, recover, remove_leftovers, tmp_dir, unique_suffix, write_synced
+from .formats import ENGINE, FORMAT, LEGACY_FORMATS, MANIFEST, peek_manifest
 
 __all__ = [
     "CheckpointError",
@@ -102,20 +102,13 @@ def _split_ties(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     stored: dict[str, torch.Tensor] = {}
     ties: dict[str, str] = {}
     seen: dict[tuple, str] = {}
-    for name, tensor in state.items():
-        key = (
-            tensor.device,
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tensor.shape,
-            tensor.stride(),
-            tensor.dtype,
-        )
-        if tensor.numel() and key in seen:
+    for name, t in state.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        if t.numel() and key in seen:
             ties[name] = seen[key]
             continue
         seen[key] = name
-        stored[name] = tensor.detach().to("cpu").contiguous()
+        stored[name] = t.detach().to("cpu").contiguous()
     # safetensors refuses tensors that still share memory (overlapping views of one buffer): give them their own
     ptrs: dict[int, str] = {}
     for name, tensor in list(stored.items()):
@@ -156,23 +149,16 @@ def saving(
     keep_last: int | None,
     tmp_name: str | None = None,
 ) -> Iterator[Path]:
-    """Under the directory's lock (:func:`locked`), :func:`prepare`, then yield a new temporary directory (held
-    until committed) to :func:`stage` and :func:`seal`; on success commit it to ``<directory>/<tag>`` and
-    :func:`publish` it, on error remove it. ``tmp_name`` is a fixed name for it, for a save whose other ranks must
-    know where to write."""
+    """Under the directory's lock, :func:`prepare`, then yield a new temporary directory to :func:`stage` and
+    :func:`seal`; on success commit it to ``<directory>/<tag>`` and :func:`publish` it, on error remove it.
+    ``tmp_name`` is a fixed name for it, for a save whose other ranks must know where to write."""
     root, final = _checked(directory, tag, keep_last)
     _refuse_foreign(final, tag)  # before the lock file is made: such a save writes nothing
     with locked(root):
         root, final = prepare(directory, tag, overwrite=overwrite, keep_last=keep_last)
-        tmp = root / (tmp_name or f".{tag}.tmp-{unique_suffix()}")
-        tmp.mkdir()
-        try:
-            with held(tmp):
-                yield tmp
-                commit(tmp, final, replace=overwrite)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        with tmp_dir(root / (tmp_name or f".{tag}.tmp-{unique_suffix()}")) as tmp:
+            yield tmp
+            commit(tmp, final, replace=overwrite)
         publish(root, tag, keep_last)
 
 
@@ -185,12 +171,9 @@ def _lock(root: Path):
 
 @contextlib.contextmanager
 def locked(root: Path) -> Iterator[None]:
-    """Hold ``<root>/.lock`` exclusively: the saves into one directory run one at a time, across processes.
-
-    Concurrent saves are serialized, so nothing a save checks in :func:`prepare` (is the tag free, is that
-    temporary directory a dead save's) changes before its commit, and pruning sees every publication.
-    ``filelock`` takes an OS lock (``flock``) on the file: the kernel releases it when its holder dies, so a
-    killed save never blocks the next one. The file stays (hidden, so no tag and no leftover)."""
+    """Hold ``<root>/.lock`` exclusively: the saves into one directory run one at a time, across processes, so
+    nothing a save checks in :func:`prepare` changes before its commit, and pruning sees every publication.
+    The kernel releases the OS lock when its holder dies, so a killed save never blocks the next one."""
     root.mkdir(parents=True, exist_ok=True)
     with _lock(root):
         yield
@@ -198,11 +181,9 @@ def locked(root: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def reading(root: Path) -> Iterator[None]:
-    """Hold ``<root>/.lock`` while one process verifies and reads a checkpoint in ``root``: the saves hold it
-    too, so an ``overwrite=True`` save or a prune cannot swap files between the digest check and the read, and
-    the reader gets the old or the new checkpoint whole (never a mix). Readers wait for a running save. Where
-    the lock file cannot be made (a read-only directory), nothing can save there either: read without it.
-    Not for a collective (multi-rank) load, whose ranks would wait for each other under the lock."""
+    """Hold ``<root>/.lock`` while one process verifies and reads a checkpoint in ``root``, so that a save cannot
+    swap files between the digest check and the read. A read-only directory, where nothing can save either, is
+    read without it. Not for a collective load, whose ranks would wait for each other under the lock."""
     lock = _lock(root)
     try:
         lock.acquire()
@@ -226,9 +207,7 @@ def _checked(directory: str | os.PathLike, tag: str, keep_last: int | None) -> t
         )
     root = Path(directory)
     final = root / check_tag(tag)
-    if keep_last is not None and (
-        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
-    ):
+    if keep_last is not None and (not is_int(keep_last) or keep_last < 1):
         raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
     return root, final
 
@@ -236,13 +215,12 @@ def _checked(directory: str | os.PathLike, tag: str, keep_last: int | None) -> t
 def prepare(
     directory: str | os.PathLike, tag: str, *, overwrite: bool, keep_last: int | None
 ) -> tuple[Path, Path]:
-    """Check the arguments of a save; returns ``(root, final)``. Raises before anything is written. The caller
-    holds :func:`locked`, so no live save is running in the directory.
+    """Check the arguments of a save, under :func:`locked`; returns ``(root, final)``. Raises before anything is
+    written. A replace of this tag that died midway is undone first, and leftovers are removed.
 
     A save killed after its rename but before ``latest`` was replaced leaves a complete ``<tag>`` that ``latest``
-    never named; the restarted run reaches the same tag again, so such an unpublished directory (not in the
-    ``.published`` log) is moved aside with a warning instead of blocking it, and removed at the next save. A
-    replace of this tag that died midway is undone first (``atomic.recover``), and leftovers are removed.
+    never named; the restarted run reaches the same tag again, so such an unpublished directory is moved aside
+    with a warning instead of blocking it, and removed at the next save.
     """
     root, final = _checked(directory, tag, keep_last)
     if root.is_dir():
@@ -300,15 +278,8 @@ def _is_checkpoint_of(path: Path, tag: str) -> bool:
     the rename) says so. Anything else there is the user's and must not be moved or replaced."""
     if path.is_symlink() or not path.is_dir():
         return False
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    return (
-        isinstance(manifest, dict)
-        and manifest.get("format") in (FORMAT, *LEGACY_FORMATS)
-        and manifest.get("tag") == tag
-    )
+    manifest = peek_manifest(path) or {}
+    return manifest.get("format") in (FORMAT, *LEGACY_FORMATS) and manifest.get("tag") == tag
 
 
 def stage(tmp: Path, *, weights: dict[str, torch.Tensor] | None, files: dict[str, Any]) -> None:
@@ -432,8 +403,8 @@ def read_latest(root: Path) -> str | None:
 def _legacy_published(root: Path, latest: str | None) -> list[str]:
     def step_of(path: Path) -> int | None:
         try:
-            return int(json.loads((path / MANIFEST).read_text())["global_step"])
-        except (OSError, ValueError, KeyError, TypeError):
+            return int((peek_manifest(path) or {})["global_step"])
+        except (ValueError, KeyError, TypeError):
             return None
 
     limit = None if latest is None else step_of(root / latest)

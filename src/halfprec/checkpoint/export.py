@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import read as ckpt
-from .atomic import fsync_path, held, remove_leftovers, unique_suffix
+from .atomic import fsync_path, remove_leftovers, tmp_dir, unique_suffix
 from .directory import reading, save_safetensors
 from .formats import DCP, ENGINE_SHARDED, layout_of
 
@@ -99,16 +98,11 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp3
     weights = consolidated_weights(path, dtype=dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out.parent, re.compile(rf"\.{re.escape(out.name)}\.tmp-[0-9a-f]{{8}}"))
-    tmp = out.parent / f".{out.name}.tmp-{unique_suffix()}"
-    tmp.mkdir()
-    try:
-        with held(tmp):
-            file = tmp / out.name
-            save_safetensors(weights, file, {"format": "pt", "source": str(path), "dtype": dtype})
-            fsync_path(file)
-            os.replace(file, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with tmp_dir(out.parent / f".{out.name}.tmp-{unique_suffix()}") as tmp:
+        file = tmp / out.name
+        save_safetensors(weights, file, {"format": "pt", "source": str(path), "dtype": dtype})
+        fsync_path(file)
+        os.replace(file, out)
     return out
 
 
@@ -146,11 +140,10 @@ def _by_dtype(tensors) -> str:
 
 def _describe_dcp(path: Path) -> list[tuple[str, Any]]:
     """Rows for a bare DCP optimizer checkpoint (``halfprec.distributed.checkpoint.save``), from its items."""
-    from .consolidate import read_checkpoint  # noqa: PLC0415 - imports torch.distributed.checkpoint
+    from .consolidate import hparam_groups, read_checkpoint  # noqa: PLC0415 - imports torch.distributed.checkpoint
 
     items = read_checkpoint(path)
     masters = {k: v for k, v in items.items() if k.startswith("master/")}
-    groups = sorted({int(k.split("/")[1]) for k in items if k.startswith("hparam/")})
     rows: list[tuple[str, Any]] = [
         ("path", str(path)),
         (
@@ -161,7 +154,7 @@ def _describe_dcp(path: Path) -> list[tuple[str, Any]]:
     ]
     if "scaler/scale" in items:
         rows.append(("loss scale", f"{float(items['scaler/scale']):g}"))
-    for gi in groups:
+    for gi in sorted(hparam_groups(items)):
         if f"hparam/{gi}/lr" in items:
             rows.append((f"group {gi} lr", f"{float(items[f'hparam/{gi}/lr']):g}"))
     rows += [

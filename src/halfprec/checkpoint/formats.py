@@ -1,10 +1,7 @@
-"""Which kind of checkpoint a directory holds, as its writer recorded it in ``manifest.json``.
+"""Which kind of checkpoint a directory holds, as its writer recorded it in ``manifest.json`` (key ``layout``).
 
-The engine's ``<tag>`` directory with ``optimizer.pt`` (:data:`ENGINE`), the same with the optimizer as a DCP
-directory ``optimizer/`` (:data:`ENGINE_SHARDED`, ZeRO-1/2), and a bare optimizer checkpoint of
-``halfprec.distributed.checkpoint.save`` (:data:`DCP`). Writers record it (key ``layout``; a DCP directory gets
-a small manifest of its own), so readers never guess from the files present, except for checkpoints written
-before the layout was recorded (by the rule of that time: where DCP's ``.metadata`` is).
+Readers never guess from the files present, except for checkpoints written before the layout was recorded (by the
+rule of that time: where DCP's ``.metadata`` is).
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ __all__ = [
     "ENGINE_SHARDED",
     "DCP",
     "layout_of",
+    "peek_manifest",
 ]
 
 FORMAT = "halfprec-checkpoint/2"  # /2: the manifest carries its own SHA-256
@@ -38,22 +36,29 @@ DCP = "dcp"
 _LAYOUTS = (ENGINE, ENGINE_SHARDED, DCP)
 
 
-def layout_of(path: str | Path, manifest: dict[str, Any] | None = None) -> str | None:
-    """:data:`ENGINE`, :data:`ENGINE_SHARDED` or :data:`DCP` for the checkpoint at ``path``; None if there is none.
+def peek_manifest(path: Path) -> dict[str, Any] | None:
+    """``<path>/manifest.json`` as written, unverified, for a look before a reader verifies it: None when there
+    is none, ``{}`` when it is unreadable or no JSON object (its reader names the damage)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
 
-    ``manifest`` is the already read (and verified) ``manifest.json`` of ``path``, if the caller has it. An
-    unreadable manifest counts as an engine checkpoint's: its reader then names the damage.
+
+def layout_of(path: str | Path, manifest: dict[str, Any] | None = None) -> str | None:
+    """:data:`ENGINE`, :data:`ENGINE_SHARDED` (its optimizer a DCP directory ``optimizer/``) or :data:`DCP` (a
+    bare ``halfprec.distributed.checkpoint.save``) for the checkpoint at ``path``; None if there is none.
+
+    ``manifest`` is the already verified ``manifest.json`` of ``path``, if the caller has it. An unreadable
+    manifest counts as an engine checkpoint's: its reader then names the damage.
     """
     path = Path(path)
-    if manifest is None:
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except (FileNotFoundError, NotADirectoryError):  # none, or older: a bare DCP checkpoint had .metadata
-            return DCP if (path / ".metadata").is_file() else None
-        except (OSError, ValueError):
-            return ENGINE
-    if not isinstance(manifest, dict):
-        return ENGINE
+    manifest = peek_manifest(path) if manifest is None else manifest
+    if manifest is None:  # none, or older: a bare DCP checkpoint had .metadata
+        return DCP if (path / ".metadata").is_file() else None
     if manifest.get("format") in (DCP_FORMAT, *DCP_LEGACY_FORMATS):
         return DCP
     layout = manifest.get("layout")
