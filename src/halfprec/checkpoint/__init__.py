@@ -1,9 +1,8 @@
 """Checkpoints: the engine's directory format, reshardable DCP optimizer checkpoints, export of weights.
 
-One package so that both formats share one atomic commit (``atomic``), one record of which format a directory
-holds (``formats``) and one reader (``read``). ``from halfprec import checkpoint as ckpt`` gives the directory
-format's functions. ``dcp`` (public as ``halfprec.distributed.checkpoint``), ``consolidate`` and ``export`` import
-``torch.distributed.checkpoint`` or the optimizers, so they are imported on use.
+Both formats share one atomic commit (``atomic``), one record of the layout (``formats``) and one reader
+(``read``). This package gives the directory format's functions; ``dcp`` (public as
+``halfprec.distributed.checkpoint``), ``consolidate`` and ``export`` import heavier modules, so on use.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Read a halfprec optimizer checkpoint (any world size) into whole tensors, without a process group.
+"""Read a halfprec DCP optimizer checkpoint (any world size) into whole tensors, without a process group.
 
-``halfprec export`` calls ``consolidate(dir)`` to get the FP32 weights keyed by parameter name and writes
-them as safetensors. Every file is verified against the checkpoint's manifest first (``safe_dcp.open_checkpoint``);
-nothing but ``.metadata`` is unpickled, and that through an allow-list.
+Every file is verified against the checkpoint's manifest first (``safe_dcp.open_checkpoint``).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from ..optim.state import is_elementwise
 from .atomic import commit, remove_if_dead
 from .atomic import held as held_dir  # ``held`` names what a rank holds here
 from .consolidate import hparam_groups
+from .directory import reraised
 from .directory import seal as seal_directory
 from .formats import DCP, DCP_FORMAT, MANIFEST
 from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, open_checkpoint
@@ -68,10 +69,6 @@ def _run_dcp(run, state_dict: dict[str, torch.Tensor], group, planner, **storage
 def _barrier(group) -> None:
     if _distributed():
         dist.barrier(group=group)
-
-
-def _rank(group) -> int:
-    return dist.get_rank(group) if _distributed() else 0
 
 
 # --- optimizer access: what this rank holds, in model space ------------------------------------------------
@@ -176,14 +173,11 @@ def _hparam_tensor(value: Any) -> torch.Tensor | None:
 
 # --- save -------------------------------------------------------------------------------------------------
 def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None) -> Path:
-    """Write ``optimizer`` (any ``MixedPrecisionOptimizer``: exact, fused or sharded) to the directory ``path``,
-    atomically. Collective when distributed.
-
-    ``named_parameters`` (the model) is needed for an unsharded optimizer. Returns ``path``.
-    """
+    """Write ``optimizer`` (any ``MixedPrecisionOptimizer``; an unsharded one needs ``named_parameters``, the
+    model) to the directory ``path``, atomically; returns ``path``. Collective when distributed."""
     path = Path(path)
     group = getattr(optimizer, "process_group", process_group)
-    rank = _rank(group)
+    rank = dist.get_rank(group) if _distributed() else 0
     held, every, full = _model_space(optimizer, named_parameters)
     state_dict: dict[str, torch.Tensor] = {}
     chunks: dict[str, tuple[int, int]] = {}
@@ -278,14 +272,10 @@ def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, pr
     skipped = items.get("counters/skipped_steps")
     if skipped is None or skipped.dtype != torch.int64 or skipped.dim() or int(skipped) < 0:
         raise ValueError(f"{path}: counters/skipped_steps is missing or not a non-negative integer")
-    masters: dict[int, torch.Tensor] = {}
-    states: dict[int, dict[str, torch.Tensor]] = {id(h): {} for h in held}
+    states: dict[int, dict[str | None, torch.Tensor]] = {id(h): {} for h in held}  # key None: the master
     for item, h, key, elementwise in plan:
-        value = items[item].view(h.master.shape) if elementwise else items[item]
-        if key is None:
-            masters[id(h)] = value
-        else:
-            states[id(h)][key] = value
+        states[id(h)][key] = items[item].view(h.master.shape) if elementwise else items[item]
+    masters = {i: state.pop(None) for i, state in states.items() if None in state}
     if full is None:
         return lambda: _apply_sharded(optimizer, held, masters, states, hparams, scaler_state, int(skipped))
     for h in held:
@@ -338,10 +328,8 @@ def _check_kinds(path: Path, saved: dict, optimizer) -> None:
             if theirs == set(mine)
             else f"loss scaler with the fields {sorted(theirs)}"
         )
-    try:
+    with reraised(ValueError, f"checkpoint {path}", ValueError):
         optimizer.loss_scaler.check_state_dict({"type": scaler})
-    except ValueError as e:
-        raise ValueError(f"checkpoint {path}: {e}") from e
 
 
 def _saved_keys(path: Path, saved: dict, h: _Held) -> list[tuple[str, bool]]:
@@ -398,10 +386,8 @@ def _scaler_state(path: Path, items: dict[str, torch.Tensor], scaler) -> dict[st
     for key, value in state.items():
         if f"scaler/{key}" in items:
             state[key] = _number(value, items[f"scaler/{key}"].item())
-    try:
+    with reraised(ValueError, str(path), ValueError):
         copy.deepcopy(scaler).load_state_dict(state)  # its own checks, on a copy: nothing changes here
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
     return state
 
 

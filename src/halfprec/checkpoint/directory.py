@@ -48,6 +48,7 @@ __all__ = [
     "save_safetensors",
     "writing",
     "read_latest",
+    "reraised",
 ]
 
 LATEST = "latest"
@@ -57,6 +58,15 @@ LOCK = ".lock"  # held by every save into the directory (``locked``)
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, corrupted or of another model."""
+
+
+@contextlib.contextmanager
+def reraised(errors: Any, what: str, kind: type[Exception] = CheckpointError) -> Iterator[None]:
+    """Re-raise ``errors`` (a type or a tuple) as ``kind(f"{what}: {error}")``, chained."""
+    try:
+        yield
+    except errors as e:
+        raise kind(f"{what}: {e}") from e
 
 
 # --- writing ---------------------------------------------------------------------------------------------

@@ -1,14 +1,14 @@
-"""Consolidated weights from a checkpoint: the fp32 masters under the model's own state-dict names.
+"""Consolidated weights from a checkpoint of any layout: the fp32 masters under the model's state-dict names.
 
-Serves ``halfprec export`` (:func:`export`) and ``halfprec inspect`` (:func:`describe`, not ``inspect``, which would
-shadow the standard library's module of that name) for every layout (``formats``): the engine's directory with an
-unsharded or a sharded optimizer, and a bare DCP optimizer checkpoint.
+Serves ``halfprec export`` (:func:`export`) and ``halfprec inspect`` (:func:`describe`: ``inspect`` would shadow
+the standard library's module).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,9 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
 
 
 def _read_engine(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-    """``(manifest, weights, masters, counters)`` of an engine checkpoint, read under its directory's lock (see
-    ``Engine.load_checkpoint``): the fp32 masters by parameter name (sharded: from its DCP optimizer files) and
-    the counters as its files hold them, cross-checked against the manifest's (``read.check_counters``), so that
-    what ``inspect`` shows is what a load restores."""
+    """``(manifest, weights, masters, counters)`` of an engine checkpoint, read under its directory's lock: the
+    fp32 masters by parameter name and the counters as its files hold them, cross-checked against the
+    manifest's, so that what ``inspect`` shows is what a load restores."""
     with reading(path.parent):
         manifest = ckpt.read_manifest(path)
         weights = ckpt.load_weights(path, manifest)
@@ -85,9 +84,8 @@ def _read_engine(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], d
 def export(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32") -> Path:
     """Write :func:`consolidated_weights` to a safetensors file loadable with ``safetensors.torch.load_file``.
 
-    The file appears whole or not at all: it is written inside a hidden temporary directory next to ``out``
-    (held while in use, see ``atomic.held``), given the mode a new file gets under the umask, and renamed onto
-    ``out``. A failure leaves nothing behind; what a killed export left is removed by the next export to ``out``.
+    The file appears whole or not at all: it is written in a hidden temporary directory next to ``out`` and
+    renamed onto it. What a killed export left is removed by the next export to ``out``.
     """
     out = Path(out)
     if out.is_dir():
@@ -131,10 +129,9 @@ def describe(path: str | os.PathLike) -> list[tuple[str, Any]]:
 
 
 def _by_dtype(tensors) -> str:
-    counts: dict[str, int] = {}
+    counts: Counter[str] = Counter()
     for tensor in tensors:
-        name = str(tensor.dtype).replace("torch.", "")
-        counts[name] = counts.get(name, 0) + tensor.numel()
+        counts[str(tensor.dtype).replace("torch.", "")] += tensor.numel()
     return ", ".join(f"{k}: {v:,}" for k, v in sorted(counts.items()))
 
 

@@ -1,7 +1,7 @@
 """Reading a checkpoint directory: find it (``latest``, tags, a DCP directory), verify it, load its files.
 
-Every reader goes through these few functions: the manifest is verified (sizes, SHA-256, its own digest, the
-directory's name) before any file is used, for the engine's format and DCP's alike, and ``*.pt`` files load with ``torch.load(weights_only=True)``, so no code from the file runs.
+Every reader goes through these functions: the manifest is verified before any file is used, for the engine's
+format and DCP's alike.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .atomic import located
-from .directory import LATEST, CheckpointError, _digest, _manifest_digest, check_tag, read_latest
+from .directory import LATEST, CheckpointError, _digest, _manifest_digest, check_tag, read_latest, reraised
 from .formats import DCP_FORMAT, DCP_LEGACY_FORMATS, FORMAT, LEGACY_FORMATS, MANIFEST, layout_of
 
 __all__ = ["resolve", "read_manifest", "read_dcp_manifest", "check_counters", "load_weights", "load_pt"]
@@ -111,10 +111,8 @@ def _manifest_json(path: Path) -> Any:
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
         raise CheckpointError(f"{manifest_path} is missing: the checkpoint is incomplete")
-    try:
+    with reraised((json.JSONDecodeError, UnicodeDecodeError), f"{manifest_path} is corrupted"):
         return json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{manifest_path} is corrupted: {e}") from e
 
 
 def _verify(
@@ -175,10 +173,8 @@ def load_weights(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    try:
+    with reraised(SafetensorError, f"cannot read {path / 'model.safetensors'}"):
         weights = load_file(str(path / "model.safetensors"))
-    except SafetensorError as e:
-        raise CheckpointError(f"cannot read {path / 'model.safetensors'}: {e}") from e
     for alias, name in manifest.get("ties", {}).items():
         weights[alias] = weights[name]
     return weights
@@ -186,8 +182,5 @@ def load_weights(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor
 
 def load_pt(path: Path, name: str) -> Any:
     """``<path>/<name>.pt`` through ``torch.load(weights_only=True)``: plain data only, no code runs."""
-    file = path / f"{name}.pt"
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"cannot load {file} with weights_only=True: {e}") from e
+    with reraised(Exception, f"cannot load {path / name}.pt with weights_only=True"):
+        return torch.load(path / f"{name}.pt", map_location="cpu", weights_only=True)

@@ -1,9 +1,8 @@
 """DCP plumbing: a metadata reader that runs no code from the file, and planners for 1-D chunks of tensors.
 
 DCP's ``FileSystemReader.read_metadata`` is a plain ``pickle.load`` of ``.metadata``, and its byte items are
-read with ``torch.load(weights_only=False)``: either can run arbitrary code. ``SafeFileSystemReader`` unpickles
-``.metadata`` with an allow-list of DCP's metadata classes (and the torch dtypes, sizes and layouts they hold);
-halfprec checkpoints hold tensors only, and loaders refuse any byte item before it is read.
+read with ``torch.load(weights_only=False)``: either can run arbitrary code. Here ``.metadata`` is unpickled
+through an allow-list, and byte items are refused before they are read.
 
 A sharded optimizer owns a contiguous range ``[lo, hi)`` of each flattened param: the planners write and read
 such a range as a chunk of the 1-D global tensor, so DCP reshards between any two world sizes.
@@ -42,27 +41,15 @@ from .read import read_dcp_manifest
 
 __all__ = ["SafeFileSystemReader", "ChunkSavePlanner", "ChunkLoadPlanner", "open_checkpoint"]
 
+_METADATA_CLASSES = """Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata TensorProperties
+    MetadataIndex StorageMeta _MEM_FORMAT_ENCODING"""
 _ALLOWED = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
+    *(("torch.distributed.checkpoint.metadata", name) for name in _METADATA_CLASSES.split()),
+    *(("pathlib", name) for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # maps a layout's name ("torch.strided") to the layout object
     ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
 }
 
 
