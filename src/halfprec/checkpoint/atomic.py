@@ -1,9 +1,8 @@
 """The one directory commit of every checkpoint format, crash-safe, and the removal of leftovers no writer holds.
 
 POSIX ``rename`` cannot replace a non-empty directory, so :func:`commit` replaces one in two renames: the existing
-``final`` goes to ``.<name>.replaced`` (a fixed name, found again by :func:`located` for readers and by
-:func:`recover` for the next save), then ``tmp`` becomes ``final``. The aside is renamed to a unique
-``.<name>.trash-*`` before it is deleted, so a ``.<name>.replaced`` is always whole.
+``final`` goes to ``.<name>.replaced`` (found again by :func:`located` for readers and by :func:`recover` for the
+next save), then ``tmp`` becomes ``final``.
 
 A writer holds an exclusive ``flock(2)`` on its temporary file or directory while it uses it (:func:`held`); the
 kernel drops it when the process dies, so :func:`remove_if_dead` removes a leftover only if it can take that lock
@@ -106,8 +105,7 @@ def located(final: Path) -> Path:
 def _discard(final: Path) -> None:
     """Remove ``final``'s aside, renaming it out of the way first so that a crash never leaves it half-removed."""
     trash = final.with_name(_TRASH.format(final.name) + unique_suffix())
-    path = _aside(final)
-    os.rename(path, trash)
+    os.rename(_aside(final), trash)
     shutil.rmtree(trash, ignore_errors=True)
 
 

@@ -256,12 +256,11 @@ def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, pr
     _check_names(path, saved, every)
     _check_kinds(path, saved, optimizer)
     plan = _plan(held, lambda h: _saved_keys(path, saved, h))
-    items: dict[str, torch.Tensor] = {}
-    chunks: dict[str, int] = {}
-    for item, h, _key, elementwise in plan:
-        items[item] = torch.empty(h.master.numel() if elementwise else (), dtype=saved[item].properties.dtype)
-        if elementwise:
-            chunks[item] = h.lo
+    items = {
+        item: torch.empty(h.master.numel() if elementwise else (), dtype=saved[item].properties.dtype)
+        for item, h, _, elementwise in plan
+    }
+    chunks = {item: h.lo for item, h, _, elementwise in plan if elementwise}
     for item, md in saved.items():
         if item.startswith(("hparam/", "scaler/", "counters/", "group/", "shape/")):
             items[item] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
@@ -294,14 +293,14 @@ def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, pr
 
 
 def _check_names(path: Path, saved: dict, every: list) -> None:
-    mine = {n: (s, g) for n, s, g in every if math.prod(s) > 0}
+    mine = {n: s for n, s, _ in every if math.prod(s) > 0}
     theirs = {k[len("master/") :] for k in saved if k.startswith("master/")}
     missing, extra = sorted(set(mine) - theirs), sorted(theirs - set(mine))
     if missing or extra:
         raise ValueError(
             f"{path} does not match this model: missing params {missing}, unexpected params {extra}"
         )
-    for name, (shape, _) in mine.items():
+    for name, shape in mine.items():
         if tuple(saved[f"master/{name}"].size) != (math.prod(shape),):
             raise ValueError(
                 f"{path}: param {name!r} has {saved[f'master/{name}'].size} elements saved, shape {tuple(shape)} here"

@@ -233,8 +233,7 @@ def prepare(
     with a warning instead of blocking it, and removed at the next save.
     """
     root, final = _checked(directory, tag, keep_last)
-    if root.is_dir():
-        recover(final)
+    recover(final)
     _refuse_foreign(final, tag)
     unpublished = False
     if final.exists() or final.is_symlink():
@@ -244,8 +243,7 @@ def prepare(
                 f"checkpoint {final} already exists and tags are immutable; pick another tag or pass "
                 "overwrite=True"
             )
-    if root.is_dir():
-        _remove_leftovers(root)
+    _remove_leftovers(root)
     if unpublished:
         aside = root / f".{tag}.unpublished-{unique_suffix()}"
         os.rename(final, aside)
@@ -255,7 +253,6 @@ def prepare(
             RuntimeWarning,
             stacklevel=5,
         )
-    root.mkdir(parents=True, exist_ok=True)
     return root, final
 
 
