@@ -81,12 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default: cpu)")
     add("--steps", type=int, default=200, help="optimizer steps per precision (default: 200)")
     add("--precisions", default=",".join(PRECISIONS), help="comma-separated subset of fp32,bf16,fp16")
-    add(
-        "--out",
-        type=Path,
-        default=Path("halfprec-demo"),
-        help="directory for the PNG and checkpoints (default: ./halfprec-demo)",
-    )
+    add("--out", type=Path, default="halfprec-demo", help="plot and checkpoint folder (default: %(default)s)")
     add("--seed", type=int, default=0, help="seeds the model's init and the batches (default: 0)")
     add("--batch-size", type=int, default=16, help="sequences per step (default: 16)")
     add("--seq-len", type=int, default=128, help="bytes per sequence (default: 128)")
