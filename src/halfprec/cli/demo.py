@@ -314,8 +314,7 @@ def _first_difference(a: Any, b: Any, where: str) -> str | None:
 # --- the CLI's edge: flags -> specs; results -> table and PNG --------------------------------------------
 def _specs(args: argparse.Namespace) -> list[RunSpec]:
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
-    bad = [p for p in precisions if p not in PRECISIONS]
-    if bad or not precisions or len(set(precisions)) != len(precisions):
+    if not precisions or not set(precisions) <= set(PRECISIONS) or len(set(precisions)) != len(precisions):
         raise ValueError(f"--precisions {args.precisions!r}: give distinct names from {','.join(PRECISIONS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but torch sees no CUDA device; run with --device cpu")
@@ -487,13 +486,12 @@ def _plot(results: list[RunResult], path: Path) -> Path:
         gridspec_kw={"height_ratios": list(heights.values())},
     )  # fmt: skip
     ax = dict(zip(heights, axes[:, 0], strict=True))
+    steps = range(1, len(results[0].losses) + 1)  # every run takes the same steps
 
     a = ax["loss"]
     for r in results:
         c = colors[r.precision]
-        a.plot(
-            range(1, len(r.losses) + 1), r.losses, color=c, lw=0.8, alpha=0.6, label=f"{r.precision} train"
-        )
+        a.plot(steps, r.losses, color=c, lw=0.8, alpha=0.6, label=f"{r.precision} train")
         a.plot(*zip(*r.val_curve, strict=True), "o-", color=c, ms=4, label=f"{r.precision} val")
     a.axhline(math.log(256), color="grey", ls=":", lw=0.8, label="uniform bytes (5.55)")
     a.set_ylabel("loss (nats/byte)")
@@ -510,8 +508,8 @@ def _plot(results: list[RunResult], path: Path) -> Path:
             d = [x - y for x, y in zip(r.losses, fp32.losses, strict=True)]
             trend = [sum(d[i - 10 : i]) / 10 for i in range(10, len(d) + 1)]
             trends += trend[len(d) // 10 :] or [0.05]
-            a.plot(range(1, len(d) + 1), d, color=c, lw=0.5, alpha=0.3)
-            a.plot(range(10, len(d) + 1), trend, color=c, lw=1.5, label=f"{r.precision} - fp32")
+            a.plot(steps, d, color=c, lw=0.5, alpha=0.3)
+            a.plot(steps[9:], trend, color=c, lw=1.5, label=f"{r.precision} - fp32")
             vd = [(s, v - v32) for (s, v), (_, v32) in zip(r.val_curve, fp32.val_curve, strict=True)]
             a.plot(*zip(*vd, strict=True), "o", color=c, ms=4, label=f"{r.precision} - fp32, val")
         a.axhline(0.0, color="grey", lw=0.8)
@@ -522,8 +520,7 @@ def _plot(results: list[RunResult], path: Path) -> Path:
 
     if fp16:
         a = ax["scale"]
-        a.step(range(1, len(fp16.loss_scales) + 1), fp16.loss_scales, where="post", color=colors["fp16"],
-               label="fp16 loss scale")  # fmt: skip
+        a.step(steps, fp16.loss_scales, where="post", color=colors["fp16"], label="fp16 loss scale")
         skips = [i + 1 for i, s in enumerate(fp16.skipped) if s]
         a.plot(skips, [fp16.loss_scales[i - 1] for i in skips], "rx", label=f"skipped step ({len(skips)})")
         a.set_yscale("log", base=2)
