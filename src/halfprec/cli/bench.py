@@ -47,14 +47,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from .bench_step import format_table, run_bench
 
-    result = run_bench(
-        workload=args.workload,
-        optimizers=args.optimizers.split(","),
-        dtypes=args.dtypes.split(","),
-        impls=args.impls.split(","),
-        warmup=args.warmup,
-        iters=args.iters,
-    )
+    lists = {name: getattr(args, name).split(",") for name in ("optimizers", "dtypes", "impls")}
+    result = run_bench(workload=args.workload, warmup=args.warmup, iters=args.iters, **lists)
     print(format_table(result))
     args.json.write_text(json.dumps(result, indent=2))
     print(f"results written to {args.json}")

@@ -1,9 +1,8 @@
 """``halfprec demo``: train one small GPT in FP32, BF16 and FP16 and compare; then prove resume is bit-exact.
 
 Each precision trains in a fresh child process (so its peak memory is its own) from the same fp32 init and
-batches, through ``halfprec.initialize``. The resume check runs in one precision's child: its checkpoint from
-half-way is loaded into a fresh engine, trained to the end and compared with the uninterrupted run, every loss
-and state tensor bit for bit; a mismatch makes the exit status non-zero.
+batches, through ``halfprec.initialize``; the resume check runs in one precision's child (``_resume_check``),
+and a mismatch makes the exit status non-zero.
 """
 
 from __future__ import annotations
