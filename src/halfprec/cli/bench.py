@@ -22,22 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--optimizers", default="adamw", help="comma list of adamw, sgd, adagrad, lamb (lamb: fused only)")
     add("--dtypes", default="float16", help="comma list of float16, bfloat16")
     add("--impls", default="fused,torch,plain", help="comma list of fused, torch, plain")
-    add(
-        "--warmup",
-        type=int,
-        default=5,
-        help="untimed steps first, for compilation and caches (default %(default)s)",
-    )
-    add(
-        "--iters",
-        type=int,
-        default=20,
-        help="timed steps; the table gives their median (default %(default)s)",
-    )
+    add("--warmup", type=int, default=5, help="untimed steps first, for compilation and caches (default 5)")
+    add("--iters", type=int, default=20, help="timed steps; the table gives their median (default 20)")
     add(
         "--json",
         type=Path,
-        default=Path("halfprec-bench.json"),
+        default="halfprec-bench.json",
         help="where the JSON results go (default %(default)s)",
     )
 
@@ -57,14 +47,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from .bench_step import format_table, run_bench
 
-    result = run_bench(
-        workload=args.workload,
-        optimizers=args.optimizers.split(","),
-        dtypes=args.dtypes.split(","),
-        impls=args.impls.split(","),
-        warmup=args.warmup,
-        iters=args.iters,
-    )
+    lists = {name: getattr(args, name).split(",") for name in ("optimizers", "dtypes", "impls")}
+    result = run_bench(workload=args.workload, warmup=args.warmup, iters=args.iters, **lists)
     print(format_table(result))
     args.json.write_text(json.dumps(result, indent=2))
     print(f"results written to {args.json}")

@@ -1,13 +1,14 @@
-"""Timing of one mixed-precision optimizer step: the fused path, the generic torch path, the plain torch pipeline.
+"""Timing of one mixed-precision optimizer step: fused path, generic torch path, plain torch pipeline.
 
-What is timed: ``step()`` only, grads in place (backward is the same for all three; the fused grad marks are set
-outside the timed region), as the median of CUDA-event timings after warm-up; against the copy bandwidth of the
-same run and the bytes floor of the algorithm (AdamW: grads read twice, master, m, v read and written, the 16-bit
-param written: 30 B/param; SGD with momentum and Adagrad: 22 B/param).
+What is timed: ``step()`` only, grads in place (backward is the same for all three; the fused grad marks are
+set outside the timed region), as the median of CUDA-event timings after warm-up; against the copy bandwidth
+of the same run and the bytes floor of the algorithm (``FLOOR_BYTES``).
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import statistics
 import warnings
 from dataclasses import asdict, dataclass
@@ -29,7 +30,8 @@ __all__ = [
     "run_bench",
 ]
 
-# LAMB: the three-pass design's bytes (norm 2 + stage 22 + apply 18); torch has no LAMB to compare with
+# Bytes per param: AdamW reads the grads twice (norm, update), reads and writes master, m, v and writes the
+# 16-bit param; SGD with momentum and Adagrad: 22; LAMB: its three passes (norm 2 + stage 22 + apply 18).
 FLOOR_BYTES = {"adamw": 30, "sgd": 22, "adagrad": 22, "lamb": 42}
 # name -> list of param shapes (268M: 16 weights of 4096x4096 and 16 biases of 4096)
 WORKLOADS = {
@@ -58,15 +60,14 @@ class BenchRow:
 
 def _time(fn, before=None, *, warmup: int, iters: int) -> float:
     """Median ms of ``fn`` over ``iters`` back-to-back runs (no sync between them, as in a training loop)."""
+    before = before or (lambda: None)
     for _ in range(warmup):
-        if before is not None:
-            before()
+        before()
         fn()
     torch.cuda.synchronize()
     events = []
     for _ in range(iters):
-        if before is not None:
-            before()
+        before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -108,14 +109,14 @@ def _torch_opt(name, params, *, fused=None):
 
 
 def bench_fused_optimizer(name, params):
-    """The fused optimizer ``name`` over ``params`` with the bench's settings (clipping at 1.0; fp16 scaled)."""
+    """The fused optimizer ``name`` over ``params`` as the bench times it (clipping at 1.0; fp16 scaled)."""
     _, cls, hyper = _OPTIMIZERS[name]
     scaler = halfprec.DynamicLossScaler() if params[0].dtype == torch.float16 else None
     return cls(params, **hyper, loss_scaler=scaler, max_grad_norm=1.0)
 
 
 class _PlainPipeline:
-    """The plain torch master-weights pipeline: copy grads, GradScaler-style unscale, clip, fused step, copy back."""
+    """The plain torch master weights: copy grads, GradScaler-style unscale, clip, fused step, copy back."""
 
     def __init__(self, name, params):
         self.params = params
@@ -166,13 +167,12 @@ def _extra_mib(fn, before=None) -> float:
 
 
 def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) -> dict[str, Any]:
-    """One implementation's measured ``BenchRow`` fields: n_params, ms, extra_mib (fused: also the skipped-step
-    and CUDA-graph times)."""
+    """One impl's measured ``BenchRow`` fields (fused: also the skipped-step and CUDA-graph times)."""
     params = bench_params(shapes, dtype)
     row = {"n_params": sum(p.numel() for p in params)}
     if impl == "fused":
         opt = bench_fused_optimizer(name, params)
-        mark, fn = opt.mark_grads, opt.step  # mark_grads: what backward's hooks do
+        mark = opt.mark_grads  # what backward's hooks do
     elif impl == "torch":
         opt = halfprec.MixedPrecisionOptimizer(_torch_opt(name, params), max_grad_norm=1.0, impl="torch")
 
@@ -181,12 +181,10 @@ def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) ->
             for p in params:
                 p.grad = p.grad.detach()
 
-        fn = opt.step
     else:
-        opt = _PlainPipeline(name, params)
-        mark, fn = None, opt.step
-    row["ms"] = _time(fn, mark, warmup=warmup, iters=iters)
-    row["extra_mib"] = _extra_mib(fn, mark)
+        opt, mark = _PlainPipeline(name, params), None
+    row["ms"] = _time(opt.step, mark, warmup=warmup, iters=iters)
+    row["extra_mib"] = _extra_mib(opt.step, mark)
     if impl == "fused":
         grad = params[0].grad.view(-1)  # a view of the optimizer's flat grad buffer since its first step
 
@@ -197,13 +195,13 @@ def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) ->
             grad[0] = 0.0
             return ms
 
-        row["skipped_ms"] = overflowing(fn)
+        row["skipped_ms"] = overflowing(opt.step)
         # the same step replayed from a CUDA graph: GPU time without Python launch overhead
         graph = _capture(opt, mark)
         row["graph_ms"] = _time(graph.replay, mark, warmup=2, iters=iters)
         row["graph_skipped_ms"] = overflowing(graph.replay)
         del graph
-    params = fn = opt = None  # freed for empty_cache()
+    params = opt = None  # freed for empty_cache()
     torch.cuda.empty_cache()
     return row
 
@@ -220,16 +218,7 @@ def run_bench(
     """Measure every (optimizer, dtype, impl); returns {"copy_gbps", "rows", ...} (rows as dicts)."""
     if not torch.cuda.is_available():
         raise RuntimeError("halfprec bench needs a CUDA device")
-    import logging
-
     logging.getLogger("halfprec").setLevel(logging.ERROR)  # the timed overflow steps would log each skip
-    with warnings.catch_warnings():
-        # the bench writes loss-scaled grads by hand, which the unscaled-backward warning would flag
-        warnings.filterwarnings("ignore", message=r"halfprec: step\(\) after a backward")
-        return _run(workload, optimizers, dtypes, impls, warmup, iters)
-
-
-def _run(workload, optimizers, dtypes, impls, warmup, iters) -> dict[str, Any]:
     try:
         import triton
 
@@ -237,36 +226,28 @@ def _run(workload, optimizers, dtypes, impls, warmup, iters) -> dict[str, Any]:
     except ImportError:
         triton_version = "n/a"
     bw = copy_bandwidth()
-    shapes = WORKLOADS[workload]
     rows: list[BenchRow] = []
-    for name in optimizers:
-        for dtype_name in dtypes:
-            dtype = getattr(torch, dtype_name)
-            results = {}
-            for impl in ("plain", "torch", "fused"):
-                if impl not in impls or (name == "lamb" and impl != "fused"):
-                    continue
-                try:
+    shapes = WORKLOADS[workload]
+    for name, dtype_name in itertools.product(optimizers, dtypes):
+        dtype, results = getattr(torch, dtype_name), {}
+        for impl in ("plain", "torch", "fused"):
+            if impl not in impls or (name == "lamb" and impl != "fused"):
+                continue
+            try:
+                with warnings.catch_warnings():
+                    # loss-scaled grads written by hand would trigger the unscaled-backward warning
+                    warnings.filterwarnings("ignore", message=r"halfprec: step\(\) after a backward")
                     results[impl] = _measure(impl, name, shapes, dtype, warmup=warmup, iters=iters)
-                except Exception as e:  # one failing configuration must not lose the others
-                    print(f"bench: {name} {dtype_name} {impl} failed: {type(e).__name__}: {e}")
-                    torch.cuda.empty_cache()
-            plain_ms = results.get("plain", {}).get("ms")
-            for impl, measured in results.items():
-                floor_ms = FLOOR_BYTES[name] * measured["n_params"] / (bw * 1e9) * 1e3
-                gbps = FLOOR_BYTES[name] * measured["n_params"] / (measured["ms"] * 1e-3) / 1e9
-                rows.append(
-                    BenchRow(
-                        impl=impl,
-                        optimizer=name,
-                        dtype=dtype_name,
-                        gbps=gbps,
-                        pct_copy_bw=100 * gbps / bw,
-                        x_floor=measured["ms"] / floor_ms,
-                        vs_plain=None if plain_ms is None else plain_ms / measured["ms"],
-                        **measured,
-                    )
-                )
+            except Exception as e:  # one failing configuration must not lose the others
+                print(f"bench: {name} {dtype_name} {impl} failed: {type(e).__name__}: {e}")
+                torch.cuda.empty_cache()
+        plain_ms = results.get("plain", {}).get("ms")
+        for impl, m in results.items():
+            x_floor = m["ms"] / (FLOOR_BYTES[name] * m["n_params"] / (bw * 1e9) * 1e3)
+            gbps = FLOOR_BYTES[name] * m["n_params"] / (m["ms"] * 1e-3) / 1e9
+            vs_plain = None if plain_ms is None else plain_ms / m["ms"]
+            rates = dict(gbps=gbps, pct_copy_bw=100 * gbps / bw, x_floor=x_floor, vs_plain=vs_plain)
+            rows.append(BenchRow(impl=impl, optimizer=name, dtype=dtype_name, **rates, **m))
     return {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -278,22 +259,21 @@ def _run(workload, optimizers, dtypes, impls, warmup, iters) -> dict[str, Any]:
 
 
 def format_table(result: dict[str, Any]) -> str:
+    def cell(value: float | None, spec: str) -> str:  # a measurement the impl does not make is left blank
+        return "" if value is None else format(value, spec)
+
     lines = [
         f"device {result['device']}, torch {result['torch']}, triton {result['triton']}, workload "
         f"{result['workload']}, copy bandwidth {result['copy_gbps']:.0f} GB/s",
-        "| impl | optimizer | dtype | N params | ms | floor ms | x floor | GB/s | % copy BW | x faster than plain "
-        "| extra MiB | skipped-step ms | graph ms | graph skipped ms |",
+        "| impl | optimizer | dtype | N params | ms | floor ms | x floor | GB/s | % copy BW "
+        "| x faster than plain | extra MiB | skipped-step ms | graph ms | graph skipped ms |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        floor_ms = r["ms"] / r["x_floor"]
-        vs = "" if r["vs_plain"] is None else f"{r['vs_plain']:.2f}"
-        sk, gr, gs = (
-            "" if r[k] is None else f"{r[k]:.3f}" for k in ("skipped_ms", "graph_ms", "graph_skipped_ms")
-        )
         lines.append(
             f"| {r['impl']} | {r['optimizer']} | {r['dtype']} | {r['n_params'] / 1e6:.1f}M | {r['ms']:.3f} "
-            f"| {floor_ms:.3f} | {r['x_floor']:.2f} | {r['gbps']:.0f} | {r['pct_copy_bw']:.1f} | {vs} "
-            f"| {r['extra_mib']:.1f} | {sk} | {gr} | {gs} |"
+            f"| {r['ms'] / r['x_floor']:.3f} | {r['x_floor']:.2f} | {r['gbps']:.0f} | {r['pct_copy_bw']:.1f} "
+            f"| {cell(r['vs_plain'], '.2f')} | {r['extra_mib']:.1f} | {cell(r['skipped_ms'], '.3f')} "
+            f"| {cell(r['graph_ms'], '.3f')} | {cell(r['graph_skipped_ms'], '.3f')} |"
         )
     return "\n".join(lines)

@@ -1,10 +1,8 @@
 """``halfprec demo``: train one small GPT in FP32, BF16 and FP16 and compare; then prove resume is bit-exact.
 
-After checking every flag and printing how long it expects to take: each precision trains in a fresh child
-process (so its peak memory is its own) from the same fp32 init and batches, through ``halfprec.initialize``;
-then a table, a PNG, and the resume check (run inside one precision's child: its checkpoint from half-way is
-loaded into a fresh engine, trained to the end and compared with the uninterrupted run, every loss and state
-tensor bit for bit; a mismatch makes the exit status non-zero).
+Each precision trains in a fresh child process (so its peak memory is its own) from the same fp32 init and
+batches, through ``halfprec.initialize``; the resume check runs in one precision's child (``_resume_check``),
+and a mismatch makes the exit status non-zero.
 """
 
 from __future__ import annotations
@@ -82,24 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default: cpu)")
     add("--steps", type=int, default=200, help="optimizer steps per precision (default: 200)")
     add("--precisions", default=",".join(PRECISIONS), help="comma-separated subset of fp32,bf16,fp16")
-    add(
-        "--out",
-        type=Path,
-        default=Path("halfprec-demo"),
-        help="directory for the PNG and checkpoints (default: ./halfprec-demo)",
-    )
+    add("--out", type=Path, default="halfprec-demo", help="plot and checkpoint folder (default: %(default)s)")
     add("--seed", type=int, default=0, help="seeds the model's init and the batches (default: 0)")
     add("--batch-size", type=int, default=16, help="sequences per step (default: 16)")
     add("--seq-len", type=int, default=128, help="bytes per sequence (default: 128)")
     add("--n-layer", type=int, default=3, help="transformer blocks (default: 3)")
     add("--n-embd", type=int, default=128, help="model width, a multiple of 4 (default: 128)")
     add("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default: 3e-3)")
-    add(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: the idle cores this process may use, minus one; at least 1)",
-    )
+    add("--threads", type=int, help="torch threads (default: idle cores it may use, minus one; at least 1)")
     add("--corpus-bytes", type=int, default=None, help="read at most this many stdlib bytes (default: all)")
     add("--resume-check", default="auto", help="precision to resume-check, or 'none' (default: fp16 if run)")
     add("--break-resume", action="store_true", help=argparse.SUPPRESS)  # test hook: the check must then fail
@@ -138,18 +126,15 @@ def run(args: argparse.Namespace) -> int:
     for spec in specs:
         with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
             results.append(pool.submit(train_precision, spec).result())
-    elapsed = time.perf_counter() - start
 
     print(f"\n{_table(results, args.device)}")
     png = _plot(results, args.out / "demo.png")
     print(f"\nplot (loss curves, difference to fp32, loss scale): {png}")
     for spec, r in zip(specs, results, strict=True):
         if r.resume is not None:  # one precision at most
-            print(
-                f"checkpoint ({spec.precision}, step {spec.resume_at}): {Path(spec.checkpoint_dir).resolve()}"
-            )
-            print(r.resume)
-    print(f"done in {_minutes(elapsed)} (expected {_minutes(sum(seconds))})")
+            where = Path(spec.checkpoint_dir).resolve()
+            print(f"checkpoint ({spec.precision}, step {spec.resume_at}): {where}\n{r.resume}")
+    print(f"done in {_minutes(time.perf_counter() - start)} (expected {_minutes(sum(seconds))})")
     return 0 if all(r.resume_ok for r in results) else 1
 
 
@@ -182,15 +167,11 @@ def _build_engine(spec: RunSpec, *, init_seed: int) -> halfprec.Engine:
     # the three runs start from the same weights (not from three different roundings of them).
     model = GPT(GPTConfig(seq_len=spec.seq_len, n_layer=spec.n_layer, n_embd=spec.n_embd)).to(spec.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, _Schedule(spec.steps))
+    # growth_interval: the default (1000 clean steps before the scale doubles) is for long runs; a short demo
+    # grows it sooner, so the FP16 plot shows the scaler probing upwards and backing off when grads overflow.
     return halfprec.initialize(
-        model,
-        optimizer,
-        precision=spec.precision,
-        max_grad_norm=1.0,
-        # The default (1000 clean steps before the scale doubles) is for long runs; a short demo grows it
-        # sooner, so the FP16 plot shows the scaler probing upwards and backing off when grads overflow.
-        growth_interval=50,
-        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, _Schedule(spec.steps)),
+        model, optimizer, precision=spec.precision, max_grad_norm=1.0, growth_interval=50, lr_scheduler=sched
     )
 
 
@@ -219,7 +200,8 @@ def _train(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec, result: RunRe
     bar = tqdm(range(start, spec.steps), desc=desc, unit="step", file=sys.stderr)
     # The bar's own [elapsed<left] is this run's; "demo ETA" adds the runs still to come (the resume
     # check's second half when this run does it, then the parent's estimate of the later precisions).
-    later, t_start = spec.later_seconds, time.perf_counter()
+    resumed_steps = spec.steps - spec.resume_at if not start and spec.resume_at is not None else 0
+    t_start = time.perf_counter()
     for step in bar:
         t0 = time.perf_counter()
         # Batch `step` is a pure function of (seed, step): a resumed run sees the same batches.
@@ -244,11 +226,8 @@ def _train(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec, result: RunRe
             result.val_curve.append((step + 1, _evaluate(engine, corpus, spec)))
             engine.train()
         per_step = (time.perf_counter() - t_start) / (step + 1 - start)
-        left = spec.steps - step - 1
-        if not start and spec.resume_at is not None:
-            left += spec.steps - spec.resume_at
-        postfix = {"loss": f"{result.losses[-1]:.3f}", "scale": f"{record.loss_scale:g}"}
-        postfix["demo ETA"] = _minutes(left * per_step + later, short=True)
+        eta = _minutes((spec.steps - step - 1 + resumed_steps) * per_step + spec.later_seconds, short=True)
+        postfix = {"loss": f"{result.losses[-1]:.3f}", "scale": f"{record.loss_scale:g}", "demo ETA": eta}
         bar.set_postfix(postfix)  # a dict keeps this order (keyword arguments would be sorted)
     bar.close()
     return seconds
@@ -290,10 +269,9 @@ def _resume_check(
     # A different init seed, so that only the checkpoint can make the fresh model equal to the saved one.
     fresh = _build_engine(spec, init_seed=spec.seed + 1)
     client_state = fresh.load_checkpoint(spec.checkpoint_dir)
-    if spec.break_resume:
+    if spec.break_resume:  # test hook: a resume that is not exact must be caught
         with torch.no_grad():
-            w = next(fresh.module.parameters())
-            w.view(-1)[0] = w.view(-1)[0] + 1.0  # test hook: a resume that is not exact must be caught
+            next(fresh.module.parameters()).view(-1)[0] += 1.0
     resumed = RunResult(spec.precision)
     start = client_state["next_step"]
     _train(fresh, corpus, spec, resumed, start=start)
@@ -321,9 +299,7 @@ def _first_difference(a: Any, b: Any, where: str) -> str | None:
         same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
         return None if same and torch.equal(a, b) else f"{where} differs"
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return f"{where} has a different length"
-        a, b = dict(enumerate(a)), dict(enumerate(b))
+        a, b = dict(enumerate(a)), dict(enumerate(b))  # a different length: different keys
     if not (isinstance(a, dict) and isinstance(b, dict)):
         return None if a == b else f"{where}: {a!r} != {b!r}"
     if a.keys() != b.keys():
@@ -337,8 +313,7 @@ def _first_difference(a: Any, b: Any, where: str) -> str | None:
 # --- the CLI's edge: flags -> specs; results -> table and PNG --------------------------------------------
 def _specs(args: argparse.Namespace) -> list[RunSpec]:
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
-    bad = [p for p in precisions if p not in PRECISIONS]
-    if bad or not precisions or len(set(precisions)) != len(precisions):
+    if not precisions or not set(precisions) <= set(PRECISIONS) or len(set(precisions)) != len(precisions):
         raise ValueError(f"--precisions {args.precisions!r}: give distinct names from {','.join(PRECISIONS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but torch sees no CUDA device; run with --device cpu")
@@ -428,26 +403,19 @@ def _default_threads() -> int:
     return max(1, min(cores, cores - busy) - 1)
 
 
-def _startup_seconds() -> float:
-    """Seconds from this process's start to now (interpreter, torch, halfprec): what each child pays again."""
+def _estimate_seconds(specs: list[RunSpec]) -> list[float]:
+    """Seconds each run should take: three steps per precision timed now, in this process, plus startup (under
+    the machine's current load: an estimate, which the progress bars correct as they go)."""
+    # Each child pays this process's startup again (interpreter, torch, halfprec): from its start until now.
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
         uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return max(1.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+        startup = max(1.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
-        return 5.0  # no /proc (macOS, Windows): about what a 2-core Linux VM takes
-
-
-def _estimate_seconds(specs: list[RunSpec]) -> list[float]:
-    """Seconds each run should take: three timed steps per precision now, in this process, plus startup.
-
-    Taken under the load the machine has right now, so it is an estimate, not a promise; the progress bars
-    correct it as they go.
-    """
+        startup = 5.0  # no /proc (macOS, Windows): about what a 2-core Linux VM takes
     threads = torch.get_num_threads()
     torch.set_num_threads(specs[0].threads)
     try:
-        startup = _startup_seconds()
         out = []
         for spec in specs:
             engine = _build_engine(spec, init_seed=spec.seed)
@@ -479,19 +447,15 @@ def _minutes(seconds: float, *, short: bool = False) -> str:
 
 def _table(results: list[RunResult], device: str) -> str:
     mem = "peak alloc" if device == "cuda" else "peak RSS"
-    header = ("precision", "train loss", "val loss", "tokens/s", mem, "skipped", "loss scale")
-    rows = [header]
+    rows = [("precision", "train loss", "val loss", "tokens/s", mem, "skipped", "loss scale")]
     for r in results:
         scale = f"{r.loss_scale:g}" if r.precision == "fp16" else "-"  # bf16/fp32 need no scaling
         rows.append((r.precision, f"{r.train_loss:.3f}", f"{r.val_loss:.3f}", f"{r.tokens_per_s:,.0f}",
                      r.peak_memory, str(r.skipped_steps), scale))  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-
-    def line(row: tuple[str, ...]) -> str:  # names left-aligned, numbers right-aligned
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
-        return "  ".join(cells)
-
-    lines = [line(header), "  ".join("-" * w for w in widths), *map(line, rows[1:])]
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
+    # names left-aligned, numbers right-aligned
+    lines = ["  ".join([row[0].ljust(widths[0]), *map(str.rjust, row[1:], widths[1:])]) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
     notes = ["train loss: mean of the last 10 steps; val loss: 8 fixed held-out batches"]
     if device == "cpu":
         notes.append("peak RSS: the whole child process (torch and the corpus included)")
@@ -515,22 +479,19 @@ def _plot(results: list[RunResult], path: Path) -> Path:
     fp32 = next((r for r in results if r.precision == "fp32"), None)
     fp16 = next((r for r in results if r.precision == "fp16"), None)
     diffs = [r for r in results if fp32 is not None and r is not fp32]
-    panels = ["loss"] + (["diff"] if diffs else []) + (["scale"] if fp16 else [])
-    heights = {"loss": 3.2, "diff": 2.6, "scale": 2.0}
+    heights = {"loss": 3.2} | ({"diff": 2.6} if diffs else {}) | ({"scale": 2.0} if fp16 else {})  # inches
     fig, axes = plt.subplots(
-        len(panels), 1, figsize=(8, sum(heights[p] for p in panels) + 0.6), sharex=True, squeeze=False,
-        gridspec_kw={"height_ratios": [heights[p] for p in panels]},
+        len(heights), 1, figsize=(8, sum(heights.values()) + 0.6), sharex=True, squeeze=False,
+        gridspec_kw={"height_ratios": list(heights.values())},
     )  # fmt: skip
-    ax = dict(zip(panels, axes[:, 0], strict=True))
+    ax = dict(zip(heights, axes[:, 0], strict=True))
+    steps = range(1, len(results[0].losses) + 1)  # every run takes the same steps
 
     a = ax["loss"]
     for r in results:
         c = colors[r.precision]
-        a.plot(
-            range(1, len(r.losses) + 1), r.losses, color=c, lw=0.8, alpha=0.6, label=f"{r.precision} train"
-        )
-        steps, vals = zip(*r.val_curve, strict=True) if r.val_curve else ((), ())
-        a.plot(steps, vals, "o-", color=c, ms=4, label=f"{r.precision} val")
+        a.plot(steps, r.losses, color=c, lw=0.8, alpha=0.6, label=f"{r.precision} train")
+        a.plot(*zip(*r.val_curve, strict=True), "o-", color=c, ms=4, label=f"{r.precision} val")
     a.axhline(math.log(256), color="grey", ls=":", lw=0.8, label="uniform bytes (5.55)")
     a.set_ylabel("loss (nats/byte)")
     a.legend(ncol=2, fontsize=8)
@@ -546,11 +507,10 @@ def _plot(results: list[RunResult], path: Path) -> Path:
             d = [x - y for x, y in zip(r.losses, fp32.losses, strict=True)]
             trend = [sum(d[i - 10 : i]) / 10 for i in range(10, len(d) + 1)]
             trends += trend[len(d) // 10 :] or [0.05]
-            a.plot(range(1, len(d) + 1), d, color=c, lw=0.5, alpha=0.3)
-            a.plot(range(10, len(d) + 1), trend, color=c, lw=1.5, label=f"{r.precision} - fp32")
+            a.plot(steps, d, color=c, lw=0.5, alpha=0.3)
+            a.plot(steps[9:], trend, color=c, lw=1.5, label=f"{r.precision} - fp32")
             vd = [(s, v - v32) for (s, v), (_, v32) in zip(r.val_curve, fp32.val_curve, strict=True)]
-            if vd:
-                a.plot(*zip(*vd, strict=True), "o", color=c, ms=4, label=f"{r.precision} - fp32, val")
+            a.plot(*zip(*vd, strict=True), "o", color=c, ms=4, label=f"{r.precision} - fp32, val")
         a.axhline(0.0, color="grey", lw=0.8)
         lim = max(abs(v) for v in trends)
         a.set_ylim(-3 * lim - 0.01, 3 * lim + 0.01)
@@ -559,8 +519,7 @@ def _plot(results: list[RunResult], path: Path) -> Path:
 
     if fp16:
         a = ax["scale"]
-        a.step(range(1, len(fp16.loss_scales) + 1), fp16.loss_scales, where="post", color=colors["fp16"],
-               label="fp16 loss scale")  # fmt: skip
+        a.step(steps, fp16.loss_scales, where="post", color=colors["fp16"], label="fp16 loss scale")
         skips = [i + 1 for i, s in enumerate(fp16.skipped) if s]
         a.plot(skips, [fp16.loss_scales[i - 1] for i in skips], "rx", label=f"skipped step ({len(skips)})")
         a.set_yscale("log", base=2)

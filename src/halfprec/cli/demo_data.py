@@ -21,7 +21,7 @@ import torch
 __all__ = ["Corpus", "load_corpus", "stdlib_files"]
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-_VAL_EVERY = 10  # every 10th file (in sorted order) is held out: a 90/10 split by file
+_SPLITS = ("train", "val")
 
 
 def stdlib_files() -> list[Path]:
@@ -33,9 +33,7 @@ def stdlib_files() -> list[Path]:
         subdirs[:] = [d for d in subdirs if d not in _SKIP_DIRS]
         files.extend(Path(folder, n) for n in names if n.endswith(".py"))
     if not files:
-        raise RuntimeError(
-            f"no *.py files found under {root}; the demo reads Python's standard library sources"
-        )
+        raise RuntimeError(f"no *.py files found under {root}; the demo reads the standard library's sources")
     return sorted(files)
 
 
@@ -50,17 +48,16 @@ class Corpus:
     def batch(
         self, split: str, *, step: int, batch_size: int, seq_len: int, seed: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, y)``, both ``(batch_size, seq_len)`` int64, ``y`` being ``x`` shifted by one byte.
-
-        The generator is reseeded from ``(seed, split, step)`` on every call, so batch ``step`` is the same
-        whether the run got there in one go or was resumed from a checkpoint.
-        """
-        data = {"train": self.train, "val": self.val}.get(split)
-        if data is None:
+        """``(x, y)``, both ``(batch_size, seq_len)`` int64, ``y`` being ``x`` shifted by one byte."""
+        if split not in _SPLITS:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        data = getattr(self, split)
         if data.numel() <= seq_len + 1:
             raise ValueError(f"the {split} split has {data.numel()} bytes, too few for seq_len={seq_len}")
-        g = torch.Generator().manual_seed(_mix(seed, split, step))
+        # A distinct, fixed 63-bit seed per (seed, split, step); Python's hash() of a str is salted per
+        # process, so the split enters as a small constant instead.
+        mixed = seed * 1_000_003 + _SPLITS.index(split) * 7_919 + step * 104_729
+        g = torch.Generator().manual_seed(mixed % (2**63 - 1))
         starts = torch.randint(data.numel() - seq_len - 1, (batch_size,), generator=g)
         offsets = torch.arange(seq_len + 1)
         window = data[starts[:, None] + offsets].long()  # (B, T+1)
@@ -77,7 +74,7 @@ def load_corpus(*, max_bytes: int | None = None) -> Corpus:
             data = path.read_bytes()
         except OSError:  # an unreadable file (permissions, a broken link) is skipped, not fatal
             continue
-        (val_parts if i % _VAL_EVERY == _VAL_EVERY - 1 else train_parts).append(data)
+        (val_parts if i % 10 == 9 else train_parts).append(data)  # a 90/10 split by file
         total += len(data)
         n_read += 1
         if max_bytes is not None and total >= max_bytes and val_parts:
@@ -88,9 +85,3 @@ def load_corpus(*, max_bytes: int | None = None) -> Corpus:
 def _as_tensor(parts: list[bytes]) -> torch.Tensor:
     # bytearray: torch.frombuffer wants a writable buffer, and copies nothing.
     return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
-
-
-def _mix(seed: int, split: str, step: int) -> int:
-    # A distinct, fixed 63-bit seed per (seed, split, step); Python's hash() of a str is salted per process,
-    # so the split enters as a small constant instead.
-    return (seed * 1_000_003 + {"train": 0, "val": 1}[split] * 7_919 + step * 104_729) % (2**63 - 1)

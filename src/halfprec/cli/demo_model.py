@@ -3,16 +3,15 @@
 Shapes, everywhere below: ``B`` batch, ``T`` sequence length, ``C`` embedding width, ``H`` heads, ``V = 256``
 (one token per byte, so there is no tokenizer to download or train).
 
-The architecture is the usual pre-norm transformer (GPT-2 style): learned positions, ``n_layer`` blocks of
-causal self-attention and a 4x GELU MLP, a final LayerNorm, and an output head that shares its weight with the
-token embedding. The tie matters to halfprec: one tensor is reachable under two names, and checkpoints must
-store it once and restore the tie.
+The usual pre-norm transformer (GPT-2 style), whose output head shares its weight with the token embedding:
+that tie matters to halfprec, as one tensor is reachable under two names, and checkpoints must store it once
+and restore the tie.
 
-16-bit matmuls on CPU: without AVX512-FP16 (fp16) or AVX512-BF16/AMX (bf16) torch runs them through a generic
-loop, ~15x slower than fp32 (2-core AVX2 EPYC: 927 tokens/s in bf16 against 15,694 in fp32). So on CPU the two
-matmul ops (``Linear`` and attention) multiply their 16-bit inputs in fp32 and round the result to 16 bits: the
-arithmetic of GPU tensor cores (16-bit products are exact in fp32, fp32 accumulation, one rounding). Weights,
-grads and activations between ops stay 16-bit. On CUDA the ops run as written.
+16-bit matmuls on CPU: without AVX512-FP16 (fp16) or AVX512-BF16/AMX (bf16) torch runs them through a
+generic loop, ~15x slower than fp32 (2-core AVX2 EPYC: 927 tokens/s in bf16 against 15,694 in fp32). So on
+CPU the two matmul ops (``Linear`` and attention) multiply their 16-bit inputs in fp32 and round the result
+to 16 bits: the arithmetic of GPU tensor cores (16-bit products are exact in fp32, fp32 accumulation, one
+rounding). Weights, grads and activations between ops stay 16-bit. On CUDA the ops run as written.
 """
 
 from __future__ import annotations
@@ -27,24 +26,18 @@ from torch import nn
 __all__ = ["GPT", "GPTConfig"]
 
 
-def _emulate(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.float16, torch.bfloat16) and t.device.type == "cpu"
+def _matmul_op(op, x: torch.Tensor, *others: torch.Tensor | None, **kwargs) -> torch.Tensor:
+    """``op(x, *others)``, in fp32 and rounded back on 16-bit CPU inputs (see the module docstring)."""
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.device.type != "cpu":
+        return op(x, *others, **kwargs)
+    return op(x.float(), *(None if t is None else t.float() for t in others), **kwargs).to(x.dtype)
 
 
 class Linear(nn.Linear):
     """``nn.Linear``, with 16-bit-on-CPU matmuls done in fp32 and rounded back (see the module docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _emulate(x):
-            return super().forward(x)
-        bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-
-
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    if not _emulate(q):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(q.dtype)
+        return _matmul_op(F.linear, x, self.weight, self.bias)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,8 +60,7 @@ class GPTConfig:
     """Residual stream width."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
+        for name, value in vars(self).items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
         if self.n_embd % self.n_head:
@@ -89,7 +81,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         # (B, T, 3C) -> three (B, H, T, C/H): heads become a batch dimension for SDPA.
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
-        y = _attention(q, k, v)  # causal: position t sees 0..t
+        y = _matmul_op(F.scaled_dot_product_attention, q, k, v, is_causal=True)  # position t sees 0..t
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -109,11 +101,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Byte-level GPT: ``forward(idx)`` maps ``(B, T)`` int64 bytes to ``(B, T, V)`` next-byte logits.
-
-    The loss is left to the caller, so the demo's loop shows it (and computes it in fp32: a 16-bit softmax
-    over 256 classes loses the small probabilities the loss is made of).
-    """
+    """Byte-level GPT: ``forward(idx)`` maps ``(B, T)`` int64 bytes to ``(B, T, V)`` next-byte logits; the
+    loss is left to the caller, so the demo's loop shows it."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import pickle
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from .. import checkpoint as ckpt
@@ -34,10 +35,6 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tag", default=None, help="tag inside the directory (default: the 'latest' pointer)")
 
 
-def _path(args: argparse.Namespace) -> Path:
-    return ckpt.resolve(Path(args.checkpoint), args.tag, tag_option="--tag")
-
-
 def _bad_checkpoint() -> tuple[type[BaseException], ...]:
     """What reading a bad checkpoint raises: halfprec's errors, and those of the readers under them (a damaged
     safetensors file, DCP metadata that is not DCP's, DCP data files that do not match their metadata)."""
@@ -48,27 +45,26 @@ def _bad_checkpoint() -> tuple[type[BaseException], ...]:
             CheckpointException)  # fmt: skip
 
 
-def _fail(command: str, error: Exception) -> int:
-    message = " ".join(str(error).split())  # one line, whatever the exception's text holds
-    print(f"halfprec {command}: error: {message}", file=sys.stderr)
-    return 2
+def _run(command: str, args: argparse.Namespace, lines: Callable[[Path], list[str]]) -> int:
+    """Print ``lines(checkpoint path)``, or the error of a bad checkpoint on one line."""
+    try:
+        text = lines(ckpt.resolve(Path(args.checkpoint), args.tag, tag_option="--tag"))
+    except _bad_checkpoint() as e:
+        message = " ".join(str(e).split())  # one line, whatever the exception's text holds
+        print(f"halfprec {command}: error: {message}", file=sys.stderr)
+        return 2
+    print(*text, sep="\n")
+    return 0
 
 
 def run_export(args: argparse.Namespace) -> int:
-    try:
-        out = export(_path(args), args.out, dtype=args.dtype)
-    except _bad_checkpoint() as e:
-        return _fail("export", e)
-    print(f"wrote {out}")
-    return 0
+    return _run("export", args, lambda path: [f"wrote {export(path, args.out, dtype=args.dtype)}"])
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    try:
-        rows = describe(_path(args))
-    except _bad_checkpoint() as e:
-        return _fail("inspect", e)
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
-    return 0
+    def lines(path: Path) -> list[str]:
+        rows = describe(path)
+        width = max(len(k) for k, _ in rows)
+        return [f"{key:<{width}}  {value}" for key, value in rows]
+
+    return _run("inspect", args, lines)
