@@ -1,30 +1,20 @@
 """FusedOptimizer: the shared machinery of the fused optimizers (buffers, the two passes, checkpoint state).
 
-A step, all on the device (no host sync, so it can be captured in a CUDA graph):
+A step runs on the device with no host sync (so it can be captured in a CUDA graph): a norm pass over the 16-bit
+grads of the params that got one (``grads.py``), unscaled by the loss scale read from device memory; one finalize
+program (skip, clip coefficient, per-param step counters, grad marks cleared, a ``DynamicLossScaler``'s update in
+``kernels/scaler.py``; any other scaler updates with its own torch ops after the update pass); the update pass
+(master and state in fp32, the 16-bit params written). At most three launches per chunk and one non-blocking copy
+of the skip report: a skipped step is mostly host time, so every launch saved counts.
 
-1. norm pass: one kernel per chunk over the 16-bit grads of the params that got a grad (``grads.py`` says how
-   they are marked), unscaled by the loss scale read from device memory: partial sums of squares and
-   non-finite counts;
-2. finalize: one program decides the skip, the clip coefficient, advances per-param step counters, clears the
-   grad marks and, for a ``DynamicLossScaler``, runs the scaler's update (``kernels/scaler.py``; any other
-   scaler updates with its own torch ops after the update pass);
-3. update pass: one kernel per chunk updates master and state in fp32 and writes the 16-bit params.
+Each algorithm is a subclass that keeps this protocol, which the sharded fused local step
+(``sharded/fused_step.py``) reads too: ``KIND`` (the ``kernels.slots.Kind`` picking the finalize branch and the
+update kernel), ``STATE_NAMES`` (its elementwise state, a flat fp32 buffer per chunk), ``hp_row(group)`` (the
+group's hyper-parameter row), ``group_state(group)`` and ``initial_value(name, group)`` (the state a group's params
+hold, and its value at a param's first update).
 
-An eager step is three Triton launches per chunk at most and one non-blocking copy of the skip report: on a
-skipped step, which is mostly host time, every launch saved counts.
-
-Each algorithm (``adam.py``, ``sgd.py``, ``adagrad.py``, ``lamb.py``) is a subclass that passes its
-hyper-parameters to ``FusedOptimizer.__init__`` and keeps this protocol, which the sharded optimizer's fused
-local step (``sharded/fused_step.py``) reads too:
-
-* ``KIND``: the ``kernels.slots.Kind`` that picks the finalize program's branch and the update kernel;
-* ``STATE_NAMES``: the torch names of its elementwise state, each a flat fp32 buffer per chunk here;
-* ``hp_row(group)``: a param group's row of the hyper-parameter table the finalize program reads;
-* ``group_state(group)``, ``initial_value(name, group)``: the state a group's params hold, and what it starts
-  from at a param's first update.
-
-Checkpoints are in the exact path's format (``MixedPrecisionOptimizer.state_dict()``), so they move between the
-paths; ``load_state_dict()`` also takes a plain torch optimizer state dict.
+Checkpoints are in the exact path's format, so they move between the paths; ``load_state_dict()`` also takes a
+plain torch optimizer state dict.
 """
 
 from __future__ import annotations
@@ -59,13 +49,9 @@ def check_number(name: str, value: Any, lo: float, hi: float | None, index: int)
 
 
 class FusedOptimizer(MixedPrecisionOptimizer):
-    """The fused strategy of ``MixedPrecisionOptimizer`` (see the module docstring for the protocol its subclasses
-    keep). It owns its param groups (``optimizer`` is None) and holds its state in flat buffers, allocated at the
-    first real update: construction allocates only the masters and the flat 16-bit param buffer the params
-    become views of.
-
-    Every subclass takes, after its hyper-parameters, the keyword-only options of ``MixedPrecisionOptimizer``:
-    ``loss_scaler``, ``max_grad_norm``, ``skip_nonfinite`` and ``param_dtype``.
+    """The fused strategy of ``MixedPrecisionOptimizer``: it owns its param groups (``optimizer`` is None) and
+    holds its state in flat buffers, allocated at the first update. Every subclass takes, after its
+    hyper-parameters, the keyword-only options of ``MixedPrecisionOptimizer``.
     """
 
     impl = "triton"
@@ -73,6 +59,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     KIND: Kind
     STATE_NAMES: tuple[str, ...] = ()
     _EAGER_STATE = False  # torch creates the state in its constructor (Adagrad): exported before any step too
+    _NONNEGATIVE: tuple[str, ...] = ()  # group values that must be >= 0
+    _UNSUPPORTED: tuple[str, ...] = ("maximize",)  # torch flags the kernels lack
+    _TORCH_NAME: str  # the torch optimizer with the same update, which has them
 
     def __init__(
         self,
@@ -110,11 +99,11 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         )
         self._state_ready = False  # state buffers exist (allocated at the first step, a load or an export)
         self._s = DeviceResults(self._scalars, self._reporter)
-        self._replaced: weakref.ref | None = None  # the torch optimizer this one replaced, if any
+        self._replaced: weakref.ref | None = None  # the torch optimizer this one replaced (its schedulers)
 
     # --- construction --------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_built", False):
+        if self._built:
             raise RuntimeError(
                 f"{type(self).__name__} lays out its flat buffers at construction: pass every "
                 "param group to the constructor"
@@ -184,22 +173,19 @@ class FusedOptimizer(MixedPrecisionOptimizer):
 
     # --- per-algorithm hooks (subclasses) --------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
-        raise NotImplementedError
+        for name in self._NONNEGATIVE:
+            check_number(name, group[name], 0.0, None, index)
+        for flag in self._UNSUPPORTED:
+            if group.get(flag, False):
+                raise ValueError(
+                    f"param group {index}: {flag}=True is not supported by {type(self).__name__}; use the torch "
+                    f"path (halfprec.MixedPrecisionOptimizer over {self._TORCH_NAME})"
+                )
 
     @classmethod
     def hp_row(cls, group: dict[str, Any]) -> list[Any]:
         """The group's row of the finalize program's hyper-parameter table (``kernels/slots.py``)."""
         raise NotImplementedError
-
-    def _refuse_flags(
-        self, group: dict[str, Any], index: int, flags: tuple[str, ...], torch_name: str
-    ) -> None:
-        for flag in flags:
-            if group.get(flag, False):
-                raise ValueError(
-                    f"param group {index}: {flag}=True is not supported by {type(self).__name__}; use the torch "
-                    f"path (halfprec.MixedPrecisionOptimizer over {torch_name})"
-                )
 
     @classmethod
     def group_state(cls, group: dict[str, Any]) -> tuple[str, ...]:
@@ -211,23 +197,23 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         """The value state ``name`` starts from at a param's first update, as torch creates it."""
         return 0.0
 
-    def _init_state(self) -> None:
-        """Eager state that the torch optimizer creates in its constructor (Adagrad's ``sum``)."""
-        if self._EAGER_STATE:
+    def _ensure_state(self, *, reset: bool = False) -> None:
+        """Allocate the state buffers, as torch does at a param's first update: at every step, or a load or export
+        that needs them. The first call, or a ``reset`` (a load), also starts them as torch does: zeros, and eager
+        state (Adagrad's ``sum``, made by torch's constructor) filled with its initial value."""
+        for name in {name for group in self.param_groups for name in self.group_state(group)}:
+            for chunk in self._chunks:
+                chunk.add_state(name)
+        if reset:
+            for chunk in self._chunks:
+                for buf in chunk.state.values():
+                    buf.zero_()
+        if self._EAGER_STATE and (reset or not self._state_ready):
             for i in range(len(self._trainable)):
                 group = self._group(i)
                 for name in self.group_state(group):
                     self._state_view(name, i).fill_(self.initial_value(name, group))
-
-    def _ensure_state(self) -> None:
-        """Allocate the state buffers, as torch does at a param's first update (Adagrad's ``sum`` filled with its
-        initial value, as its constructor would): at every step, or a load or export that needs them."""
-        for name in {name for group in self.param_groups for name in self.group_state(group)}:
-            for chunk in self._chunks:
-                chunk.add_state(name)
-        if not self._state_ready:
-            self._init_state()
-            self._state_ready = True
+        self._state_ready = True
 
     def _launch_update(self, k: int) -> None:
         from ...kernels.update import update
@@ -288,15 +274,10 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._hyper.upload([self.hp_row(g) for g in self.param_groups], capturing)
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """One fused step (see the module docstring); no host sync."""
+    def _step(self) -> None:
         from ...kernels import norm
         from ...kernels import scaler as scaler_kernel
 
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if capturing and not self._state_ready:
             raise RuntimeError(
@@ -306,7 +287,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         if not capturing:
             check_unfrozen(self._frozen)
             check_dtypes(self._trainable, self._dtypes)
-            self._scale_guard.check(self._backward_params, self.loss_scaler)
             self._reporter.drain()
             self._grads.adopt(type(self).__name__)
             for chunk in self._chunks:
@@ -333,19 +313,14 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._grads.consumed()
         if not capturing:
             self._reporter.record(self._scalars)
-            self._tell_schedulers()
+            if self._replaced is not None and (replaced := self._replaced()) is not None:
+                tell_schedulers(replaced)
         self._s.stepped = True
-        return loss
 
     def adopt_scheduler_target(self, optimizer: torch.optim.Optimizer) -> None:
-        """Remember the torch optimizer this one replaced (``bridge.fused_from_torch``): LR schedulers built on it
+        """Remember the torch optimizer this one replaced (``select.fused_from_torch``): LR schedulers built on it
         write into the shared group dicts, and check that its ``step()`` ran before theirs."""
         self._replaced = weakref.ref(optimizer)
-
-    def _tell_schedulers(self) -> None:
-        replaced = self._replaced() if self._replaced is not None else None
-        if replaced is not None:
-            tell_schedulers(replaced)
 
     # --- results (reading one syncs) --------------------------------------------------------------------
     @property
@@ -444,11 +419,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             group.update(new)
         steps = [0.0] * len(self._trainable)
         with torch.no_grad():
-            self._ensure_state()
-            for chunk in self._chunks:
-                for buf in chunk.state.values():
-                    buf.zero_()
-            self._init_state()
+            self._ensure_state(reset=True)
             saved_state = {int(k): v for k, v in inner["state"].items()}
             for k, p in enumerate(self._model_params):
                 i = self._index.get(p)
