@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.optim import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, RAdam, RMSprop, Rprop
 
 from ..checks import check_options, check_torch_optimizer
 
@@ -14,23 +15,7 @@ __all__ = ["ELEMENTWISE", "check_optimizer", "named_trainable"]
 # Optimizers whose update of an element depends only on that element's grad, state and the group's scalars:
 # stepping a piece of a param is then exactly stepping the param. LAMB, LARS, Adafactor, Muon, Shampoo and
 # LBFGS need whole tensors (norms, factored moments, orthogonalisation) and are refused.
-ELEMENTWISE = tuple(
-    getattr(torch.optim, name)
-    for name in (
-        "SGD",
-        "Adam",
-        "AdamW",
-        "Adagrad",
-        "Adadelta",
-        "Adamax",
-        "NAdam",
-        "RAdam",
-        "RMSprop",
-        "Rprop",
-    )
-    + ("ASGD",)
-    if hasattr(torch.optim, name)
-)
+ELEMENTWISE = (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD)
 
 
 def check_optimizer(optimizer: Any, loss_scaler: Any, max_grad_norm: Any, param_dtype: Any) -> None:

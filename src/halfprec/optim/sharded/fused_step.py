@@ -1,20 +1,15 @@
 """The sharded optimizer's local step on the fused Triton kernels (``impl="triton"``, or ``"auto"`` on CUDA).
 
-The torch optimizer (Adam, AdamW, SGD or Adagrad) keeps its param groups and its torch-format state; only its
-``step()`` is replaced. Its elementwise state tensors (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``,
-``sum``) become views of flat fp32 buffers laid out in the rank's local coordinates (``_layout``), like the
-masters and the fp32 grad shard, so one launch of the fused update kernel steps every piece: it reads the
-grad shard, multiplies it by the clip coefficient, and updates master and state in fp32. Per-piece scalars
-(bias corrections, Adagrad's decayed lr, SGD's first-step flag) come from the fused path's finalize program.
+The torch optimizer (Adam, AdamW, SGD or Adagrad) keeps its param groups and torch-format state; only its
+``step()`` is replaced. Its elementwise state tensors become views of flat fp32 buffers in the rank's local
+coordinates, like the masters and the grad shard, so one launch of the fused update kernel steps every piece.
+Per-piece scalars (bias corrections, Adagrad's decayed lr, SGD's first-step flag) come from the fused path's
+finalize program. Step counters stay torch's 0-d fp32 CPU tensors, advanced on the host (the sharded step has
+already read which params got a grad anywhere). State replaced from outside (``load_state_dict``, a checkpoint
+load) is copied into the buffers and re-viewed at the next step.
 
-Step counters stay torch's: 0-d fp32 CPU tensors in ``optimizer.state``, advanced on the host (the sharded
-step has already read which params got a grad anywhere), so checkpoints and the torch path read them as
-they are. State replaced from outside (``load_state_dict``, a checkpoint load) is copied into the buffers and
-re-viewed at the next step.
-
-Rows of the update table cover a piece's 16-aligned interior with vectorised programs; the (at most 15
-element) head and tail of a piece that a shard boundary or a neighbour left unaligned run in a second launch
-with ``ALIGNED=False``.
+Update rows cover a piece's 16-aligned interior with vectorised programs; the (at most 15 element) head and tail
+that a shard boundary or a neighbour left unaligned run in a second launch with ``ALIGNED=False``.
 """
 
 from __future__ import annotations
@@ -65,9 +60,7 @@ class FusedLocalStep:
         # the pieces in local order; k indexes every per-piece device array
         self.pieces = sorted(layout.pieces, key=lambda pc: pc.local)
         self.params = [piece_params[pc.param] for pc in self.pieces]
-        group_of = {}
-        for gi, group in enumerate(optimizer.param_groups):
-            group_of.update({id(p): gi for p in group["params"]})
+        group_of = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self.group_of = [group_of[id(p)] for p in self.params]
         block = settings().update_block
         aligned, loose = [], []
@@ -125,7 +118,14 @@ class FusedLocalStep:
         from ...kernels.update import update
         from ..select import unsupported_flag
 
-        groups = self.optimizer.param_groups
+        inner = self.optimizer
+        if inner._optimizer_step_pre_hooks or inner._optimizer_step_post_hooks:
+            raise RuntimeError(
+                f"the {type(inner).__name__} wrapped with impl='triton' has step hooks, which would not run: the "
+                "fused kernel replaces its step(). Register them on the ShardedMixedPrecisionOptimizer (they run "
+                "once per step) or pass impl='torch'"
+            )
+        groups = inner.param_groups
         reason = unsupported_flag(groups)  # a flag may be turned on after construction
         if reason is not None:
             raise ValueError(f"the fused local step cannot run: {reason} when building the sharded optimizer")

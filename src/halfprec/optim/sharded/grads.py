@@ -21,31 +21,24 @@ sums in the 16-bit dtype.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
+from ..fused.grads import weak_hook
 from ..layout import Layout
 
 __all__ = ["GradReducer"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_MAX_IN_FLIGHT = (
-    2  # stage 2: reduce-scatters in flight before the oldest is waited for (bounds staging memory)
-)
+# stage 2: reduce-scatters in flight before the oldest is waited for (bounds staging memory)
+_MAX_IN_FLIGHT = 2
 
 
 class GradReducer:
     def __init__(
-        self,
-        params: list[torch.nn.Parameter],
-        layout: Layout,
-        *,
-        stage: int,
-        comm_dtype: torch.dtype,
-        group,
+        self, params: list[torch.nn.Parameter], layout: Layout, *, stage: int, comm_dtype: torch.dtype, group
     ) -> None:
         self.params = params
         self.layout = layout
@@ -66,7 +59,7 @@ class GradReducer:
         self._expected = [sum(1 for i in b.params if layout.numels[i] > 0) for b in layout.buckets]
         self._reset_pass()
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            p.register_post_accumulate_grad_hook(weak_hook(self.on_grad, i))
             for i, p in enumerate(params)
             if layout.numels[i] > 0
         ]
@@ -93,20 +86,8 @@ class GradReducer:
         off, n = self.layout.offsets[i], self.layout.numels[i]
         return self._ensure_flat_grad()[off : off + n].view(self.params[i].shape)
 
-    def _make_hook(self, i: int):
-        # a weak reference: the hook lives on the param, which autograd's C++ side also holds, so a strong one
-        # would make param -> hook -> reducer -> param a cycle that Python's collector cannot see or free
-        ref = weakref.ref(self)
-
-        def hook(param: torch.Tensor) -> None:
-            reducer = ref()
-            if reducer is not None:
-                reducer.on_grad(i, param)
-
-        return hook
-
     @torch.no_grad()
-    def on_grad(self, i: int, param: torch.Tensor) -> None:
+    def on_grad(self, i: int) -> None:
         """The grad hook of param ``i``: copy (and at a bucket's last grad, reduce) its grad."""
         if self.frozen:
             raise RuntimeError(
@@ -118,6 +99,7 @@ class GradReducer:
                 "ZeRO-2 reduces grads into a shard that step() consumed; call zero_grad() after step() before "
                 "the next backward()"
             )
+        param = self.params[i]
         self.fresh = True
         self.used[i] = True
         self.up_to_date = False

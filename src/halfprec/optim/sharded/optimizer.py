@@ -1,28 +1,26 @@
 """ShardedMixedPrecisionOptimizer: ZeRO-1/2 FP32 masters and optimizer state, sharded over data-parallel ranks.
 
-Layout (see ``_layout``): the trainable params are moved into one flat 16-bit buffer (``p.data`` become views
-of it), in reverse optimizer order, cut into buckets; every bucket is split into ``world_size`` equal shards
-and rank ``r`` owns shard ``r`` of each. A rank keeps fp32 masters, fp32 grads and optimizer state for its
-shards only. The part of a param inside a shard (a *piece*, which may cut through the param) is a 1-D fp32
-``nn.Parameter`` that the wrapped torch optimizer steps, so its math is untouched: that is exact only for
-elementwise optimizers, the only ones accepted.
+Layout (``optim/layout.py``): the trainable params become views of one flat 16-bit buffer, in reverse optimizer
+order, cut into buckets; rank ``r`` owns shard ``r`` of every bucket and keeps fp32 masters, fp32 grads and
+optimizer state for its shards only. The part of a param inside a shard (a *piece*) is a 1-D fp32
+``nn.Parameter`` that the wrapped torch optimizer steps, its math untouched: exact only for elementwise
+optimizers, the only ones accepted.
 
-A step, in order (every rank takes the same decisions, because they are made from all-reduced values):
+A step (every rank takes the same decisions, made from all-reduced values):
 
-1. ``unscale_()``: finish the gradient reduce-scatter (``_grads``), take the mean over ranks and multiply by
+1. ``unscale_()``: finish the gradient reduce-scatter (``grads.py``), take the mean over ranks and multiply by
    the reciprocal of the loss scale, on the fp32 grad shard.
 2. One all-reduce (SUM, fp64) of ``[||local grad shard||^2, used flags of every param]``: the global L2 norm
    (non-finite iff some grad on some rank is) and which params got a grad on any rank.
 3. The scaler updates on the device; one host sync reads the overflow flag and the used flags.
-4. Overflow: skip (only the scaler and ``skipped_steps`` change), identically on every rank. Otherwise clip
-   the shard by the global norm, give pieces of params that got no grad anywhere ``grad=None`` (the torch
-   optimizer leaves them and their counters alone), run the inner step, round the masters into this rank's
-   shard of the flat param buffer and all-gather every bucket. With ``impl="triton"`` the fused update kernel
-   (``_fused_step``) replaces the inner step and the clip multiply: it reads the grad shard once, times the
-   clip coefficient, and updates only the pieces of params that got a grad somewhere.
+4. Overflow: skip (only the scaler and ``skipped_steps`` change). Otherwise clip the shard by the global norm,
+   give pieces of params that got no grad anywhere ``grad=None`` (torch leaves them and their counters alone),
+   run the inner step (with ``impl="triton"``: the fused update kernel of ``fused_step.py``, which applies the
+   clip coefficient as it reads the grads), round the masters into this rank's shard of the flat params and
+   all-gather every bucket.
 
-Checkpoints that reshard across world sizes: ``halfprec.distributed.checkpoint``. ``state_dict()`` here is
-the rank-local state and loads only at the same world size and layout.
+``state_dict()`` is the rank-local state, loaded at the same world size and layout only; checkpoints that
+reshard across world sizes: ``halfprec.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear
 from ..layout import Layout
 from ..state import Target, move_state, restore_state_dtypes
 from .checks import check_optimizer, named_trainable
+from .fused_step import FusedLocalStep
 from .grads import GradReducer
 
 __all__ = ["ShardedMixedPrecisionOptimizer", "DEFAULT_BUCKET_SIZE"]
@@ -64,7 +63,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         process_group: the data-parallel group; ``None`` = the default group.
         impl: the local step: ``"torch"`` runs the wrapped torch optimizer on this rank's pieces (exact);
             ``"triton"`` runs the fused update kernel over the flat local buffers (torch Adam, AdamW, SGD and
-            Adagrad; ``_fused_step``; the fused path's tolerance); ``"auto"`` picks ``"triton"`` when
+            Adagrad; ``fused_step.py``; the fused path's tolerance); ``"auto"`` picks ``"triton"`` when
             ``halfprec.optim.select.select_impl`` would (CUDA params, Triton, the inner ``foreach``/``fused``
             left at their defaults). An explicit ``"triton"`` that cannot be honoured raises.
         grad_accum_dtype: ``None`` only, for now (``torch.float32``, fp32 accumulation as on the exact path,
@@ -127,10 +126,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._build_pieces()
         self._fused = None
         if self.impl == "triton":
-            from .fused_step import FusedLocalStep
-
             self._fused = FusedLocalStep(self.optimizer, self.layout, self._piece_params, self.flat_master)
-
         self._init_scaler(loss_scaler, dtypes={self.dtype} if self._params else set(), device=self.device)
         comm = torch.float32 if reduce_dtype == "fp32" else self.dtype
         self._reducer = GradReducer(
@@ -179,14 +175,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             view = self.flat_master[piece.local : piece.local + piece.numel]
             self._piece_params[piece.param] = torch.nn.Parameter(view, requires_grad=True)
         index_of = {id(p): i for i, p in enumerate(self._params)}
-        orders = [
-            [
-                index_of[id(p)]
-                for p in g["params"]
-                if id(p) in index_of and index_of[id(p)] in self._piece_params
-            ]
-            for g in self.optimizer.param_groups
-        ]
+        indices = [[index_of.get(id(p)) for p in g["params"]] for g in self.optimizer.param_groups]
+        orders = [[i for i in group if i in self._piece_params] for group in indices]
         # state of params held by no piece here (other ranks' pieces, frozen params) is dropped; moved while the
         # groups still hold the params, so eager state is re-created over the pieces in the same groups
         targets: dict = {p: None for g in self.optimizer.param_groups for p in g["params"]}
@@ -284,7 +274,6 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             # the same arithmetic as torch.nn.utils.clip_grads_with_norm_
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(shard.device)
         if self._fused is not None:
-            self._check_no_inner_hooks()
             self._fused.step(shard, used_anywhere, coef)  # applies coef as it reads the grads
         else:
             for i, piece_param in self._piece_params.items():
@@ -297,15 +286,6 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 shard.mul_(coef)
             self.optimizer.step()
         self._publish()
-
-    def _check_no_inner_hooks(self) -> None:
-        inner = self.optimizer
-        if inner._optimizer_step_pre_hooks or inner._optimizer_step_post_hooks:
-            raise RuntimeError(
-                f"the {type(inner).__name__} wrapped with impl='triton' has step hooks, which would not run: the "
-                "fused kernel replaces its step(). Register them on the ShardedMixedPrecisionOptimizer (they run "
-                "once per step) or pass impl='torch'"
-            )
 
     @torch.no_grad()
     def _publish(self) -> None:
@@ -376,9 +356,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         restore_state_dtypes(self.optimizer, inner["state"], self.master_params())
         with torch.no_grad():
             self.flat_master.copy_(state_dict["masters"])
-        self._publish()
-        self.loss_scaler.load_state_dict(state_dict["scaler"])
-        self._s.skipped_steps = int(state_dict["skipped_steps"])
+        self.restore_counters(state_dict["scaler"], state_dict["skipped_steps"])
         self._s.unscaled = False
         self._run_hooks("_optimizer_load_state_dict_post_hooks")
 
