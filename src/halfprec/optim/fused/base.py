@@ -92,11 +92,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._build()
         self._built = True
         self._init_scaler(loss_scaler, dtypes={c.dtype for c in self._chunks}, device=self._device)
-        self._reporter = SkipReporter(
-            self._skip_log,
-            dynamic=self.loss_scaler.is_dynamic,
-            min_scale=getattr(self.loss_scaler, "min_scale", 1.0),
-        )
+        self._reporter = SkipReporter(self._skip_log, self.loss_scaler)
         self._state_ready = False  # state buffers exist (allocated at the first step, a load or an export)
         self._s = DeviceResults(self._scalars, self._reporter)
         self._replaced: weakref.ref | None = None  # the torch optimizer this one replaced (its schedulers)
@@ -209,8 +205,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 for buf in chunk.state.values():
                     buf.zero_()
         if self._EAGER_STATE and (reset or not self._state_ready):
-            for i in range(len(self._trainable)):
-                group = self._group(i)
+            for i, gi in enumerate(self._group_of):
+                group = self.param_groups[gi]
                 for name in self.group_state(group):
                     self._state_view(name, i).fill_(self.initial_value(name, group))
         self._state_ready = True
@@ -242,10 +238,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             return 0.0  # no state yet (Adagrad's constructor-made one: keep ours, a 16-bit copy is not exact)
         adopt_views(dict(saved), self.STATE_NAMES, lambda name: self._state_view(name, i))
         return step
-
-    def _group(self, i: int) -> dict[str, Any]:
-        """Param ``i``'s group."""
-        return self.param_groups[self._group_of[i]]
 
     # --- grads ---------------------------------------------------------------------------------------
     def mark_grads(self) -> None:
@@ -351,24 +343,20 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._reporter.drain(wait=True)
         self._ensure_state()
         steps = self._steps.cpu().tolist()
+        views = self.master_params()
         state: dict[int, dict[str, Any]] = {}
         masters: dict[int, torch.Tensor] = {}
-        groups = []
-        k = 0
+        for k, p in enumerate(self._model_params):  # the state dict's param indices
+            i = self._index.get(p)
+            if i is not None and (exported := self._export_state(i, steps[i])):
+                state[k] = exported
+            if i is not None and p.dtype != torch.float32:
+                masters[k] = views[i].clone()
+        groups, k = [], 0
         for group in self.param_groups:
             saved = {key: v for key, v in group.items() if key != "params"}
-            saved["params"] = list(range(k, k + len(group["params"])))
-            groups.append(saved)
-            for p in group["params"]:
-                i = self._index.get(p)
-                if i is not None:
-                    exported = self._export_state(i, steps[i])
-                    if exported:
-                        state[k] = exported
-                    if p.dtype != torch.float32:
-                        chunk, local = self._where[i]
-                        masters[k] = chunk.master_views[local].clone()
-                k += 1
+            groups.append(saved | {"params": list(range(k, k + len(group["params"])))})
+            k += len(group["params"])
         return {
             "format": self._FORMAT,
             "algorithm": self.algorithm(),
@@ -402,9 +390,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         else:
             raise ValueError(f"not a halfprec or torch optimizer state dict (keys {sorted(state_dict)[:6]})")
         saved_groups = inner["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups, strict=True)
-        ):
+        if [len(s["params"]) for s in saved_groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError(
                 "state dict has a different number of param groups or params per group than this optimizer"
             )
@@ -427,9 +413,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                     steps[i] = self._import_state(i, saved_state[k])
             self._steps.copy_(torch.tensor(steps or [0.0], dtype=torch.float32))
             if state_dict is not None:
+                masters = self.master_params()
                 for k, value in state_dict["masters"].items():
-                    chunk, local = self._where[self._index[self._model_params[int(k)]]]
-                    chunk.master_views[local].copy_(value)
+                    masters[self._index[self._model_params[int(k)]]].copy_(value)
                 for chunk in self._chunks:
                     if chunk.param is not None:
                         chunk.param.copy_(chunk.data)  # round to nearest even

@@ -80,8 +80,8 @@ class FusedSGD(FusedOptimizer):
         )  # fmt: skip
 
     def _export_state(self, i: int, step: float) -> dict[str, Any]:
-        chunk, _ = self._where[i]
-        if step == 0 or not self.group_state(self._group(i)) or "momentum_buffer" not in chunk.state:
+        # state_dict() allocated the buffers of every group with momentum before exporting
+        if step == 0 or not self.group_state(self.param_groups[self._group_of[i]]):
             return {}
         return {"momentum_buffer": self._state_view("momentum_buffer", i).clone()}
 

@@ -55,7 +55,6 @@ class FusedLocalStep:
         self.fused = fused_class(optimizer)  # the fused optimizers' per-algorithm protocol (fused/base.py)
         self.optimizer = optimizer
         self.master = flat_master
-        self.device = flat_master.device
         self.sgd = isinstance(optimizer, torch.optim.SGD)  # no step counter
         # the pieces in local order; k indexes every per-piece device array
         self.pieces = sorted(layout.pieces, key=lambda pc: pc.local)
@@ -68,7 +67,7 @@ class FusedLocalStep:
             a, b = _rows(pc.local, pc.local + pc.numel, k, block)
             aligned += a
             loose += b
-        dev = self.device
+        dev = flat_master.device
         self.aligned = torch.tensor(aligned, dtype=torch.int64).reshape(-1, 3).to(dev)
         self.loose = torch.tensor(loose, dtype=torch.int64).reshape(-1, 3).to(dev)
         n = max(len(self.pieces), 1)
@@ -152,7 +151,7 @@ class FusedLocalStep:
         if not any(flags):  # no piece here got a grad (or this rank holds none): nothing to update
             return
         host = torch.tensor([counts, flags], dtype=torch.float32)
-        dev = host.to(self.device, non_blocking=True)
+        dev = host.to(self.master.device, non_blocking=True)
         self.steps.copy_(dev[0])
         self.flags.copy_(dev[1])
         self.hyper.upload([self.fused.hp_row(g) for g in groups])
@@ -162,15 +161,6 @@ class FusedLocalStep:
         )  # fmt: skip
         self.scalars[2].copy_(self.one if coef is None else coef)
         state = [self.buffers[name] for name in self.fused.STATE_NAMES if name in self.buffers]
+        kind, master = self.fused.KIND, self.master
         for table, aligned in ((self.aligned, True), (self.loose, False)):
-            update(
-                self.fused.KIND,
-                self.master,
-                grad_shard,
-                self.master,
-                state,
-                table,
-                self.pscal,
-                self.scalars,
-                aligned=aligned,
-            )
+            update(kind, master, grad_shard, master, state, table, self.pscal, self.scalars, aligned=aligned)

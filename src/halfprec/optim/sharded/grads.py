@@ -58,11 +58,9 @@ class GradReducer:
         self.consumed = False  # stage 2: step() consumed grad_shard in place; set until zero_grad()
         self._expected = [sum(1 for i in b.params if layout.numels[i] > 0) for b in layout.buckets]
         self._reset_pass()
-        self._handles = [
-            p.register_post_accumulate_grad_hook(weak_hook(self.on_grad, i))
-            for i, p in enumerate(params)
-            if layout.numels[i] > 0
-        ]
+        for i, p in enumerate(params):
+            if layout.numels[i] > 0:
+                p.register_post_accumulate_grad_hook(weak_hook(self.on_grad, i))
 
     # --- per-backward bookkeeping ----------------------------------------------------------------------
     def _reset_pass(self) -> None:
@@ -222,7 +220,3 @@ class GradReducer:
         self.frozen = False
         self.fresh = False
         self.consumed = False
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()

@@ -113,16 +113,12 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         names, params, group_of = named_trainable(optimizer, named_parameters)
         # layout order: reverse of the optimizer's order, the usual approximation of backward order
         self._names, self._params, self._group_of = names[::-1], params[::-1], group_of[::-1]
-        self._init_flat()
+        originals = self._init_flat()
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        self.layout = Layout(
-            [p.numel() for p in self._params],
-            world_size=self.world_size,
-            rank=self.rank,
-            bucket_size=bucket_size,
-        )
-        self._build_buffers()
+        numels = [p.numel() for p in self._params]
+        self.layout = Layout(numels, world_size=self.world_size, rank=self.rank, bucket_size=bucket_size)
+        self._build_buffers(originals)
         self._build_pieces()
         self._fused = None
         if self.impl == "triton":
@@ -138,11 +134,11 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         return self._params  # the reducer's hooks may have consumed their grads already (stage 2)
 
     # --- construction --------------------------------------------------------------------------------
-    def _init_flat(self) -> None:
+    def _init_flat(self) -> dict[int, torch.Tensor]:
+        """Cast to ``param_dtype``, check one dtype and device; return the fp32 originals by layout index."""
         originals: dict[torch.Tensor, torch.Tensor] = {}
         for p in self._params:
             self._cast_to_param_dtype(p, originals)
-        self._originals = {i: originals[p] for i, p in enumerate(self._params) if p in originals}
         dtypes = {p.dtype for p in self._params}
         devices = {p.device for p in self._params}
         if len(dtypes) > 1 or len(devices) > 1:
@@ -152,9 +148,10 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             )
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.device = devices.pop() if devices else torch.device("cpu")
+        return {i: originals[p] for i, p in enumerate(self._params) if p in originals}
 
     @torch.no_grad()
-    def _build_buffers(self) -> None:
+    def _build_buffers(self, originals: dict[int, torch.Tensor]) -> None:
         layout = self.layout
         self.flat_param = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
         for i, p in enumerate(self._params):
@@ -163,10 +160,9 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             p.data = view.view(p.shape)
         self.flat_master = torch.zeros(layout.local_numel, dtype=torch.float32, device=self.device)
         for piece in layout.pieces:
-            source = self._originals.get(piece.param, self._params[piece.param].data)
+            source = originals.get(piece.param, self._params[piece.param].data)
             dst = self.flat_master[piece.local : piece.local + piece.numel]
             dst.copy_(source.reshape(-1)[piece.lo : piece.hi])
-        self._originals = {}
 
     def _build_pieces(self) -> None:
         """Swap the inner optimizer's params for this rank's fp32 pieces and shard its existing state."""
