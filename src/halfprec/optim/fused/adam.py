@@ -25,11 +25,8 @@ __all__ = ["FusedAdam", "FusedAdamW"]
 
 
 class FusedAdam(FusedOptimizer):
-    """Adam (L2 weight decay unless ``decoupled_weight_decay=True``) with built-in FP32 masters.
-
-    Takes the model's fp16/bf16 params directly (fp32 params are their own masters). See
-    ``halfprec.optim.fused.base`` for the step and the keyword-only ``options`` (loss scaling, clipping).
-    """
+    """Adam (L2 weight decay unless ``decoupled_weight_decay=True``) with built-in FP32 masters, over the model's
+    fp16/bf16 params (fp32 params are their own masters)."""
 
     KIND = Kind.ADAM
     STATE_NAMES = ("exp_avg", "exp_avg_sq")

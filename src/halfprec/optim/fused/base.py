@@ -394,14 +394,10 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             raise ValueError(
                 "state dict has a different number of param groups or params per group than this optimizer"
             )
-        # validated on copies, so that a refused load changes nothing
-        merged = [
-            group | {key: v for key, v in saved.items() if key != "params"}
-            for group, saved in zip(self.param_groups, saved_groups, strict=True)
-        ]
-        for gi, group in enumerate(merged):
-            self._validate_group(group, gi)
-        for group, new in zip(self.param_groups, merged, strict=True):
+        updates = [{key: v for key, v in saved.items() if key != "params"} for saved in saved_groups]
+        for gi, (group, new) in enumerate(zip(self.param_groups, updates, strict=True)):
+            self._validate_group(group | new, gi)  # on a copy: a refused load changes nothing
+        for group, new in zip(self.param_groups, updates, strict=True):
             group.update(new)
         steps = [0.0] * len(self._trainable)
         with torch.no_grad():

@@ -61,11 +61,10 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             params' 16-bit dtype (half the traffic, rounds; DDP's default).
         bucket_size: elements per gradient bucket (params are never split across buckets).
         process_group: the data-parallel group; ``None`` = the default group.
-        impl: the local step: ``"torch"`` runs the wrapped torch optimizer on this rank's pieces (exact);
-            ``"triton"`` runs the fused update kernel over the flat local buffers (torch Adam, AdamW, SGD and
-            Adagrad; ``fused_step.py``; the fused path's tolerance); ``"auto"`` picks ``"triton"`` when
-            ``halfprec.optim.select.select_impl`` would (CUDA params, Triton, the inner ``foreach``/``fused``
-            left at their defaults). An explicit ``"triton"`` that cannot be honoured raises.
+        impl: the local step: ``"torch"``, the wrapped torch optimizer on this rank's pieces (exact);
+            ``"triton"``, the fused update kernel over the flat local buffers (torch Adam, AdamW, SGD and
+            Adagrad; the fused path's tolerance), raising when it cannot run; ``"auto"``, ``"triton"`` when
+            ``halfprec.optim.select.select_impl`` picks it.
         grad_accum_dtype: ``None`` only, for now (``torch.float32``, fp32 accumulation as on the exact path,
             raises ValueError).
     """
@@ -273,11 +272,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             self._fused.step(shard, used_anywhere, coef)  # applies coef as it reads the grads
         else:
             for i, piece_param in self._piece_params.items():
-                if used_anywhere[i] > 0:
-                    piece = self.layout.piece_of[i]
-                    piece_param.grad = shard[piece.local : piece.local + piece.numel]
-                else:
-                    piece_param.grad = None
+                pc = self.layout.piece_of[i]
+                piece_param.grad = shard[pc.local : pc.local + pc.numel] if used_anywhere[i] > 0 else None
             if coef is not None:
                 shard.mul_(coef)
             self.optimizer.step()
