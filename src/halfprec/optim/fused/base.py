@@ -144,18 +144,14 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._index = {p: i for i, p in enumerate(trainable)}
         # frozen when built: never trained
         self._frozen = [p for p in self._model_params if p not in self._index]
-        self._chunks: list[Chunk] = []
-        # per chunk: the rows of the norm and update kernels (layout.build_table)
-        self._norm_tables: list[torch.Tensor] = []
-        self._update_tables: list[torch.Tensor] = []
-        self._where: list[tuple[Chunk, int]] = [None] * len(trainable)  # type: ignore[list-item]
         sources = [originals.get(p, p.data) for p in trainable]
-        for chunk, idx in chunk_params(trainable, sources, flat_params=True):  # one per dtype
-            self._chunks.append(chunk)
-            self._norm_tables.append(chunk.table(idx, cfg.norm_block))
-            self._update_tables.append(chunk.table(idx, cfg.update_block))
-            for local, i in enumerate(idx):
-                self._where[i] = (chunk, local)
+        placed = chunk_params(trainable, sources, flat_params=True)  # one chunk per dtype
+        self._chunks: list[Chunk] = [chunk for chunk, _ in placed]
+        # per chunk: the rows of the norm and update kernels (layout.build_table)
+        self._norm_tables = [chunk.table(idx, cfg.norm_block) for chunk, idx in placed]
+        self._update_tables = [chunk.table(idx, cfg.update_block) for chunk, idx in placed]
+        where = {i: (chunk, local) for chunk, idx in placed for local, i in enumerate(idx)}
+        self._where: list[tuple[Chunk, int]] = [where[i] for i in range(len(trainable))]
         n_partials = max(sum(t.shape[0] for t in self._norm_tables), 1)  # one per norm program
         n = max(len(trainable), 1)
         self._sq = torch.zeros(n_partials, dtype=torch.float32, device=dev)

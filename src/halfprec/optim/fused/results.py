@@ -38,10 +38,7 @@ class SkipReporter:
             self._process(staged.cpu())
             return
         if len(self._pending) >= _MAX_PENDING:
-            buf, event = self._pending.popleft()
-            event.synchronize()
-            self._process(buf)
-            self._free.append((buf, event))
+            self._report_oldest()
         if self._free:
             buf, event = self._free.pop()
         else:
@@ -52,15 +49,15 @@ class SkipReporter:
         self._pending.append((buf, event))
 
     def drain(self, wait: bool = False) -> None:
-        while self._pending:
-            buf, event = self._pending[0]
-            if not wait and not event.query():
-                return
-            if wait:
-                event.synchronize()
-            self._pending.popleft()
-            self._process(buf)
-            self._free.append((buf, event))
+        """Report the records whose copy has landed (``wait``: all of them, waiting for their copies)."""
+        while self._pending and (wait or self._pending[0][1].query()):
+            self._report_oldest()
+
+    def _report_oldest(self) -> None:
+        buf, event = self._pending.popleft()
+        event.synchronize()
+        self._process(buf)
+        self._free.append((buf, event))
 
     def _process(self, buf: torch.Tensor) -> None:
         found, _norm, _coef, skipped, before, after = buf.tolist()

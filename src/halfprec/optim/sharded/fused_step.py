@@ -150,8 +150,7 @@ class FusedLocalStep:
             flags.append(1.0)
         if not any(flags):  # no piece here got a grad (or this rank holds none): nothing to update
             return
-        host = torch.tensor([counts, flags], dtype=torch.float32)
-        dev = host.to(self.master.device, non_blocking=True)
+        dev = torch.tensor([counts, flags], dtype=torch.float32).to(self.master.device, non_blocking=True)
         self.steps.copy_(dev[0])
         self.flags.copy_(dev[1])
         self.hyper.upload([self.fused.hp_row(g) for g in groups])

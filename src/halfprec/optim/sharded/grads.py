@@ -38,14 +38,14 @@ _MAX_IN_FLIGHT = 2
 
 class GradReducer:
     def __init__(
-        self, params: list[torch.nn.Parameter], layout: Layout, *, stage: int, comm_dtype: torch.dtype, group
+        self, params: list[torch.nn.Parameter], layout: Layout, *, stage: int, reduce_dtype: str, group
     ) -> None:
         self.params = params
         self.layout = layout
         self.stage = stage
-        self.comm_dtype = comm_dtype
         self.group = group
         self.dtype = params[0].dtype if params else torch.float32
+        self.comm_dtype = torch.float32 if reduce_dtype == "fp32" else self.dtype
         self.device = params[0].device if params else torch.device("cpu")
         self.flat_grad: torch.Tensor | None = None  # stage 1 only, allocated by the first backward
         self.grad_shard: torch.Tensor | None = None  # fp32, local coordinates; allocated on first use
@@ -54,7 +54,7 @@ class GradReducer:
         self.overlapped = 0  # buckets of the last backward launched before it ended (observability, tests)
         self._sync = True
         self.frozen = False  # set between unscale_() and step(): a new grad then would be silently lost
-        self.fresh = False  # a grad hook fired since the last step() (or zero_grad): a new backward ran
+        self.applied = False  # step() applied grad_shard and no grad came since: applying it again is refused
         self.consumed = False  # stage 2: step() consumed grad_shard in place; set until zero_grad()
         self._expected = [sum(1 for i in b.params if layout.numels[i] > 0) for b in layout.buckets]
         self._reset_pass()
@@ -98,7 +98,7 @@ class GradReducer:
                 "the next backward()"
             )
         param = self.params[i]
-        self.fresh = True
+        self.applied = False
         self.used[i] = True
         self.up_to_date = False
         layout = self.layout
@@ -218,5 +218,5 @@ class GradReducer:
             self.used = [False] * len(self.params)
         self.up_to_date = False
         self.frozen = False
-        self.fresh = False
+        self.applied = False
         self.consumed = False

@@ -123,11 +123,9 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if self.impl == "triton":
             self._fused = FusedLocalStep(self.optimizer, self.layout, self._piece_params, self.flat_master)
         self._init_scaler(loss_scaler, dtypes={self.dtype} if self._params else set(), device=self.device)
-        comm = torch.float32 if reduce_dtype == "fp32" else self.dtype
         self._reducer = GradReducer(
-            self._params, self.layout, stage=stage, comm_dtype=comm, group=process_group
+            self._params, self.layout, stage=stage, reduce_dtype=reduce_dtype, group=process_group
         )
-        self._stepped = False  # a step() ran since zero_grad(); another needs a new backward first
 
     def _backward_params(self) -> list[torch.nn.Parameter]:
         return self._params  # the reducer's hooks may have consumed their grads already (stage 2)
@@ -227,7 +225,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             return
         check_unfrozen(self._frozen)
         check_dtypes(self._params, [self.dtype] * len(self._params))
-        if self._stepped and not self._reducer.fresh:
+        if self._reducer.applied:
             raise RuntimeError(
                 "step() called again without a new backward(): these grads were already applied (and fp32 grads "
                 "unscaled in place); call zero_grad() and backward() before the next step()"
@@ -258,8 +256,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         values = torch.cat([head, norm.double().reshape(1), stats[1:]]).tolist()  # the one host sync
         self._record_step(values[:4], values[4], where=" on some rank", log=self.rank == 0)
         # the shard is unscaled (and clipped) in place: it cannot be applied again nor added to (stage 2)
-        self._stepped = True
-        self._reducer.fresh = False
+        self._reducer.applied = True
         self._reducer.consumed = self.stage == 2
         if self._s.step_was_skipped:
             return
@@ -303,7 +300,6 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             p.grad = None
         clear_grads(self._frozen, set_to_none)
         self._s.unscaled = False
-        self._stepped = False
 
     # --- rank-local checkpoint state (same world size only; see checkpoint.py for resharding) ----------
     def _fingerprint(self) -> dict[str, Any]:
@@ -336,8 +332,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 "not a ShardedMixedPrecisionOptimizer state dict; checkpoints in model space (any world size) "
                 "load with halfprec.distributed.checkpoint.load(...)"
             )
-        if state_dict["layout"] != self._fingerprint():
-            saved = state_dict["layout"]
+        if (saved := state_dict["layout"]) != self._fingerprint():
             raise ValueError(
                 f"rank-local state dict saved at world size {saved['world_size']} rank {saved['rank']} does not "
                 f"match this layout (world size {self.world_size} rank {self.rank}); to change world size save "
