@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ...kernels import triton_status
+from ...kernels.settings import settings
 from ...kernels.slots import PSCAL_WIDTH, HyperTable, Kind
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
@@ -75,8 +77,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         grad_accum_dtype: torch.dtype | None = None,
     ) -> None:
         check_grad_accum_dtype(grad_accum_dtype, strategy="fused")
-        from ...kernels import triton_status
-
         ok, why = triton_status()
         if not ok:
             raise ValueError(
@@ -108,8 +108,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._validate_group(self.param_groups[-1], len(self.param_groups) - 1)
 
     def _build(self) -> None:
-        from ...kernels.settings import settings
-
         cfg = settings()
         # the model's params in group order, frozen ones included (what the state dict indexes)
         self._model_params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
@@ -190,9 +188,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         return 0.0
 
     def _ensure_state(self, *, reset: bool = False) -> None:
-        """Allocate the state buffers, as torch does at a param's first update: at every step, or a load or export
-        that needs them. The first call, or a ``reset`` (a load), also starts them as torch does: zeros, and eager
-        state (Adagrad's ``sum``, made by torch's constructor) filled with its initial value."""
+        """Allocate the state buffers (at every step, and a load or export), as torch does at a param's first update;
+        the first call or a ``reset`` (a load) starts them at zero, and eager state at its initial value."""
         for name in {name for group in self.param_groups for name in self.group_state(group)}:
             for chunk in self._chunks:
                 chunk.add_state(name)

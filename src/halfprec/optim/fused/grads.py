@@ -85,12 +85,10 @@ class GradViews:
                     "build the optimizer after the model is in its final dtype and device"
                 )
             g = p.grad
-            if g is None:
-                if self._marked[i]:
-                    self.flags[i].fill_(0)
-                    self._marked[i] = False
-                continue
-            if g.data_ptr() != self._view_ptrs[i]:
+            if g is None and self._marked[i]:
+                self.flags[i].fill_(0)
+                self._marked[i] = False
+            elif g is not None and g.data_ptr() != self._view_ptrs[i]:
                 self.mark(i)
 
     def consumed(self) -> None:

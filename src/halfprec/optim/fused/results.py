@@ -84,19 +84,14 @@ class DeviceResults:
     def _read(self, slot: int) -> float | None:
         return float(self.scalars[slot].item()) if self.stepped else None
 
+    grad_norm = property(lambda self: self._read(1))
+    step_loss_scale = property(lambda self: self._read(4))
+
     @property
     def step_was_skipped(self) -> bool:
         value = bool(self._read(0))
         self.reporter.drain()
         return value
-
-    @property
-    def grad_norm(self) -> float | None:
-        return self._read(1)
-
-    @property
-    def step_loss_scale(self) -> float | None:
-        return self._read(4)
 
     @property
     def skipped_steps(self) -> int:

@@ -18,24 +18,28 @@ from typing import Any
 
 import torch
 
+from ...kernels.settings import settings
 from ...kernels.slots import PSCAL_WIDTH, HyperTable
 from ..checks import tell_schedulers
 from ..layout import ALIGN, Layout
+from ..select import fused_class, unsupported_flag
 from ..state import adopt_views
 
 __all__ = ["FusedLocalStep"]
 
 
-def _rows(lo: int, hi: int, index: int, block: int) -> tuple[list[tuple], list[tuple]]:
-    """(aligned rows, unaligned rows) covering ``[lo, hi)`` for piece ``index``."""
-    a0 = -(-lo // ALIGN) * ALIGN
-    a1 = hi // ALIGN * ALIGN
-    if a0 >= a1:
-        return [], [(lo, hi, index)]
-    aligned = [(s, min(s + block, a1), index) for s in range(a0, a1, block)]
-    loose = [(lo, a0, index)] if lo < a0 else []
-    if a1 < hi:
-        loose.append((a1, hi, index))
+def _rows(pieces: list, block: int) -> tuple[list[tuple], list[tuple]]:
+    """(aligned rows, unaligned rows) ``(start, end, k)`` covering the local range of each piece ``k``."""
+    aligned, loose = [], []
+    for k, pc in enumerate(pieces):
+        lo, hi = pc.local, pc.local + pc.numel
+        a0, a1 = -(-lo // ALIGN) * ALIGN, hi // ALIGN * ALIGN
+        if a0 >= a1:
+            loose.append((lo, hi, k))
+            continue
+        aligned += [(s, min(s + block, a1), k) for s in range(a0, a1, block)]
+        loose += [(lo, a0, k)] if lo < a0 else []
+        loose += [(a1, hi, k)] if a1 < hi else []
     return aligned, loose
 
 
@@ -49,9 +53,6 @@ class FusedLocalStep:
         piece_params: dict[int, torch.nn.Parameter],
         flat_master: torch.Tensor,
     ) -> None:
-        from ...kernels.settings import settings
-        from ..select import fused_class
-
         self.fused = fused_class(optimizer)  # the fused optimizers' per-algorithm protocol (fused/base.py)
         self.optimizer = optimizer
         self.master = flat_master
@@ -61,12 +62,7 @@ class FusedLocalStep:
         self.params = [piece_params[pc.param] for pc in self.pieces]
         group_of = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self.group_of = [group_of[id(p)] for p in self.params]
-        block = settings().update_block
-        aligned, loose = [], []
-        for k, pc in enumerate(self.pieces):
-            a, b = _rows(pc.local, pc.local + pc.numel, k, block)
-            aligned += a
-            loose += b
+        aligned, loose = _rows(self.pieces, settings().update_block)
         dev = flat_master.device
         self.aligned = torch.tensor(aligned, dtype=torch.int64).reshape(-1, 3).to(dev)
         self.loose = torch.tensor(loose, dtype=torch.int64).reshape(-1, 3).to(dev)
@@ -115,7 +111,6 @@ class FusedLocalStep:
         ``coef``: the clip coefficient as a device scalar, or None."""
         from ...kernels.norm import finalize
         from ...kernels.update import update
-        from ..select import unsupported_flag
 
         inner = self.optimizer
         if inner._optimizer_step_pre_hooks or inner._optimizer_step_post_hooks:

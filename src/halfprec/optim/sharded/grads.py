@@ -1,12 +1,10 @@
 """Gradient reduction for the sharded optimizer: post-accumulate-grad hooks, buckets, async reduce-scatter.
 
-Every rank must issue the same collectives in the same order. Buckets are therefore launched strictly in
-index order (bucket ``b`` waits for ``b - 1`` even when it fills first), and a callback queued at the end of
-each backward pass launches the buckets whose params got no grad on this rank (unused params), with zeros.
-That callback is queued by the first grad hook of the backward: a backward that reaches no trained param at
-all on some rank fires no hook there, launches nothing, and the ranks' collectives mismatch (a hang or a
-crash). As with DDP, every rank's backward must reach at least one trained param; a param unused on a rank
-(or on all ranks) is fine.
+Every rank must issue the same collectives in the same order: buckets are launched strictly in index order
+(bucket ``b`` waits for ``b - 1``), and a callback that the first grad hook of a backward queues launches, at its
+end, the buckets whose params got no grad on this rank, with zeros. A backward that reaches no trained param on
+some rank fires no hook there and the ranks' collectives mismatch (a hang or a crash): as with DDP, every rank's
+backward must reach at least one trained param; a param unused on a rank (or on all ranks) is fine.
 
 Stage 1 keeps a whole 16-bit grad buffer (``p.grad`` are views of it, so autograd accumulates micro-batches
 in place); a bucket is reduced when backward completes it outside ``no_sync()``, each reduction overwriting

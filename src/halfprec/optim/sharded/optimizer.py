@@ -36,6 +36,7 @@ from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear_grads
 from ..layout import Layout
+from ..select import select_impl
 from ..state import Target, move_state, restore_state_dtypes
 from .checks import check_optimizer, named_trainable
 from .fused_step import FusedLocalStep
@@ -87,8 +88,6 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     ) -> None:
         check_optimizer(optimizer, loss_scaler, max_grad_norm, param_dtype)
         check_grad_accum_dtype(grad_accum_dtype, strategy="sharded")
-        from ..select import select_impl
-
         self.impl = select_impl(optimizer, impl)
         if stage not in (1, 2) or isinstance(stage, bool):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}; stage 0 is MixedPrecisionOptimizer + DDP")
