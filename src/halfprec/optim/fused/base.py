@@ -87,8 +87,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         check_options(loss_scaler=loss_scaler, **options)
         self._built = False
         self._init_options(**options)
-        # owns its groups: not a wrapper's __init__
-        torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})
+        torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})  # owns its groups
         self._build()
         self._built = True
         self._init_scaler(loss_scaler, dtypes={c.dtype for c in self._chunks}, device=self._device)

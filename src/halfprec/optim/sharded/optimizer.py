@@ -107,7 +107,6 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._init_wrapping(optimizer)
         # params of the groups left out for being frozen now: refused if unfrozen later, grads cleared
         self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
-
         names, params, group_of = named_trainable(optimizer, named_parameters)
         # layout order: reverse of the optimizer's order, the usual approximation of backward order
         self._names, self._params, self._group_of = names[::-1], params[::-1], group_of[::-1]
