@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...kernels.slots import ADAGRAD_HP, Kind, hp_row
-from .base import FusedOptimizer, check_number
+from .base import FusedOptimizer
 
 __all__ = ["FusedAdagrad"]
 
@@ -26,6 +26,8 @@ class FusedAdagrad(FusedOptimizer):
     KIND = Kind.ADAGRAD
     STATE_NAMES = ("sum",)
     _EAGER_STATE = True
+    _NONNEGATIVE = ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value")
+    _TORCH_NAME = "torch.optim.Adagrad"
 
     def __init__(
         self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
@@ -36,11 +38,6 @@ class FusedAdagrad(FusedOptimizer):
             initial_accumulator_value=initial_accumulator_value, maximize=maximize,
         )  # fmt: skip
         super().__init__(params, hyper, **options)
-
-    def _validate_group(self, group: dict[str, Any], index: int) -> None:
-        for name in ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value"):
-            check_number(name, group[name], 0.0, None, index)
-        self._refuse_flags(group, index, ("maximize",), "torch.optim.Adagrad")
 
     @classmethod
     def initial_value(cls, name: str, group: dict[str, Any]) -> float:

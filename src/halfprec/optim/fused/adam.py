@@ -25,15 +25,15 @@ __all__ = ["FusedAdam", "FusedAdamW"]
 
 
 class FusedAdam(FusedOptimizer):
-    """Adam (L2 weight decay unless ``decoupled_weight_decay=True``) with built-in FP32 masters.
-
-    Takes the model's fp16/bf16 params directly (fp32 params are their own masters). See
-    ``halfprec.optim.fused.base`` for the step and the keyword-only ``options`` (loss scaling, clipping).
-    """
+    """Adam (L2 weight decay unless ``decoupled_weight_decay=True``) with built-in FP32 masters, over the model's
+    fp16/bf16 params (fp32 params are their own masters)."""
 
     KIND = Kind.ADAM
     STATE_NAMES = ("exp_avg", "exp_avg_sq")
     _DECOUPLED = False
+    _NONNEGATIVE = ("lr", "eps", "weight_decay")
+    _UNSUPPORTED = ("amsgrad", "maximize")
+    _TORCH_NAME = "torch.optim.AdamW"
 
     def __init__(
         self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -41,18 +41,17 @@ class FusedAdam(FusedOptimizer):
         maximize: bool = False, **options: Any,
     ) -> None:  # fmt: skip
         decoupled = self._DECOUPLED if decoupled_weight_decay is None else bool(decoupled_weight_decay)
-        hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled)
-        super().__init__(
-            params, hyper | dict(amsgrad=amsgrad, maximize=maximize, capturable=False), **options
-        )
+        hyper = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled,
+            amsgrad=amsgrad, maximize=maximize, capturable=False,
+        )  # fmt: skip
+        super().__init__(params, hyper, **options)
 
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
-        for name in ("lr", "eps", "weight_decay"):
-            check_number(name, group[name], 0.0, None, index)
+        super()._validate_group(group, index)
         b1, b2 = group["betas"]
         check_number("betas[0]", b1, 0.0, 1.0, index)
         check_number("betas[1]", b2, 0.0, 1.0, index)
-        self._refuse_flags(group, index, ("amsgrad", "maximize"), "torch.optim.AdamW")
 
     @classmethod
     def hp_row(cls, group: dict[str, Any]) -> list[Any]:

@@ -1,30 +1,20 @@
 """FusedOptimizer: the shared machinery of the fused optimizers (buffers, the two passes, checkpoint state).
 
-A step, all on the device (no host sync, so it can be captured in a CUDA graph):
+A step runs on the device with no host sync (so it can be captured in a CUDA graph): a norm pass over the 16-bit
+grads of the params that got one (``grads.py``), unscaled by the loss scale read from device memory; one finalize
+program (skip, clip coefficient, per-param step counters, grad marks cleared, a ``DynamicLossScaler``'s update in
+``kernels/scaler.py``; any other scaler updates with its own torch ops after the update pass); the update pass
+(master and state in fp32, the 16-bit params written). At most three launches per chunk and one non-blocking copy
+of the skip report: a skipped step is mostly host time, so every launch saved counts.
 
-1. norm pass: one kernel per chunk over the 16-bit grads of the params that got a grad (``grads.py`` says how
-   they are marked), unscaled by the loss scale read from device memory: partial sums of squares and
-   non-finite counts;
-2. finalize: one program decides the skip, the clip coefficient, advances per-param step counters, clears the
-   grad marks and, for a ``DynamicLossScaler``, runs the scaler's update (``kernels/scaler.py``; any other
-   scaler updates with its own torch ops after the update pass);
-3. update pass: one kernel per chunk updates master and state in fp32 and writes the 16-bit params.
+Each algorithm is a subclass that keeps this protocol, which the sharded fused local step
+(``sharded/fused_step.py``) reads too: ``KIND`` (the ``kernels.slots.Kind`` picking the finalize branch and the
+update kernel), ``STATE_NAMES`` (its elementwise state, a flat fp32 buffer per chunk), ``hp_row(group)`` (the
+group's hyper-parameter row), ``group_state(group)`` and ``initial_value(name, group)`` (the state a group's params
+hold, and its value at a param's first update).
 
-An eager step is three Triton launches per chunk at most and one non-blocking copy of the skip report: on a
-skipped step, which is mostly host time, every launch saved counts.
-
-Each algorithm (``adam.py``, ``sgd.py``, ``adagrad.py``, ``lamb.py``) is a subclass that passes its
-hyper-parameters to ``FusedOptimizer.__init__`` and keeps this protocol, which the sharded optimizer's fused
-local step (``sharded/fused_step.py``) reads too:
-
-* ``KIND``: the ``kernels.slots.Kind`` that picks the finalize program's branch and the update kernel;
-* ``STATE_NAMES``: the torch names of its elementwise state, each a flat fp32 buffer per chunk here;
-* ``hp_row(group)``: a param group's row of the hyper-parameter table the finalize program reads;
-* ``group_state(group)``, ``initial_value(name, group)``: the state a group's params hold, and what it starts
-  from at a param's first update.
-
-Checkpoints are in the exact path's format (``MixedPrecisionOptimizer.state_dict()``), so they move between the
-paths; ``load_state_dict()`` also takes a plain torch optimizer state dict.
+Checkpoints are in the exact path's format, so they move between the paths; ``load_state_dict()`` also takes a
+plain torch optimizer state dict.
 """
 
 from __future__ import annotations
@@ -35,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ...kernels import triton_status
+from ...kernels.settings import settings
 from ...kernels.slots import PSCAL_WIDTH, HyperTable, Kind
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
@@ -59,13 +51,9 @@ def check_number(name: str, value: Any, lo: float, hi: float | None, index: int)
 
 
 class FusedOptimizer(MixedPrecisionOptimizer):
-    """The fused strategy of ``MixedPrecisionOptimizer`` (see the module docstring for the protocol its subclasses
-    keep). It owns its param groups (``optimizer`` is None) and holds its state in flat buffers, allocated at the
-    first real update: construction allocates only the masters and the flat 16-bit param buffer the params
-    become views of.
-
-    Every subclass takes, after its hyper-parameters, the keyword-only options of ``MixedPrecisionOptimizer``:
-    ``loss_scaler``, ``max_grad_norm``, ``skip_nonfinite`` and ``param_dtype``.
+    """The fused strategy of ``MixedPrecisionOptimizer``: it owns its param groups (``optimizer`` is None) and
+    holds its state in flat buffers, allocated at the first update. Every subclass takes, after its
+    hyper-parameters, the keyword-only options of ``MixedPrecisionOptimizer``.
     """
 
     impl = "triton"
@@ -73,6 +61,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     KIND: Kind
     STATE_NAMES: tuple[str, ...] = ()
     _EAGER_STATE = False  # torch creates the state in its constructor (Adagrad): exported before any step too
+    _NONNEGATIVE: tuple[str, ...] = ()  # group values that must be >= 0
+    _UNSUPPORTED: tuple[str, ...] = ("maximize",)  # torch flags the kernels lack
+    _TORCH_NAME: str  # the torch optimizer with the same update, which has them
 
     def __init__(
         self,
@@ -86,8 +77,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         grad_accum_dtype: torch.dtype | None = None,
     ) -> None:
         check_grad_accum_dtype(grad_accum_dtype, strategy="fused")
-        from ...kernels import triton_status
-
         ok, why = triton_status()
         if not ok:
             raise ValueError(
@@ -98,23 +87,18 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         check_options(loss_scaler=loss_scaler, **options)
         self._built = False
         self._init_options(**options)
-        # owns its groups: not a wrapper's __init__
-        torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})
+        torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})  # owns its groups
         self._build()
         self._built = True
         self._init_scaler(loss_scaler, dtypes={c.dtype for c in self._chunks}, device=self._device)
-        self._reporter = SkipReporter(
-            self._skip_log,
-            dynamic=self.loss_scaler.is_dynamic,
-            min_scale=getattr(self.loss_scaler, "min_scale", 1.0),
-        )
+        self._reporter = SkipReporter(self._skip_log, self.loss_scaler)
         self._state_ready = False  # state buffers exist (allocated at the first step, a load or an export)
         self._s = DeviceResults(self._scalars, self._reporter)
-        self._replaced: weakref.ref | None = None  # the torch optimizer this one replaced, if any
+        self._replaced: weakref.ref | None = None  # the torch optimizer this one replaced (its schedulers)
 
     # --- construction --------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_built", False):
+        if self._built:
             raise RuntimeError(
                 f"{type(self).__name__} lays out its flat buffers at construction: pass every "
                 "param group to the constructor"
@@ -123,8 +107,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._validate_group(self.param_groups[-1], len(self.param_groups) - 1)
 
     def _build(self) -> None:
-        from ...kernels.settings import settings
-
         cfg = settings()
         # the model's params in group order, frozen ones included (what the state dict indexes)
         self._model_params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
@@ -159,18 +141,14 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._index = {p: i for i, p in enumerate(trainable)}
         # frozen when built: never trained
         self._frozen = [p for p in self._model_params if p not in self._index]
-        self._chunks: list[Chunk] = []
-        # per chunk: the rows of the norm and update kernels (layout.build_table)
-        self._norm_tables: list[torch.Tensor] = []
-        self._update_tables: list[torch.Tensor] = []
-        self._where: list[tuple[Chunk, int]] = [None] * len(trainable)  # type: ignore[list-item]
         sources = [originals.get(p, p.data) for p in trainable]
-        for chunk, idx in chunk_params(trainable, sources, flat_params=True):  # one per dtype
-            self._chunks.append(chunk)
-            self._norm_tables.append(chunk.table(idx, cfg.norm_block))
-            self._update_tables.append(chunk.table(idx, cfg.update_block))
-            for local, i in enumerate(idx):
-                self._where[i] = (chunk, local)
+        placed = chunk_params(trainable, sources, flat_params=True)  # one chunk per dtype
+        self._chunks: list[Chunk] = [chunk for chunk, _ in placed]
+        # per chunk: the rows of the norm and update kernels (layout.build_table)
+        self._norm_tables = [chunk.table(idx, cfg.norm_block) for chunk, idx in placed]
+        self._update_tables = [chunk.table(idx, cfg.update_block) for chunk, idx in placed]
+        where = {i: (chunk, local) for chunk, idx in placed for local, i in enumerate(idx)}
+        self._where: list[tuple[Chunk, int]] = [where[i] for i in range(len(trainable))]
         n_partials = max(sum(t.shape[0] for t in self._norm_tables), 1)  # one per norm program
         n = max(len(trainable), 1)
         self._sq = torch.zeros(n_partials, dtype=torch.float32, device=dev)
@@ -184,22 +162,19 @@ class FusedOptimizer(MixedPrecisionOptimizer):
 
     # --- per-algorithm hooks (subclasses) --------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
-        raise NotImplementedError
+        for name in self._NONNEGATIVE:
+            check_number(name, group[name], 0.0, None, index)
+        for flag in self._UNSUPPORTED:
+            if group.get(flag, False):
+                raise ValueError(
+                    f"param group {index}: {flag}=True is not supported by {type(self).__name__}; use the torch "
+                    f"path (halfprec.MixedPrecisionOptimizer over {self._TORCH_NAME})"
+                )
 
     @classmethod
     def hp_row(cls, group: dict[str, Any]) -> list[Any]:
         """The group's row of the finalize program's hyper-parameter table (``kernels/slots.py``)."""
         raise NotImplementedError
-
-    def _refuse_flags(
-        self, group: dict[str, Any], index: int, flags: tuple[str, ...], torch_name: str
-    ) -> None:
-        for flag in flags:
-            if group.get(flag, False):
-                raise ValueError(
-                    f"param group {index}: {flag}=True is not supported by {type(self).__name__}; use the torch "
-                    f"path (halfprec.MixedPrecisionOptimizer over {torch_name})"
-                )
 
     @classmethod
     def group_state(cls, group: dict[str, Any]) -> tuple[str, ...]:
@@ -211,23 +186,22 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         """The value state ``name`` starts from at a param's first update, as torch creates it."""
         return 0.0
 
-    def _init_state(self) -> None:
-        """Eager state that the torch optimizer creates in its constructor (Adagrad's ``sum``)."""
-        if self._EAGER_STATE:
-            for i in range(len(self._trainable)):
-                group = self._group(i)
-                for name in self.group_state(group):
-                    self._state_view(name, i).fill_(self.initial_value(name, group))
-
-    def _ensure_state(self) -> None:
-        """Allocate the state buffers, as torch does at a param's first update (Adagrad's ``sum`` filled with its
-        initial value, as its constructor would): at every step, or a load or export that needs them."""
+    def _ensure_state(self, *, reset: bool = False) -> None:
+        """Allocate the state buffers (at every step, and a load or export), as torch does at a param's first update;
+        the first call or a ``reset`` (a load) starts them at zero, and eager state at its initial value."""
         for name in {name for group in self.param_groups for name in self.group_state(group)}:
             for chunk in self._chunks:
                 chunk.add_state(name)
-        if not self._state_ready:
-            self._init_state()
-            self._state_ready = True
+        if reset:
+            for chunk in self._chunks:
+                for buf in chunk.state.values():
+                    buf.zero_()
+        if self._EAGER_STATE and (reset or not self._state_ready):
+            for i, gi in enumerate(self._group_of):
+                group = self.param_groups[gi]
+                for name in self.group_state(group):
+                    self._state_view(name, i).fill_(self.initial_value(name, group))
+        self._state_ready = True
 
     def _launch_update(self, k: int) -> None:
         from ...kernels.update import update
@@ -257,10 +231,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         adopt_views(dict(saved), self.STATE_NAMES, lambda name: self._state_view(name, i))
         return step
 
-    def _group(self, i: int) -> dict[str, Any]:
-        """Param ``i``'s group."""
-        return self.param_groups[self._group_of[i]]
-
     # --- grads ---------------------------------------------------------------------------------------
     def mark_grads(self) -> None:
         """Count every trainable param's ``.grad`` as this step's (what backward's hooks do per param): for callers
@@ -288,15 +258,10 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._hyper.upload([self.hp_row(g) for g in self.param_groups], capturing)
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """One fused step (see the module docstring); no host sync."""
+    def _step(self) -> None:
         from ...kernels import norm
         from ...kernels import scaler as scaler_kernel
 
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if capturing and not self._state_ready:
             raise RuntimeError(
@@ -306,7 +271,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         if not capturing:
             check_unfrozen(self._frozen)
             check_dtypes(self._trainable, self._dtypes)
-            self._scale_guard.check(self._backward_params, self.loss_scaler)
             self._reporter.drain()
             self._grads.adopt(type(self).__name__)
             for chunk in self._chunks:
@@ -333,19 +297,14 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._grads.consumed()
         if not capturing:
             self._reporter.record(self._scalars)
-            self._tell_schedulers()
+            if self._replaced is not None and (replaced := self._replaced()) is not None:
+                tell_schedulers(replaced)
         self._s.stepped = True
-        return loss
 
     def adopt_scheduler_target(self, optimizer: torch.optim.Optimizer) -> None:
-        """Remember the torch optimizer this one replaced (``bridge.fused_from_torch``): LR schedulers built on it
+        """Remember the torch optimizer this one replaced (``select.fused_from_torch``): LR schedulers built on it
         write into the shared group dicts, and check that its ``step()`` ran before theirs."""
         self._replaced = weakref.ref(optimizer)
-
-    def _tell_schedulers(self) -> None:
-        replaced = self._replaced() if self._replaced is not None else None
-        if replaced is not None:
-            tell_schedulers(replaced)
 
     # --- results (reading one syncs) --------------------------------------------------------------------
     @property
@@ -376,24 +335,20 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._reporter.drain(wait=True)
         self._ensure_state()
         steps = self._steps.cpu().tolist()
+        views = self.master_params()
         state: dict[int, dict[str, Any]] = {}
         masters: dict[int, torch.Tensor] = {}
-        groups = []
-        k = 0
+        for k, p in enumerate(self._model_params):  # the state dict's param indices
+            i = self._index.get(p)
+            if i is not None and (exported := self._export_state(i, steps[i])):
+                state[k] = exported
+            if i is not None and p.dtype != torch.float32:
+                masters[k] = views[i].clone()
+        groups, k = [], 0
         for group in self.param_groups:
             saved = {key: v for key, v in group.items() if key != "params"}
-            saved["params"] = list(range(k, k + len(group["params"])))
-            groups.append(saved)
-            for p in group["params"]:
-                i = self._index.get(p)
-                if i is not None:
-                    exported = self._export_state(i, steps[i])
-                    if exported:
-                        state[k] = exported
-                    if p.dtype != torch.float32:
-                        chunk, local = self._where[i]
-                        masters[k] = chunk.master_views[local].clone()
-                k += 1
+            groups.append(saved | {"params": list(range(k, k + len(group["params"])))})
+            k += len(group["params"])
         return {
             "format": self._FORMAT,
             "algorithm": self.algorithm(),
@@ -427,28 +382,18 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         else:
             raise ValueError(f"not a halfprec or torch optimizer state dict (keys {sorted(state_dict)[:6]})")
         saved_groups = inner["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups, strict=True)
-        ):
+        if [len(s["params"]) for s in saved_groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError(
                 "state dict has a different number of param groups or params per group than this optimizer"
             )
-        # validated on copies, so that a refused load changes nothing
-        merged = [
-            group | {key: v for key, v in saved.items() if key != "params"}
-            for group, saved in zip(self.param_groups, saved_groups, strict=True)
-        ]
-        for gi, group in enumerate(merged):
-            self._validate_group(group, gi)
-        for group, new in zip(self.param_groups, merged, strict=True):
+        updates = [{key: v for key, v in saved.items() if key != "params"} for saved in saved_groups]
+        for gi, (group, new) in enumerate(zip(self.param_groups, updates, strict=True)):
+            self._validate_group(group | new, gi)  # on a copy: a refused load changes nothing
+        for group, new in zip(self.param_groups, updates, strict=True):
             group.update(new)
         steps = [0.0] * len(self._trainable)
         with torch.no_grad():
-            self._ensure_state()
-            for chunk in self._chunks:
-                for buf in chunk.state.values():
-                    buf.zero_()
-            self._init_state()
+            self._ensure_state(reset=True)
             saved_state = {int(k): v for k, v in inner["state"].items()}
             for k, p in enumerate(self._model_params):
                 i = self._index.get(p)
@@ -456,9 +401,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                     steps[i] = self._import_state(i, saved_state[k])
             self._steps.copy_(torch.tensor(steps or [0.0], dtype=torch.float32))
             if state_dict is not None:
+                masters = self.master_params()
                 for k, value in state_dict["masters"].items():
-                    chunk, local = self._where[self._index[self._model_params[int(k)]]]
-                    chunk.master_views[local].copy_(value)
+                    masters[self._index[self._model_params[int(k)]]].copy_(value)
                 for chunk in self._chunks:
                     if chunk.param is not None:
                         chunk.param.copy_(chunk.data)  # round to nearest even

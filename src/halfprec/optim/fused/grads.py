@@ -1,11 +1,10 @@
 """Which params of a fused optimizer got a grad this step, with their grads kept as views of the flat grad buffers.
 
-A post-accumulate-grad hook marks the param and, when ``.grad`` is not the param's view of the flat grad buffer
-(after ``zero_grad(set_to_none=True)`` or ``model.zero_grad()`` detached it, or on the first backward), copies
-the fresh grad into the view and re-attaches it. Outside graph capture, ``step()`` also adopts a ``.grad``
-assigned by hand and unmarks params whose ``.grad`` was set to None (``adopt``). A view is never mistaken for a
-gradient: an unmarked param is not updated and its counter does not advance. The marks live in ``flags`` (int32
-per param, on the device), which the finalize program reads and clears.
+A post-accumulate-grad hook marks the param and, when ``.grad`` is not its view of the flat grad buffer (the
+first backward, or after ``zero_grad(set_to_none=True)``/``model.zero_grad()``), copies the fresh grad into the
+view and re-attaches it. Outside graph capture, ``step()`` also adopts a ``.grad`` assigned by hand and unmarks
+params whose ``.grad`` was set to None. An unmarked param is not updated and its counter does not advance. The
+marks live in ``flags`` (int32 per param, on the device), which the finalize program reads and clears.
 """
 
 from __future__ import annotations
@@ -18,7 +17,19 @@ import torch
 
 from ..layout import Chunk
 
-__all__ = ["GradViews"]
+__all__ = ["GradViews", "weak_hook"]
+
+
+def weak_hook(method, *args):
+    """A post-accumulate-grad hook that calls ``method(*args)`` while ``method``'s object lives. The hook lives on
+    the param, which autograd's C++ side also holds: a strong reference would keep the optimizer alive."""
+    return functools.partial(_call_weak, weakref.WeakMethod(method), args)
+
+
+def _call_weak(ref: weakref.WeakMethod, args: tuple, param: torch.Tensor) -> None:
+    bound = ref()
+    if bound is not None:
+        bound(*args)
 
 
 class GradViews:
@@ -31,15 +42,12 @@ class GradViews:
         self.where = list(where)
         self.flags = torch.zeros(max(len(self.params), 1), dtype=torch.int32, device=device)
         self._marked = [False] * len(self.params)
-        # where each param's grad view starts (the views live as long as the optimizer): one int compare per
-        # param in adopt(), which is host time on a skipped step
-        self._view_ptrs: list[int | None] = [None] * len(
-            self.params
-        )  # filled when a chunk's grad buffer is made
+        # where each param's grad view starts, once its chunk's grad buffer is made: one int compare per param in
+        # adopt(), which is host time on a skipped step
+        self._view_ptrs: list[int | None] = [None] * len(self.params)
         self._param_ptrs = [p.data_ptr() for p in self.params]  # the params are views of the flat buffers
-        mark = weakref.WeakMethod(self.mark)  # the hooks must not keep the optimizer alive
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(functools.partial(_on_grad, mark, i))
+            p.register_post_accumulate_grad_hook(weak_hook(self.mark, i))
 
     def views(self, chunk: Chunk) -> list[torch.Tensor]:
         """The chunk's grad views, its flat grad buffer made at the first grad it gets (not at construction)."""
@@ -77,12 +85,10 @@ class GradViews:
                     "build the optimizer after the model is in its final dtype and device"
                 )
             g = p.grad
-            if g is None:
-                if self._marked[i]:
-                    self.flags[i].fill_(0)
-                    self._marked[i] = False
-                continue
-            if g.data_ptr() != self._view_ptrs[i]:
+            if g is None and self._marked[i]:
+                self.flags[i].fill_(0)
+                self._marked[i] = False
+            elif g is not None and g.data_ptr() != self._view_ptrs[i]:
                 self.mark(i)
 
     def consumed(self) -> None:
@@ -102,9 +108,3 @@ class GradViews:
                     p.grad = view
         self.flags.zero_()
         self.consumed()
-
-
-def _on_grad(mark: weakref.WeakMethod, i: int, param: torch.Tensor) -> None:
-    bound = mark()
-    if bound is not None:
-        bound(i)

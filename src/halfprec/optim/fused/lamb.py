@@ -17,14 +17,15 @@ from typing import Any
 
 import torch
 
-from ...kernels.slots import ADAM_HP, Kind, hp_row
+from ...kernels.slots import Kind
 from .adam import FusedAdam
 
 __all__ = ["FusedLamb"]
 
 
 class FusedLamb(FusedAdam):
-    """LAMB over fp16/bf16 params with FP32 masters (see the module docstring for the math)."""
+    """LAMB over fp16/bf16 params with FP32 masters (see the module docstring for the math). Its hyper-parameter
+    row is Adam's; its kernels add ``weight_decay * p`` to the update themselves (``AdamScalars.WD_RAW``)."""
 
     KIND = Kind.LAMB
 
@@ -39,14 +40,6 @@ class FusedLamb(FusedAdam):
         self._lamb_partials = [
             torch.zeros(max(t.shape[0], 1), 2, device=self._device) for t in self._update_tables
         ]
-
-    @classmethod
-    def hp_row(cls, group: dict[str, Any]) -> list[Any]:
-        b1, b2 = group["betas"]
-        # L2-style decay: LAMB adds wd * p to its update itself (DECOUPLED stays 0)
-        return hp_row(
-            ADAM_HP, LR=group["lr"], BETA1=b1, BETA2=b2, EPS=group["eps"], WEIGHT_DECAY=group["weight_decay"]
-        )
 
     def _launch_update(self, k: int) -> None:
         from ...kernels.lamb import lamb_update

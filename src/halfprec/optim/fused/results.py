@@ -1,11 +1,11 @@
 """What a fused step leaves behind, read without a host sync in ``step()``: the step record and the skip reports.
 
-``DeviceResults`` is the fused optimizers' ``results.StepState``: the same attribute names, its values in the
-device scalars the finalize program writes; reading one syncs. ``SkipReporter`` logs skipped steps: each step
-copies its device scalars (found_inf, norm, coefficient, skipped count, scale used, scale after: the first six
-of the optimizer's ``scalars``) into a pinned host buffer with one non-blocking copy and records an event. Records whose event has completed are logged at a later step (or when the caller reads a result, which
-syncs anyway): each skip is reported once. Buffers and events are reused once processed, so a step allocates
-nothing and creates no event (a skipped step is mostly host time).
+Both read the first six device scalars the finalize program writes: found_inf, grad norm, clip coefficient,
+skipped count, loss scale used, loss scale after. ``DeviceResults`` is the fused optimizers'
+``results.StepState`` (the same attribute names; reading one syncs). ``SkipReporter`` copies them into a pinned
+host buffer with one non-blocking copy per step and records an event; completed records are logged at a later
+step, or when the caller reads a result (which syncs anyway), each skip once. Buffers and events are reused, so a
+step allocates nothing (a skipped step is mostly host time).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections import deque
 
 import torch
 
+from ...scaler import LossScaler
 from ..results import SkipLog
 
 __all__ = ["DeviceResults", "SkipReporter"]
@@ -23,24 +24,21 @@ _WIDTH = 6
 
 
 class SkipReporter:
-    def __init__(self, log: SkipLog, *, dynamic: bool, min_scale: float) -> None:
+    def __init__(self, log: SkipLog, scaler: LossScaler) -> None:
         self._log = log
         self._pending: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
         self._free: list[tuple[torch.Tensor, torch.cuda.Event]] = []
-        self._dynamic = dynamic
-        self._min_scale = min_scale
+        self._dynamic = scaler.is_dynamic
+        self._min_scale = getattr(scaler, "min_scale", 1.0)
 
     def record(self, scalars: torch.Tensor) -> None:
-        """Stage ``scalars[:6]`` (see the module docstring) for a later report."""
+        """Stage ``scalars[:6]`` for a later report."""
         staged = scalars[:_WIDTH]
         if staged.device.type != "cuda":
             self._process(staged.cpu())
             return
         if len(self._pending) >= _MAX_PENDING:
-            buf, event = self._pending.popleft()
-            event.synchronize()
-            self._process(buf)
-            self._free.append((buf, event))
+            self._report_oldest()
         if self._free:
             buf, event = self._free.pop()
         else:
@@ -51,15 +49,15 @@ class SkipReporter:
         self._pending.append((buf, event))
 
     def drain(self, wait: bool = False) -> None:
-        while self._pending:
-            buf, event = self._pending[0]
-            if not wait and not event.query():
-                return
-            if wait:
-                event.synchronize()
-            self._pending.popleft()
-            self._process(buf)
-            self._free.append((buf, event))
+        """Report the records whose copy has landed (``wait``: all of them, waiting for their copies)."""
+        while self._pending and (wait or self._pending[0][1].query()):
+            self._report_oldest()
+
+    def _report_oldest(self) -> None:
+        buf, event = self._pending.popleft()
+        event.synchronize()
+        self._process(buf)
+        self._free.append((buf, event))
 
     def _process(self, buf: torch.Tensor) -> None:
         found, _norm, _coef, skipped, before, after = buf.tolist()
@@ -74,8 +72,7 @@ class SkipReporter:
 
 
 class DeviceResults:
-    """The fused step's record (``results.StepState``'s attribute names) over ``scalars``, the finalize program's
-    (found_inf, grad_norm, coefficient, skipped_steps, loss scale used, loss scale after)."""
+    """The fused step's record (``results.StepState``'s attribute names) over the finalize program's scalars."""
 
     unscaled = False  # the fused step never unscales grads in place
 
@@ -87,19 +84,14 @@ class DeviceResults:
     def _read(self, slot: int) -> float | None:
         return float(self.scalars[slot].item()) if self.stepped else None
 
+    grad_norm = property(lambda self: self._read(1))
+    step_loss_scale = property(lambda self: self._read(4))
+
     @property
     def step_was_skipped(self) -> bool:
         value = bool(self._read(0))
         self.reporter.drain()
         return value
-
-    @property
-    def grad_norm(self) -> float | None:
-        return self._read(1)
-
-    @property
-    def step_loss_scale(self) -> float | None:
-        return self._read(4)
 
     @property
     def skipped_steps(self) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...kernels.slots import SGD_HP, Kind, hp_row
-from .base import FusedOptimizer, check_number
+from .base import FusedOptimizer
 
 __all__ = ["FusedSGD"]
 
@@ -27,6 +27,8 @@ class FusedSGD(FusedOptimizer):
 
     KIND = Kind.SGD
     STATE_NAMES = ("momentum_buffer",)  # with momentum only
+    _NONNEGATIVE = ("lr", "momentum", "weight_decay")
+    _TORCH_NAME = "torch.optim.SGD"
 
     def __init__(
         self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
@@ -63,14 +65,12 @@ class FusedSGD(FusedOptimizer):
         self._momentum_was_zero = None  # the loaded groups and buffers are the new starting point
 
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
-        for name in ("lr", "momentum", "weight_decay"):
-            check_number(name, group[name], 0.0, None, index)
+        super()._validate_group(group, index)
         if group["nesterov"] and (float(group["momentum"]) <= 0 or float(group["dampening"]) != 0):
             raise ValueError(
                 f"param group {index}: nesterov=True needs momentum > 0 and dampening = 0, got "
                 f"momentum={group['momentum']!r}, dampening={group['dampening']!r}"
             )
-        self._refuse_flags(group, index, ("maximize",), "torch.optim.SGD")
 
     @classmethod
     def hp_row(cls, group: dict[str, Any]) -> list[Any]:
@@ -80,8 +80,8 @@ class FusedSGD(FusedOptimizer):
         )  # fmt: skip
 
     def _export_state(self, i: int, step: float) -> dict[str, Any]:
-        chunk, _ = self._where[i]
-        if step == 0 or not self.group_state(self._group(i)) or "momentum_buffer" not in chunk.state:
+        # state_dict() allocated the buffers of every group with momentum before exporting
+        if step == 0 or not self.group_state(self.param_groups[self._group_of[i]]):
             return {}
         return {"momentum_buffer": self._state_view("momentum_buffer", i).clone()}
 

@@ -6,7 +6,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.optim import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, RAdam, RMSprop, Rprop
 
+from ..base import MixedPrecisionOptimizer
 from ..checks import check_options, check_torch_optimizer
 
 __all__ = ["ELEMENTWISE", "check_optimizer", "named_trainable"]
@@ -14,28 +16,10 @@ __all__ = ["ELEMENTWISE", "check_optimizer", "named_trainable"]
 # Optimizers whose update of an element depends only on that element's grad, state and the group's scalars:
 # stepping a piece of a param is then exactly stepping the param. LAMB, LARS, Adafactor, Muon, Shampoo and
 # LBFGS need whole tensors (norms, factored moments, orthogonalisation) and are refused.
-ELEMENTWISE = tuple(
-    getattr(torch.optim, name)
-    for name in (
-        "SGD",
-        "Adam",
-        "AdamW",
-        "Adagrad",
-        "Adadelta",
-        "Adamax",
-        "NAdam",
-        "RAdam",
-        "RMSprop",
-        "Rprop",
-    )
-    + ("ASGD",)
-    if hasattr(torch.optim, name)
-)
+ELEMENTWISE = (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD)
 
 
 def check_optimizer(optimizer: Any, loss_scaler: Any, max_grad_norm: Any, param_dtype: Any) -> None:
-    from ..base import MixedPrecisionOptimizer
-
     if isinstance(optimizer, MixedPrecisionOptimizer):
         raise ValueError(
             "optimizer is a MixedPrecisionOptimizer; give ShardedMixedPrecisionOptimizer the plain torch optimizer"
@@ -55,10 +39,9 @@ def named_trainable(
     optimizer: torch.optim.Optimizer, named_parameters: Any
 ) -> tuple[list[str], list[torch.nn.Parameter], list[int]]:
     """Names, params and group indices of the optimizer's trainable params, in optimizer order."""
+    pairs: Iterable = named_parameters
     if isinstance(named_parameters, torch.nn.Module):
-        pairs: Iterable = named_parameters.named_parameters()
-    else:
-        pairs = named_parameters
+        pairs = named_parameters.named_parameters()
     name_of: dict[int, str] = {}
     for item in pairs:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):

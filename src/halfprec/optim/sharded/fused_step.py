@@ -1,20 +1,15 @@
 """The sharded optimizer's local step on the fused Triton kernels (``impl="triton"``, or ``"auto"`` on CUDA).
 
-The torch optimizer (Adam, AdamW, SGD or Adagrad) keeps its param groups and its torch-format state; only its
-``step()`` is replaced. Its elementwise state tensors (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``,
-``sum``) become views of flat fp32 buffers laid out in the rank's local coordinates (``_layout``), like the
-masters and the fp32 grad shard, so one launch of the fused update kernel steps every piece: it reads the
-grad shard, multiplies it by the clip coefficient, and updates master and state in fp32. Per-piece scalars
-(bias corrections, Adagrad's decayed lr, SGD's first-step flag) come from the fused path's finalize program.
+The torch optimizer (Adam, AdamW, SGD or Adagrad) keeps its param groups and torch-format state; only its
+``step()`` is replaced. Its elementwise state tensors become views of flat fp32 buffers in the rank's local
+coordinates, like the masters and the grad shard, so one launch of the fused update kernel steps every piece.
+Per-piece scalars (bias corrections, Adagrad's decayed lr, SGD's first-step flag) come from the fused path's
+finalize program. Step counters stay torch's 0-d fp32 CPU tensors, advanced on the host (the sharded step has
+already read which params got a grad anywhere). State replaced from outside (``load_state_dict``, a checkpoint
+load) is copied into the buffers and re-viewed at the next step.
 
-Step counters stay torch's: 0-d fp32 CPU tensors in ``optimizer.state``, advanced on the host (the sharded
-step has already read which params got a grad anywhere), so checkpoints and the torch path read them as
-they are. State replaced from outside (``load_state_dict``, a checkpoint load) is copied into the buffers and
-re-viewed at the next step.
-
-Rows of the update table cover a piece's 16-aligned interior with vectorised programs; the (at most 15
-element) head and tail of a piece that a shard boundary or a neighbour left unaligned run in a second launch
-with ``ALIGNED=False``.
+Update rows cover a piece's 16-aligned interior with vectorised programs; the (at most 15 element) head and tail
+that a shard boundary or a neighbour left unaligned run in a second launch with ``ALIGNED=False``.
 """
 
 from __future__ import annotations
@@ -23,24 +18,28 @@ from typing import Any
 
 import torch
 
+from ...kernels.settings import settings
 from ...kernels.slots import PSCAL_WIDTH, HyperTable
 from ..checks import tell_schedulers
 from ..layout import ALIGN, Layout
+from ..select import fused_class, unsupported_flag
 from ..state import adopt_views
 
 __all__ = ["FusedLocalStep"]
 
 
-def _rows(lo: int, hi: int, index: int, block: int) -> tuple[list[tuple], list[tuple]]:
-    """(aligned rows, unaligned rows) covering ``[lo, hi)`` for piece ``index``."""
-    a0 = -(-lo // ALIGN) * ALIGN
-    a1 = hi // ALIGN * ALIGN
-    if a0 >= a1:
-        return [], [(lo, hi, index)]
-    aligned = [(s, min(s + block, a1), index) for s in range(a0, a1, block)]
-    loose = [(lo, a0, index)] if lo < a0 else []
-    if a1 < hi:
-        loose.append((a1, hi, index))
+def _rows(pieces: list, block: int) -> tuple[list[tuple], list[tuple]]:
+    """(aligned rows, unaligned rows) ``(start, end, k)`` covering the local range of each piece ``k``."""
+    aligned, loose = [], []
+    for k, pc in enumerate(pieces):
+        lo, hi = pc.local, pc.local + pc.numel
+        a0, a1 = -(-lo // ALIGN) * ALIGN, hi // ALIGN * ALIGN
+        if a0 >= a1:
+            loose.append((lo, hi, k))
+            continue
+        aligned += [(s, min(s + block, a1), k) for s in range(a0, a1, block)]
+        loose += [(lo, a0, k)] if lo < a0 else []
+        loose += [(a1, hi, k)] if a1 < hi else []
     return aligned, loose
 
 
@@ -54,28 +53,17 @@ class FusedLocalStep:
         piece_params: dict[int, torch.nn.Parameter],
         flat_master: torch.Tensor,
     ) -> None:
-        from ...kernels.settings import settings
-        from ..select import fused_class
-
         self.fused = fused_class(optimizer)  # the fused optimizers' per-algorithm protocol (fused/base.py)
         self.optimizer = optimizer
         self.master = flat_master
-        self.device = flat_master.device
         self.sgd = isinstance(optimizer, torch.optim.SGD)  # no step counter
         # the pieces in local order; k indexes every per-piece device array
         self.pieces = sorted(layout.pieces, key=lambda pc: pc.local)
         self.params = [piece_params[pc.param] for pc in self.pieces]
-        group_of = {}
-        for gi, group in enumerate(optimizer.param_groups):
-            group_of.update({id(p): gi for p in group["params"]})
+        group_of = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self.group_of = [group_of[id(p)] for p in self.params]
-        block = settings().update_block
-        aligned, loose = [], []
-        for k, pc in enumerate(self.pieces):
-            a, b = _rows(pc.local, pc.local + pc.numel, k, block)
-            aligned += a
-            loose += b
-        dev = self.device
+        aligned, loose = _rows(self.pieces, settings().update_block)
+        dev = flat_master.device
         self.aligned = torch.tensor(aligned, dtype=torch.int64).reshape(-1, 3).to(dev)
         self.loose = torch.tensor(loose, dtype=torch.int64).reshape(-1, 3).to(dev)
         n = max(len(self.pieces), 1)
@@ -123,9 +111,15 @@ class FusedLocalStep:
         ``coef``: the clip coefficient as a device scalar, or None."""
         from ...kernels.norm import finalize
         from ...kernels.update import update
-        from ..select import unsupported_flag
 
-        groups = self.optimizer.param_groups
+        inner = self.optimizer
+        if inner._optimizer_step_pre_hooks or inner._optimizer_step_post_hooks:
+            raise RuntimeError(
+                f"the {type(inner).__name__} wrapped with impl='triton' has step hooks, which would not run: the "
+                "fused kernel replaces its step(). Register them on the ShardedMixedPrecisionOptimizer (they run "
+                "once per step) or pass impl='torch'"
+            )
+        groups = inner.param_groups
         reason = unsupported_flag(groups)  # a flag may be turned on after construction
         if reason is not None:
             raise ValueError(f"the fused local step cannot run: {reason} when building the sharded optimizer")
@@ -151,8 +145,7 @@ class FusedLocalStep:
             flags.append(1.0)
         if not any(flags):  # no piece here got a grad (or this rank holds none): nothing to update
             return
-        host = torch.tensor([counts, flags], dtype=torch.float32)
-        dev = host.to(self.device, non_blocking=True)
+        dev = torch.tensor([counts, flags], dtype=torch.float32).to(self.master.device, non_blocking=True)
         self.steps.copy_(dev[0])
         self.flags.copy_(dev[1])
         self.hyper.upload([self.fused.hp_row(g) for g in groups])
@@ -162,15 +155,6 @@ class FusedLocalStep:
         )  # fmt: skip
         self.scalars[2].copy_(self.one if coef is None else coef)
         state = [self.buffers[name] for name in self.fused.STATE_NAMES if name in self.buffers]
+        kind, master = self.fused.KIND, self.master
         for table, aligned in ((self.aligned, True), (self.loose, False)):
-            update(
-                self.fused.KIND,
-                self.master,
-                grad_shard,
-                self.master,
-                state,
-                table,
-                self.pscal,
-                self.scalars,
-                aligned=aligned,
-            )
+            update(kind, master, grad_shard, master, state, table, self.pscal, self.scalars, aligned=aligned)

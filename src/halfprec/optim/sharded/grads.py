@@ -1,12 +1,10 @@
 """Gradient reduction for the sharded optimizer: post-accumulate-grad hooks, buckets, async reduce-scatter.
 
-Every rank must issue the same collectives in the same order. Buckets are therefore launched strictly in
-index order (bucket ``b`` waits for ``b - 1`` even when it fills first), and a callback queued at the end of
-each backward pass launches the buckets whose params got no grad on this rank (unused params), with zeros.
-That callback is queued by the first grad hook of the backward: a backward that reaches no trained param at
-all on some rank fires no hook there, launches nothing, and the ranks' collectives mismatch (a hang or a
-crash). As with DDP, every rank's backward must reach at least one trained param; a param unused on a rank
-(or on all ranks) is fine.
+Every rank must issue the same collectives in the same order: buckets are launched strictly in index order
+(bucket ``b`` waits for ``b - 1``), and a callback that the first grad hook of a backward queues launches, at its
+end, the buckets whose params got no grad on this rank, with zeros. A backward that reaches no trained param on
+some rank fires no hook there and the ranks' collectives mismatch (a hang or a crash): as with DDP, every rank's
+backward must reach at least one trained param; a param unused on a rank (or on all ranks) is fine.
 
 Stage 1 keeps a whole 16-bit grad buffer (``p.grad`` are views of it, so autograd accumulates micro-batches
 in place); a bucket is reduced when backward completes it outside ``no_sync()``, each reduction overwriting
@@ -21,38 +19,31 @@ sums in the 16-bit dtype.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
+from ..fused.grads import weak_hook
 from ..layout import Layout
 
 __all__ = ["GradReducer"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_MAX_IN_FLIGHT = (
-    2  # stage 2: reduce-scatters in flight before the oldest is waited for (bounds staging memory)
-)
+# stage 2: reduce-scatters in flight before the oldest is waited for (bounds staging memory)
+_MAX_IN_FLIGHT = 2
 
 
 class GradReducer:
     def __init__(
-        self,
-        params: list[torch.nn.Parameter],
-        layout: Layout,
-        *,
-        stage: int,
-        comm_dtype: torch.dtype,
-        group,
+        self, params: list[torch.nn.Parameter], layout: Layout, *, stage: int, reduce_dtype: str, group
     ) -> None:
         self.params = params
         self.layout = layout
         self.stage = stage
-        self.comm_dtype = comm_dtype
         self.group = group
         self.dtype = params[0].dtype if params else torch.float32
+        self.comm_dtype = torch.float32 if reduce_dtype == "fp32" else self.dtype
         self.device = params[0].device if params else torch.device("cpu")
         self.flat_grad: torch.Tensor | None = None  # stage 1 only, allocated by the first backward
         self.grad_shard: torch.Tensor | None = None  # fp32, local coordinates; allocated on first use
@@ -61,15 +52,13 @@ class GradReducer:
         self.overlapped = 0  # buckets of the last backward launched before it ended (observability, tests)
         self._sync = True
         self.frozen = False  # set between unscale_() and step(): a new grad then would be silently lost
-        self.fresh = False  # a grad hook fired since the last step() (or zero_grad): a new backward ran
+        self.applied = False  # step() applied grad_shard and no grad came since: applying it again is refused
         self.consumed = False  # stage 2: step() consumed grad_shard in place; set until zero_grad()
         self._expected = [sum(1 for i in b.params if layout.numels[i] > 0) for b in layout.buckets]
         self._reset_pass()
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
-            for i, p in enumerate(params)
-            if layout.numels[i] > 0
-        ]
+        for i, p in enumerate(params):
+            if layout.numels[i] > 0:
+                p.register_post_accumulate_grad_hook(weak_hook(self.on_grad, i))
 
     # --- per-backward bookkeeping ----------------------------------------------------------------------
     def _reset_pass(self) -> None:
@@ -93,20 +82,8 @@ class GradReducer:
         off, n = self.layout.offsets[i], self.layout.numels[i]
         return self._ensure_flat_grad()[off : off + n].view(self.params[i].shape)
 
-    def _make_hook(self, i: int):
-        # a weak reference: the hook lives on the param, which autograd's C++ side also holds, so a strong one
-        # would make param -> hook -> reducer -> param a cycle that Python's collector cannot see or free
-        ref = weakref.ref(self)
-
-        def hook(param: torch.Tensor) -> None:
-            reducer = ref()
-            if reducer is not None:
-                reducer.on_grad(i, param)
-
-        return hook
-
     @torch.no_grad()
-    def on_grad(self, i: int, param: torch.Tensor) -> None:
+    def on_grad(self, i: int) -> None:
         """The grad hook of param ``i``: copy (and at a bucket's last grad, reduce) its grad."""
         if self.frozen:
             raise RuntimeError(
@@ -118,7 +95,8 @@ class GradReducer:
                 "ZeRO-2 reduces grads into a shard that step() consumed; call zero_grad() after step() before "
                 "the next backward()"
             )
-        self.fresh = True
+        param = self.params[i]
+        self.applied = False
         self.used[i] = True
         self.up_to_date = False
         layout = self.layout
@@ -238,9 +216,5 @@ class GradReducer:
             self.used = [False] * len(self.params)
         self.up_to_date = False
         self.frozen = False
-        self.fresh = False
+        self.applied = False
         self.consumed = False
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()

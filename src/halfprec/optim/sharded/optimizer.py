@@ -1,28 +1,26 @@
 """ShardedMixedPrecisionOptimizer: ZeRO-1/2 FP32 masters and optimizer state, sharded over data-parallel ranks.
 
-Layout (see ``_layout``): the trainable params are moved into one flat 16-bit buffer (``p.data`` become views
-of it), in reverse optimizer order, cut into buckets; every bucket is split into ``world_size`` equal shards
-and rank ``r`` owns shard ``r`` of each. A rank keeps fp32 masters, fp32 grads and optimizer state for its
-shards only. The part of a param inside a shard (a *piece*, which may cut through the param) is a 1-D fp32
-``nn.Parameter`` that the wrapped torch optimizer steps, so its math is untouched: that is exact only for
-elementwise optimizers, the only ones accepted.
+Layout (``optim/layout.py``): the trainable params become views of one flat 16-bit buffer, in reverse optimizer
+order, cut into buckets; rank ``r`` owns shard ``r`` of every bucket and keeps fp32 masters, fp32 grads and
+optimizer state for its shards only. The part of a param inside a shard (a *piece*) is a 1-D fp32
+``nn.Parameter`` that the wrapped torch optimizer steps, its math untouched: exact only for elementwise
+optimizers, the only ones accepted.
 
-A step, in order (every rank takes the same decisions, because they are made from all-reduced values):
+A step (every rank takes the same decisions, made from all-reduced values):
 
-1. ``unscale_()``: finish the gradient reduce-scatter (``_grads``), take the mean over ranks and multiply by
+1. ``unscale_()``: finish the gradient reduce-scatter (``grads.py``), take the mean over ranks and multiply by
    the reciprocal of the loss scale, on the fp32 grad shard.
 2. One all-reduce (SUM, fp64) of ``[||local grad shard||^2, used flags of every param]``: the global L2 norm
    (non-finite iff some grad on some rank is) and which params got a grad on any rank.
 3. The scaler updates on the device; one host sync reads the overflow flag and the used flags.
-4. Overflow: skip (only the scaler and ``skipped_steps`` change), identically on every rank. Otherwise clip
-   the shard by the global norm, give pieces of params that got no grad anywhere ``grad=None`` (the torch
-   optimizer leaves them and their counters alone), run the inner step, round the masters into this rank's
-   shard of the flat param buffer and all-gather every bucket. With ``impl="triton"`` the fused update kernel
-   (``_fused_step``) replaces the inner step and the clip multiply: it reads the grad shard once, times the
-   clip coefficient, and updates only the pieces of params that got a grad somewhere.
+4. Overflow: skip (only the scaler and ``skipped_steps`` change). Otherwise clip the shard by the global norm,
+   give pieces of params that got no grad anywhere ``grad=None`` (torch leaves them and their counters alone),
+   run the inner step (with ``impl="triton"``: the fused update kernel of ``fused_step.py``, which applies the
+   clip coefficient as it reads the grads), round the masters into this rank's shard of the flat params and
+   all-gather every bucket.
 
-Checkpoints that reshard across world sizes: ``halfprec.distributed.checkpoint``. ``state_dict()`` here is
-the rank-local state and loads only at the same world size and layout.
+``state_dict()`` is the rank-local state, loaded at the same world size and layout only; checkpoints that
+reshard across world sizes: ``halfprec.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -38,8 +36,10 @@ from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear_grads
 from ..layout import Layout
+from ..select import select_impl
 from ..state import Target, move_state, restore_state_dtypes
 from .checks import check_optimizer, named_trainable
+from .fused_step import FusedLocalStep
 from .grads import GradReducer
 
 __all__ = ["ShardedMixedPrecisionOptimizer", "DEFAULT_BUCKET_SIZE"]
@@ -62,11 +62,10 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             params' 16-bit dtype (half the traffic, rounds; DDP's default).
         bucket_size: elements per gradient bucket (params are never split across buckets).
         process_group: the data-parallel group; ``None`` = the default group.
-        impl: the local step: ``"torch"`` runs the wrapped torch optimizer on this rank's pieces (exact);
-            ``"triton"`` runs the fused update kernel over the flat local buffers (torch Adam, AdamW, SGD and
-            Adagrad; ``_fused_step``; the fused path's tolerance); ``"auto"`` picks ``"triton"`` when
-            ``halfprec.optim.select.select_impl`` would (CUDA params, Triton, the inner ``foreach``/``fused``
-            left at their defaults). An explicit ``"triton"`` that cannot be honoured raises.
+        impl: the local step: ``"torch"``, the wrapped torch optimizer on this rank's pieces (exact);
+            ``"triton"``, the fused update kernel over the flat local buffers (torch Adam, AdamW, SGD and
+            Adagrad; the fused path's tolerance), raising when it cannot run; ``"auto"``, ``"triton"`` when
+            ``halfprec.optim.select.select_impl`` picks it.
         grad_accum_dtype: ``None`` only, for now (``torch.float32``, fp32 accumulation as on the exact path,
             raises ValueError).
     """
@@ -89,8 +88,6 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     ) -> None:
         check_optimizer(optimizer, loss_scaler, max_grad_norm, param_dtype)
         check_grad_accum_dtype(grad_accum_dtype, strategy="sharded")
-        from ..select import select_impl
-
         self.impl = select_impl(optimizer, impl)
         if stage not in (1, 2) or isinstance(stage, bool):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}; stage 0 is MixedPrecisionOptimizer + DDP")
@@ -110,43 +107,33 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._init_wrapping(optimizer)
         # params of the groups left out for being frozen now: refused if unfrozen later, grads cleared
         self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
-
         names, params, group_of = named_trainable(optimizer, named_parameters)
         # layout order: reverse of the optimizer's order, the usual approximation of backward order
         self._names, self._params, self._group_of = names[::-1], params[::-1], group_of[::-1]
-        self._init_flat()
+        originals = self._init_flat()
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        self.layout = Layout(
-            [p.numel() for p in self._params],
-            world_size=self.world_size,
-            rank=self.rank,
-            bucket_size=bucket_size,
-        )
-        self._build_buffers()
+        numels = [p.numel() for p in self._params]
+        self.layout = Layout(numels, world_size=self.world_size, rank=self.rank, bucket_size=bucket_size)
+        self._build_buffers(originals)
         self._build_pieces()
         self._fused = None
         if self.impl == "triton":
-            from .fused_step import FusedLocalStep
-
             self._fused = FusedLocalStep(self.optimizer, self.layout, self._piece_params, self.flat_master)
-
         self._init_scaler(loss_scaler, dtypes={self.dtype} if self._params else set(), device=self.device)
-        comm = torch.float32 if reduce_dtype == "fp32" else self.dtype
         self._reducer = GradReducer(
-            self._params, self.layout, stage=stage, comm_dtype=comm, group=process_group
+            self._params, self.layout, stage=stage, reduce_dtype=reduce_dtype, group=process_group
         )
-        self._stepped = False  # a step() ran since zero_grad(); another needs a new backward first
 
     def _backward_params(self) -> list[torch.nn.Parameter]:
         return self._params  # the reducer's hooks may have consumed their grads already (stage 2)
 
     # --- construction --------------------------------------------------------------------------------
-    def _init_flat(self) -> None:
+    def _init_flat(self) -> dict[int, torch.Tensor]:
+        """Cast to ``param_dtype``, check one dtype and device; return the fp32 originals by layout index."""
         originals: dict[torch.Tensor, torch.Tensor] = {}
         for p in self._params:
             self._cast_to_param_dtype(p, originals)
-        self._originals = {i: originals[p] for i, p in enumerate(self._params) if p in originals}
         dtypes = {p.dtype for p in self._params}
         devices = {p.device for p in self._params}
         if len(dtypes) > 1 or len(devices) > 1:
@@ -156,9 +143,10 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             )
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.device = devices.pop() if devices else torch.device("cpu")
+        return {i: originals[p] for i, p in enumerate(self._params) if p in originals}
 
     @torch.no_grad()
-    def _build_buffers(self) -> None:
+    def _build_buffers(self, originals: dict[int, torch.Tensor]) -> None:
         layout = self.layout
         self.flat_param = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
         for i, p in enumerate(self._params):
@@ -167,10 +155,9 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             p.data = view.view(p.shape)
         self.flat_master = torch.zeros(layout.local_numel, dtype=torch.float32, device=self.device)
         for piece in layout.pieces:
-            source = self._originals.get(piece.param, self._params[piece.param].data)
+            source = originals.get(piece.param, self._params[piece.param].data)
             dst = self.flat_master[piece.local : piece.local + piece.numel]
             dst.copy_(source.reshape(-1)[piece.lo : piece.hi])
-        self._originals = {}
 
     def _build_pieces(self) -> None:
         """Swap the inner optimizer's params for this rank's fp32 pieces and shard its existing state."""
@@ -179,14 +166,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             view = self.flat_master[piece.local : piece.local + piece.numel]
             self._piece_params[piece.param] = torch.nn.Parameter(view, requires_grad=True)
         index_of = {id(p): i for i, p in enumerate(self._params)}
-        orders = [
-            [
-                index_of[id(p)]
-                for p in g["params"]
-                if id(p) in index_of and index_of[id(p)] in self._piece_params
-            ]
-            for g in self.optimizer.param_groups
-        ]
+        indices = [[index_of.get(id(p)) for p in g["params"]] for g in self.optimizer.param_groups]
+        orders = [[i for i in group if i in self._piece_params] for group in indices]
         # state of params held by no piece here (other ranks' pieces, frozen params) is dropped; moved while the
         # groups still hold the params, so eager state is re-created over the pieces in the same groups
         targets: dict = {p: None for g in self.optimizer.param_groups for p in g["params"]}
@@ -242,7 +223,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             return
         check_unfrozen(self._frozen)
         check_dtypes(self._params, [self.dtype] * len(self._params))
-        if self._stepped and not self._reducer.fresh:
+        if self._reducer.applied:
             raise RuntimeError(
                 "step() called again without a new backward(): these grads were already applied (and fp32 grads "
                 "unscaled in place); call zero_grad() and backward() before the next step()"
@@ -273,8 +254,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         values = torch.cat([head, norm.double().reshape(1), stats[1:]]).tolist()  # the one host sync
         self._record_step(values[:4], values[4], where=" on some rank", log=self.rank == 0)
         # the shard is unscaled (and clipped) in place: it cannot be applied again nor added to (stage 2)
-        self._stepped = True
-        self._reducer.fresh = False
+        self._reducer.applied = True
         self._reducer.consumed = self.stage == 2
         if self._s.step_was_skipped:
             return
@@ -284,28 +264,15 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             # the same arithmetic as torch.nn.utils.clip_grads_with_norm_
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(shard.device)
         if self._fused is not None:
-            self._check_no_inner_hooks()
             self._fused.step(shard, used_anywhere, coef)  # applies coef as it reads the grads
         else:
             for i, piece_param in self._piece_params.items():
-                if used_anywhere[i] > 0:
-                    piece = self.layout.piece_of[i]
-                    piece_param.grad = shard[piece.local : piece.local + piece.numel]
-                else:
-                    piece_param.grad = None
+                pc = self.layout.piece_of[i]
+                piece_param.grad = shard[pc.local : pc.local + pc.numel] if used_anywhere[i] > 0 else None
             if coef is not None:
                 shard.mul_(coef)
             self.optimizer.step()
         self._publish()
-
-    def _check_no_inner_hooks(self) -> None:
-        inner = self.optimizer
-        if inner._optimizer_step_pre_hooks or inner._optimizer_step_post_hooks:
-            raise RuntimeError(
-                f"the {type(inner).__name__} wrapped with impl='triton' has step hooks, which would not run: the "
-                "fused kernel replaces its step(). Register them on the ShardedMixedPrecisionOptimizer (they run "
-                "once per step) or pass impl='torch'"
-            )
 
     @torch.no_grad()
     def _publish(self) -> None:
@@ -331,7 +298,6 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             p.grad = None
         clear_grads(self._frozen, set_to_none)
         self._s.unscaled = False
-        self._stepped = False
 
     # --- rank-local checkpoint state (same world size only; see checkpoint.py for resharding) ----------
     def _fingerprint(self) -> dict[str, Any]:
@@ -364,8 +330,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 "not a ShardedMixedPrecisionOptimizer state dict; checkpoints in model space (any world size) "
                 "load with halfprec.distributed.checkpoint.load(...)"
             )
-        if state_dict["layout"] != self._fingerprint():
-            saved = state_dict["layout"]
+        if (saved := state_dict["layout"]) != self._fingerprint():
             raise ValueError(
                 f"rank-local state dict saved at world size {saved['world_size']} rank {saved['rank']} does not "
                 f"match this layout (world size {self.world_size} rank {self.rank}); to change world size save "
@@ -376,9 +341,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         restore_state_dtypes(self.optimizer, inner["state"], self.master_params())
         with torch.no_grad():
             self.flat_master.copy_(state_dict["masters"])
-        self._publish()
-        self.loss_scaler.load_state_dict(state_dict["scaler"])
-        self._s.skipped_steps = int(state_dict["skipped_steps"])
+        self.restore_counters(state_dict["scaler"], state_dict["skipped_steps"])
         self._s.unscaled = False
         self._run_hooks("_optimizer_load_state_dict_post_hooks")
 
