@@ -1,26 +1,17 @@
 """MixedPrecisionOptimizer: the contract every halfprec optimizer keeps, and its default (exact) strategy.
 
-Every optimizer halfprec builds is an instance of this class: the exact strategy is the class itself (an inner
-torch step on FP32 masters), the fused strategy (``fused/``, Triton) and the sharded one (``sharded/``, ZeRO-1/2)
-are subclasses that replace the strategy methods (construction, ``unscale_``, ``_step``, ``zero_grad``, the state
-payload). What they share lives here once: option checks, the default loss scaler, the ``param_dtype`` cast,
-frozen-param checks, ``scale_loss``/``backward`` and their order guard, the step results (``results.StepState``),
-the skip log, torch's hook registries, the state-dict envelope and ``check_state_dict``. Every guard in the
-library tests ``isinstance(x, MixedPrecisionOptimizer)``.
+The fused (``fused/``, Triton) and sharded (``sharded/``, ZeRO-1/2) strategies are subclasses that replace the
+strategy methods (construction, ``unscale_``, ``_step``, ``zero_grad``, the state payload); what they share is
+written here once (docs/architecture.md lists it), and every guard in the library tests
+``isinstance(x, MixedPrecisionOptimizer)``. Subclasses rather than a dispatch inside one object (torch's
+``foreach``/``fused`` flags): the strategies hold different buffers and take different constructor arguments,
+which one object would have to hold side by side. ``MixedPrecisionOptimizer(torch_opt, impl=...)`` builds the
+strategy ``select.select_impl`` picks (``_SelectImpl``); subclasses construct as usual.
 
-Why subclasses of the public class rather than a dispatch inside one object (torch's ``foreach``/``fused``
-flags): the strategies hold different buffers and take different constructor arguments (``FusedAdamW(params,
-lr=...)``, ``ShardedMixedPrecisionOptimizer(opt, named_parameters=...)``), which one object would have to hold
-side by side. Calling the public class itself (``MixedPrecisionOptimizer(torch_opt, impl=...)``) goes through
-``_SelectImpl``, which builds the strategy ``select.select_impl`` picks; subclasses construct as usual.
-
-A step of the exact strategy (traced in docs/architecture.md): unscale the fp32 master grads (fp32 params are
-their own masters, unscaled in place); the global norm, as ``torch.nn.utils.get_total_norm`` computes it, is also
-the non-finite check (finite iff every grad is); the scaler updates on the device; one host sync; then skip
-(only the scaler and ``skipped_steps`` change), or clip (``clip_grads_with_norm_``, bit-identical to
-``clip_grad_norm_``), the inner step on the masters and the rounding into the model params.
-
-The wrapped optimizer is never stepped on construction and its math is never changed.
+The exact step: the global norm of the unscaled fp32 master grads (``get_total_norm``) is also the non-finite
+check; the scaler updates on the device; one host sync; then skip (only the scaler and ``skipped_steps`` change),
+or clip (``clip_grads_with_norm_``, bit-identical to ``clip_grad_norm_``), the inner step on the masters and the
+rounding into the model params. The wrapped optimizer is never stepped on construction.
 """
 
 from __future__ import annotations
@@ -51,16 +42,12 @@ __all__ = ["FORMAT", "MixedPrecisionOptimizer"]
 
 FORMAT = "halfprec.MixedPrecisionOptimizer/1"
 
-_HOOK_REGISTRIES = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
+# torch's hook registries (``_optimizer_step_pre_hooks``, ...), which ``Optimizer.__init__`` would create
+_HOOK_REGISTRIES = tuple(
+    f"_optimizer_{kind}_{when}_hooks"
+    for kind in ("step", "state_dict", "load_state_dict")
+    for when in ("pre", "post")
 )
-
-
 _OPTIONS = ("loss_scaler", "max_grad_norm", "skip_nonfinite", "param_dtype")
 
 
@@ -122,9 +109,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             exist on this path). Exact strategy only for now (ValueError on the fused and sharded ones).
     """
 
-    optimizer: torch.optim.Optimizer | None = (
-        None  # the wrapped one (exact, sharded); None: fused owns its groups
-    )
+    optimizer: torch.optim.Optimizer | None = None  # wrapped (exact, sharded); None: fused owns its groups
     impl = "torch"  # the strategy: "torch" (exact, inner torch step) or "triton" (fused kernels)
     grad_accum_dtype: torch.dtype | None = None  # None: 16-bit .grad; torch.float32: the master grads
     _accumulator: GradAccumulator | None = None  # the fp32 accumulation's hooks (exact strategy)
@@ -197,7 +182,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
     def _init_scaler(self, loss_scaler: LossScaler | None, *, dtypes: set, device: torch.device) -> None:
         """The default scaler: dynamic when any trained param is fp16 (its grads need it), else none. ``dtypes``:
         the trained params' dtypes; all fp32 without ``param_dtype`` warns (nothing would be mixed precision)."""
-        has_fp16 = torch.float16 in dtypes
+        self._has_fp16 = torch.float16 in dtypes
         if dtypes and not dtypes & set(LOW_PRECISION) and self.param_dtype is None:
             warn_caller(
                 f"halfprec: every trained param is {'/'.join(sorted(map(str, dtypes)))} and param_dtype is None, so "
@@ -206,8 +191,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 UserWarning,
             )
         if loss_scaler is None:
-            loss_scaler = DynamicLossScaler() if has_fp16 else StaticLossScaler(1.0)
-        self._has_fp16 = has_fp16
+            loss_scaler = DynamicLossScaler() if self._has_fp16 else StaticLossScaler(1.0)
         self.loss_scaler = loss_scaler.to(device)
 
     def _cast_to_param_dtype(self, p: torch.nn.Parameter, originals: dict) -> None:
@@ -577,14 +561,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             found = sorted(int(k) for k in masters) if isinstance(masters, dict) else type(masters).__name__
             raise ValueError(f"{where} holds masters of params {found}, this optimizer has masters of {want}")
         for k, value in masters.items():
-            if (
-                not (torch.is_tensor(value) and value.is_floating_point())
-                or list(value.shape) != entries[int(k)]["shape"]
-            ):
+            expected = entries[int(k)]["shape"]
+            if not (torch.is_tensor(value) and value.is_floating_point() and list(value.shape) == expected):
                 shape = list(value.shape) if torch.is_tensor(value) else type(value).__name__
                 raise ValueError(
-                    f"{where}'s master of param {k} is {shape}, expected a floating tensor of shape "
-                    f"{entries[int(k)]['shape']}"
+                    f"{where}'s master of param {k} is {shape}, expected a floating tensor of shape {expected}"
                 )
         self.check_counters(state_dict["scaler"], state_dict.get("skipped_steps"), where)
 

@@ -127,7 +127,7 @@ def check_params(params: list, known: set) -> None:
     for p in params:
         if not isinstance(p, torch.Tensor):
             raise ValueError(f"optimizer params must be tensors, got {type(p).__name__}")
-        if not (p.is_floating_point()):
+        if not p.is_floating_point():
             raise ValueError(
                 f"param of shape {tuple(p.shape)} has dtype {p.dtype}; halfprec trains floating-point params "
                 "only: remove it from the optimizer or make it a buffer"
@@ -140,7 +140,7 @@ def check_params(params: list, known: set) -> None:
         seen.add(p)
 
 
-def check_torch_optimizer(optimizer: Any, *, known: Iterable[torch.Tensor] = ()) -> None:
+def check_torch_optimizer(optimizer: Any) -> None:
     """Raise ValueError unless ``optimizer`` is a torch optimizer halfprec can wrap (not an already-wrapped one:
     the caller checks that, knowing the halfprec base class)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -159,4 +159,4 @@ def check_torch_optimizer(optimizer: Any, *, known: Iterable[torch.Tensor] = ())
                 f"param group {i} has differentiable=True; halfprec's step runs under no_grad: build the "
                 "optimizer with differentiable=False"
             )
-    check_params([p for g in optimizer.param_groups for p in g["params"]], known=set(known))
+    check_params([p for g in optimizer.param_groups for p in g["params"]], known=set())

@@ -101,25 +101,20 @@ def move_state(optimizer: torch.optim.Optimizer, targets: dict) -> None:
         for key, value in st.items():
             if torch.is_tensor(value) and not whole:
                 value = value.detach()
-                value = (
-                    value.reshape(-1)[target.lo : target.hi]
-                    if is_elementwise(key, value, param.shape)
-                    else value
-                )
+                if is_elementwise(key, value, param.shape):
+                    value = value.reshape(-1)[target.lo : target.hi]
                 value = value.clone()
             if not _is_low_precision(value, param):
                 out[key] = value
                 continue
-            candidate = made.get(key)
-            if (
-                fresh is not None
-                and torch.is_tensor(candidate)
-                and candidate.shape == value.shape
-                and torch.equal(candidate.to(value.dtype), value)
-            ):
-                out[key] = candidate
-            else:
-                out[key] = value.to(torch.float32)
+            # the constructor's fresh fp32 value when the 16-bit one is its rounding, else the user's, upcast
+            fresh_value = made.get(key)
+            exact = (
+                torch.is_tensor(fresh_value)
+                and fresh_value.shape == value.shape
+                and torch.equal(fresh_value.to(value.dtype), value)
+            )
+            out[key] = fresh_value if exact else value.to(torch.float32)
         new[target.tensor] = out
     optimizer.state = new
 
