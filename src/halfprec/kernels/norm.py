@@ -1,21 +1,18 @@
 """Pass 1 of the fused step: the global sum of squares and the non-finite flag, then the per-param scalars.
 
-``_sumsq_kernel`` reads each 16-bit grad once (2 B/param), unscaled by the loss scale read from device memory,
-and writes one partial sum and one non-finite count per program (a fixed order, so the norm is deterministic;
-no atomics). Params that got no grad this step are masked out, so a stale view never enters the norm.
-``_finalize_kernel`` is one program: it sums the partials, decides the skip (non-finite grads, or a norm that
-overflowed fp32, like the generic path), computes the clip coefficient exactly as
-``torch.nn.utils.clip_grads_with_norm_`` does, advances each param's step counter when it got a grad and the
-step is not skipped, and writes the per-param scalars of the update pass (bias corrections in fp64, cast to
-fp32 as torch does with its Python-double scalars). It also clears the grad marks (``flags``) it consumed and,
-given a dynamic loss scaler, runs the scaler's update (``scaler.py``): on a skipped step this program and the norm
-pass are the only work besides early-exiting update programs, and the scaler costs no launch of its own.
+``_sumsq_kernel`` reads each 16-bit grad once (2 B/param), unscaled by the device loss scale, and writes one
+partial sum and one non-finite count per program (a fixed order, so the norm is deterministic; no atomics);
+params that got no grad this step are masked out, so a stale view never enters the norm. ``_finalize_kernel``
+(one program) sums the partials, decides the skip (non-finite grads, or a norm that overflowed fp32, as on the
+exact path), computes the clip coefficient as ``torch.nn.utils.clip_grads_with_norm_`` does, advances the step
+counters of the params that got a grad, writes the update pass's per-param scalars (bias corrections in fp64,
+cast to fp32 as torch does with its Python-double scalars), clears the grad marks (``flags``) and, given a
+dynamic loss scaler, runs its update (``scaler.py``) with no launch of its own.
 
-Layout legend: ``table`` int64 [programs, 3] = (start, end, param index) into a flat buffer; ``hp`` fp64
-[groups, HP_WIDTH] hyper-parameters and ``pscal`` fp32 [params, PSCAL_WIDTH] per-param scalars, whose slots
-``slots.py`` names per algorithm (``H`` and ``S`` in the finalize program: the tables of its ``KIND``);
-``scalars`` fp32 [8] = (found_inf, grad_norm, grad coefficient = inv_scale * clip, skipped_steps, loss scale used,
-loss scale after).
+Legend: ``table`` int64 [programs, 3] = (start, end, param index) into a flat buffer; ``hp`` fp64 [groups,
+HP_WIDTH] and ``pscal`` fp32 [params, PSCAL_WIDTH], whose slots ``slots.py`` names (``H`` and ``S``: the tables of
+``KIND``); ``scalars`` fp32 [8] = (found_inf, grad_norm, grad coefficient = inv_scale * clip, skipped_steps, loss
+scale used, loss scale after).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """FP32 gradient accumulation for the exact strategy (``grad_accum_dtype=torch.float32``).
 
 A post-accumulate-grad hook on every 16-bit trained param adds the grad backward just produced into the param's
-fp32 master grad (``MasterStore.add_grad``: its view of the chunk's flat grad buffer, the buffer the 16-bit path
-copies into at the step, so no memory is added) and releases the 16-bit ``.grad``: 16-bit grad memory is
-transient, and k micro-batches round once each in fp32 instead of once each in 16 bits. fp32 params are their own
-masters and accumulate in their fp32 ``.grad`` as usual.
-
-Not yet with data parallelism: DDP all-reduces ``.grad`` from hooks of its own, which would find the grads
-released (the fp32 all-reduce into the master grads is a later part of issue 19), so a process group of more
-than one rank is refused.
+fp32 master grad (``MasterStore.add_grad``: the buffer the 16-bit path copies into at the step, so no memory is
+added) and releases the 16-bit ``.grad``: k micro-batches round once each in fp32 instead of in 16 bits. fp32
+params are their own masters and accumulate in their ``.grad`` as usual. Not yet with data parallelism (DDP's
+hooks would find the grads released; the fp32 all-reduce is a later part of issue 19).
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ __all__ = ["GradAccumulator"]
 
 class GradAccumulator:
     """The hooks that accumulate ``store``'s model grads into its fp32 master grads. ``state``: the optimizer's
-    step record, whose ``unscaled`` flag makes a backward between ``unscale_()`` and ``step()`` an error (its
-    grads would be added, still scaled, to unscaled ones)."""
+    step record (its ``unscaled`` flag makes a backward between ``unscale_()`` and ``step()`` an error)."""
 
     def __init__(self, store: MasterStore, state: StepState) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():

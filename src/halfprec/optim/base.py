@@ -98,11 +98,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         param_dtype: ``torch.bfloat16`` or ``torch.float16`` to cast the optimizer's trainable params to that
             dtype in place (same ``Parameter`` objects), keeping their fp32 values as the masters;
             ``torch.float32`` casts nothing and says an all-fp32 model is meant (``None`` warns then).
-        impl: ``"torch"`` (this exact path), ``"triton"`` (the fused optimizer of ``halfprec.optim`` with the same
-            hyper-parameters; ValueError naming the fix when it cannot run) or ``"auto"`` (fused when the inner
-            optimizer is torch Adam/AdamW/SGD/Adagrad on CUDA with its ``foreach``/``fused`` left at their
-            defaults and Triton importable; see ``halfprec.optim.select``). A fused result is a
-            ``halfprec.optim.Fused*`` optimizer: a subclass of this one.
+        impl: ``"torch"`` (this exact path), ``"triton"`` (the ``halfprec.optim.Fused*`` optimizer with the same
+            hyper-parameters, a subclass of this one; ValueError naming the fix when it cannot run) or ``"auto"``
+            (fused when it can run: the policy of ``halfprec.optim.select``).
         grad_accum_dtype: ``None`` accumulates micro-batch grads in the params' 16-bit ``.grad`` (one 16-bit
             rounding per micro-batch); ``torch.float32`` adds each 16-bit grad, as backward produces it, into its
             fp32 master grad and releases the 16-bit one (``accumulate.py``; no extra memory: the master grads
@@ -150,11 +148,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 f"trainable params span several devices {sorted(map(str, devices))}; halfprec keeps one loss "
                 "scale per optimizer: build one MixedPrecisionOptimizer per device"
             )
-        self._init_scaler(
-            loss_scaler,
-            dtypes={p.dtype for p in self._trained},
-            device=devices.pop() if devices else torch.device("cpu"),
-        )
+        device = devices.pop() if devices else torch.device("cpu")
+        self._init_scaler(loss_scaler, dtypes={p.dtype for p in self._trained}, device=device)
         if grad_accum_dtype is not None:
             self.grad_accum_dtype = grad_accum_dtype
             self._accumulator = GradAccumulator(self._store, self._s)

@@ -62,14 +62,10 @@ def build_table(
 class Chunk:
     """The params of one device and dtype, laid out flat at ``ALIGN``-padded offsets, and their fp32 masters.
 
-    * ``data``: the fp32 masters, filled from ``sources`` (each param's best fp32 value); ``master_views`` are
-      the per-param views of it;
-    * ``param``: with ``flat_params``, the 16-bit buffer the params' ``.data`` become views of (fp32 params become
-      views of ``data`` instead: they are their own masters, and ``param`` stays None);
-    * ``grad``: a flat grad buffer and its ``grad_views``, made by ``make_grad`` at the first grad;
-    * ``state``: flat fp32 optimizer state buffers by name, added by ``add_state`` at the first update.
-
-    Padding is zero in every buffer and an update keeps it zero (zero grad, zero master, zero state).
+    ``data``: the fp32 masters, filled from ``sources`` (each param's best fp32 value), with ``master_views``;
+    ``param``: with ``flat_params``, the 16-bit buffer the params' ``.data`` become views of (fp32 params, their
+    own masters, become views of ``data``); ``grad`` (``make_grad``) and ``state`` (``add_state``): made at the
+    first grad and update. Padding is zero in every buffer and an update keeps it zero.
     """
 
     def __init__(
