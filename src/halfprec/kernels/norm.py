@@ -161,13 +161,9 @@ def _finalize_kernel(
 
 
 def sumsq(
-    grad: torch.Tensor,
-    table: torch.Tensor,
-    flags: torch.Tensor,
-    scale: torch.Tensor,
-    sq: torch.Tensor,
+    grad: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, scale: torch.Tensor, sq: torch.Tensor,
     bad: torch.Tensor,
-) -> None:
+) -> None:  # fmt: skip
     """Partial sums of squares of ``grad / scale`` into ``sq`` and non-finite counts into ``bad``."""
     n = table.shape[0]
     if n == 0:
@@ -177,21 +173,10 @@ def sumsq(
 
 
 def finalize(
-    sq: torch.Tensor,
-    bad: torch.Tensor,
-    scale: torch.Tensor,
-    scalars: torch.Tensor,
-    max_norm: float | None,
-    flags: torch.Tensor,
-    steps: torch.Tensor,
-    pgroup: torch.Tensor,
-    hp: torch.Tensor,
-    pscal: torch.Tensor,
-    *,
-    check: bool,
-    kind: Kind,
-    scaler: DynamicLossScaler | None = None,
-) -> None:
+    sq: torch.Tensor, bad: torch.Tensor, scale: torch.Tensor, scalars: torch.Tensor, max_norm: float | None,
+    flags: torch.Tensor, steps: torch.Tensor, pgroup: torch.Tensor, hp: torch.Tensor, pscal: torch.Tensor, *,
+    check: bool, kind: Kind, scaler: DynamicLossScaler | None = None,
+) -> None:  # fmt: skip
     """Skip decision, clip coefficient, step counters and per-param scalars (one program); clears ``flags``.
 
     With ``scaler`` (a ``DynamicLossScaler`` that ``scaler.fusable`` accepts, whose ``scale`` is ``scale``) the

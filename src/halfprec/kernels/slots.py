@@ -21,27 +21,10 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
-    "Kind",
-    "HyperTable",
-    "ALIGN",
-    "HP_WIDTH",
-    "PSCAL_WIDTH",
-    "AdamHp",
-    "SgdHp",
-    "AdagradHp",
-    "AdamScalars",
-    "SgdScalars",
-    "AdagradScalars",
-    "ADAM_HP",
-    "SGD_HP",
-    "ADAGRAD_HP",
-    "ADAM_PSCAL",
-    "SGD_PSCAL",
-    "ADAGRAD_PSCAL",
-    "HP_SLOTS",
-    "PSCAL_SLOTS",
-    "hp_row",
-]
+    "Kind", "HyperTable", "ALIGN", "HP_WIDTH", "PSCAL_WIDTH", "HP_SLOTS", "PSCAL_SLOTS", "hp_row",
+    "AdamHp", "SgdHp", "AdagradHp", "ADAM_HP", "SGD_HP", "ADAGRAD_HP",
+    "AdamScalars", "SgdScalars", "AdagradScalars", "ADAM_PSCAL", "SGD_PSCAL", "ADAGRAD_PSCAL",
+]  # fmt: skip
 
 
 class Kind(IntEnum):

@@ -407,9 +407,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
 
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 tensors the inner optimizer updates (masters, and fp32 params that are their own)."""
-        own = set(self._own)
-        masters = set(self._store.master_params())
-        return [p for g in self.param_groups for p in g["params"] if p in masters or p in own]
+        updated = set(self._own) | set(self._store.master_params())
+        return [p for g in self.param_groups for p in g["params"] if p in updated]
 
     def refresh_masters(self) -> None:
         """Copy the model's current weights into the masters (after an external weights-only load)."""

@@ -27,11 +27,7 @@ __all__ = [
 
 
 def check_options(
-    *,
-    loss_scaler: Any = None,
-    max_grad_norm: Any = None,
-    param_dtype: torch.dtype | None = None,
-    skip_nonfinite: Any = True,
+    *, loss_scaler: Any = None, max_grad_norm: Any = None, param_dtype: Any = None, skip_nonfinite: Any = True
 ) -> None:
     """Raise ValueError naming the value and the fix for a bad ``loss_scaler``, ``max_grad_norm`` or ``param_dtype``."""
     if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
@@ -62,12 +58,9 @@ def check_grad_accum_dtype(value: Any, *, strategy: str = "torch") -> None:
 
 
 def check_unfrozen(frozen: Iterable[torch.Tensor]) -> None:
-    """Raise when a param that was frozen when the optimizer was built has been unfrozen and got a grad.
-
-    halfprec made no FP32 master (nor shard, nor fused slot) for it, so it cannot be trained; applying its
-    16-bit, still loss-scaled grad directly, or dropping it, would both be silent. A frozen param that keeps a
-    stale ``.grad`` while still frozen is left alone, as the user froze it.
-    """
+    """Raise when a param that was frozen when the optimizer was built has been unfrozen and got a grad: it has
+    no FP32 master (nor shard, nor fused slot), and applying its 16-bit, still loss-scaled grad or dropping it
+    would both be silent. A still-frozen param with a stale ``.grad`` is left alone, as the user froze it."""
     for p in frozen:
         if p.requires_grad and p.grad is not None:
             raise RuntimeError(

@@ -93,14 +93,10 @@ _SKIP_KEYS = {"params", "foreach", "fused", "capturable", "differentiable"}
 
 
 def fused_from_torch(
-    optimizer: torch.optim.Optimizer,
-    *,
-    loss_scaler=None,
-    max_grad_norm: float | None = None,
-    skip_nonfinite: bool = True,
-    param_dtype: torch.dtype | None = None,
+    optimizer: torch.optim.Optimizer, *, loss_scaler=None, max_grad_norm: float | None = None,
+    skip_nonfinite: bool = True, param_dtype: torch.dtype | None = None,
     grad_accum_dtype: torch.dtype | None = None,
-):
+):  # fmt: skip
     """The fused optimizer equivalent to ``optimizer``: it takes over the very param-group dicts (so an LR
     scheduler built on ``optimizer`` drives the kernel, and state dicts carry over) and moves the state (held
     once); ``optimizer`` is never stepped, and its params become views of the fused optimizer's flat buffers."""
@@ -115,13 +111,9 @@ def fused_from_torch(
         for g in optimizer.param_groups
     ]
     fused = cls(
-        groups,
-        loss_scaler=loss_scaler,
-        max_grad_norm=max_grad_norm,
-        skip_nonfinite=skip_nonfinite,
-        param_dtype=param_dtype,
-        grad_accum_dtype=grad_accum_dtype,
-    )
+        groups, loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
+        param_dtype=param_dtype, grad_accum_dtype=grad_accum_dtype,
+    )  # fmt: skip
     fused.param_groups = optimizer.param_groups
     if saved_state is not None:
         fused.load_state_dict(saved_state)

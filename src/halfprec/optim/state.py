@@ -120,12 +120,9 @@ def move_state(optimizer: torch.optim.Optimizer, targets: dict) -> None:
 
 
 def restore_state_dtypes(optimizer: torch.optim.Optimizer, saved_state: dict, params: list) -> None:
-    """Undo ``Optimizer.load_state_dict``'s cast of every state tensor to the param's dtype.
-
-    ``saved_state`` is the ``"state"`` of the loaded state dict (int index -> dict), ``params`` the optimizer's
-    params in index order. Integer counters and bool masks come back with their saved dtype, and non-tensor
-    values as saved (torch's cast turns a string into a generator).
-    """
+    """Undo ``Optimizer.load_state_dict``'s cast of every state tensor to the param's dtype: counters and masks
+    come back in their saved dtype, non-tensors as saved (torch's cast turns a string into a generator).
+    ``saved_state``: the loaded ``"state"`` (int index -> dict); ``params``: the optimizer's, in index order."""
     for index, saved in saved_state.items():
         live = optimizer.state.get(params[index])
         if live is None:
