@@ -183,13 +183,12 @@ def finalize(
     program also runs the scaler's update from the skip decision, so the step needs no torch ops for it.
     ``scalars[5]`` is the loss scale after the step (the caller writes it when it updates the scaler itself).
     """
+    if scaler is not None and scaler.scale is not scale:
+        raise ValueError("finalize: scale must be the scaler's own scale tensor (scaler.scale)")
+    sargs = (
+        (scale, scale, 1.0, 0.5, 1, 1, 1.0) if scaler is None else scaler_args(scaler)
+    )  # placeholders: unused
     cfg = settings()
-    if scaler is None:
-        sargs = (scale, scale, 1.0, 0.5, 1, 1, 1.0)  # unused placeholders
-    else:
-        if scaler.scale is not scale:
-            raise ValueError("finalize: scale must be the scaler's own scale tensor (scaler.scale)")
-        sargs = scaler_args(scaler)
     _finalize_kernel[(1,)](
         sq, bad, sq.numel(), scale, scalars, 0.0 if max_norm is None else float(max_norm),
         flags, steps, pgroup, hp, pscal, steps.numel(), *sargs,

@@ -29,7 +29,6 @@ from .checks import (
     check_grad_accum_dtype,
     check_options,
     check_params,
-    check_saved_groups,
     check_torch_optimizer,
     check_unfrozen,
     clear_grads,
@@ -335,7 +334,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 "MixedPrecisionOptimizer(..., impl='torch'), followed by mp.refresh_masters()"
             )
         self._check_compatible(state_dict["params"])
-        check_saved_groups(state_dict, self.param_groups, self.loss_scaler)
+        saved_groups = [len(g["params"]) for g in state_dict["optimizer"]["param_groups"]]
+        groups = [len(g["params"]) for g in self.param_groups]
+        if saved_groups != groups:
+            raise ValueError(
+                f"state dict has param groups of sizes {saved_groups}, this optimizer {groups}: build the "
+                "optimizer with the same param groups as the one that was saved"
+            )
+        self.loss_scaler.check_state_dict(state_dict.get("scaler"))
         self.check_algorithm(state_dict.get("algorithm"), state_dict["optimizer"]["param_groups"])
         self.check_state_values(state_dict)
 
@@ -344,9 +350,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         for i, (entry, here) in enumerate(zip(saved, mine, strict=False)):
             if entry != here:
                 raise ValueError(
-                    f"state dict does not match this model at param {i}: saved shape {entry['shape']} dtype "
-                    f"{entry['dtype']}{_role(entry)}, this model shape {here['shape']} dtype {here['dtype']}"
-                    f"{_role(here)}"
+                    f"state dict does not match this model at param {i}: saved {_describe(entry)}, "
+                    f"this model {_describe(here)}"
                 )
         if len(saved) != len(mine):
             i = min(len(saved), len(mine))
@@ -574,8 +579,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             raise ValueError(f"{where}'s loss-scaler state: {e}") from e
 
 
-def _role(entry: dict[str, Any]) -> str:
-    return " (trained, fp32 master)" if entry["master"] else ""
+def _describe(entry: dict[str, Any]) -> str:
+    role = " (trained, fp32 master)" if entry["master"] else ""
+    return f"shape {entry['shape']} dtype {entry['dtype']}{role}"
 
 
 def _check_wrappable(optimizer: Any, options: dict[str, Any]) -> None:

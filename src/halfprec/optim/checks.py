@@ -1,5 +1,5 @@
 """Checks every halfprec optimizer makes (the exact, fused and sharded strategies alike): its options, the torch
-optimizer it is given, unfrozen params, a saved state dict's groups; and the pieces of the torch.optim contract
+optimizer it is given, unfrozen params and their dtypes; and the pieces of the torch.optim contract
 they share (zero_grad's grad clearing, telling LR schedulers that a step ran)."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ __all__ = [
     "check_grad_accum_dtype",
     "check_options",
     "check_params",
-    "check_saved_groups",
     "check_torch_optimizer",
     "check_unfrozen",
     "clear_grads",
@@ -81,18 +80,6 @@ def check_dtypes(params: Iterable[torch.Tensor], dtypes: Iterable[torch.dtype]) 
                 "was wrapped: its masters, loss scaling and state were set up for that dtype. Cast the model "
                 "(model.to(dtype)) before wrapping the optimizer, and do not change its dtype afterwards"
             )
-
-
-def check_saved_groups(state_dict: dict, param_groups: list[dict], loss_scaler) -> None:
-    """A halfprec optimizer state dict has this optimizer's group sizes and loss-scaler kind (ValueError)."""
-    saved_groups = [len(g["params"]) for g in state_dict["optimizer"]["param_groups"]]
-    groups = [len(g["params"]) for g in param_groups]
-    if saved_groups != groups:
-        raise ValueError(
-            f"state dict has param groups of sizes {saved_groups}, this optimizer {groups}: build the "
-            "optimizer with the same param groups as the one that was saved"
-        )
-    loss_scaler.check_state_dict(state_dict.get("scaler"))
 
 
 def clear_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:

@@ -58,11 +58,9 @@ def _fresh_state(optimizer: torch.optim.Optimizer, targets: dict) -> dict | None
     errors = []
     for kwargs in (dict(optimizer.defaults), {}):
         try:
-            fresh = cls(groups, **kwargs)
+            return dict(cls(groups, **kwargs).state)
         except Exception as e:  # noqa: BLE001 - any failure means "cannot re-run", reported below
             errors.append(f"{type(e).__name__}: {e}")
-            continue
-        return dict(fresh.state)
     warnings.warn(
         f"halfprec: could not re-run {cls.__name__}.__init__ over the fp32 masters ({errors[-1]}); its eagerly "
         "created 16-bit state is upcast to fp32, which is not the exact fp32 value. Build the optimizer over "
