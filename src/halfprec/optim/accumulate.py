@@ -54,30 +54,27 @@ class GradAccumulator:
                 "a backward ran after unscale_() and before step(): its grads would be added, still loss-scaled, "
                 "to unscaled ones. Call unscale_() after the last backward() of the step."
             )
-        self.begin()
-        self.store.add_grad(c, k, param.grad)
-        param.grad = None
+        self.take(c, k, param)
 
     def collect(self) -> list[torch.Tensor]:
-        """At the step: add the model grads assigned by hand (no hook ran for them) the same way, end the
-        accumulation (the next grad starts a new one) and return the master grads that hold a grad (still
-        scaled)."""
+        """At the step: take the model grads assigned by hand (no hook ran for them), end the accumulation (the
+        next grad starts a new one) and return the master grads that hold a grad (still scaled)."""
         for c, chunk in enumerate(self.store.chunks):
             for k, p in enumerate(chunk.params):
                 if p.grad is not None:
-                    self.begin()  # grads assigned by hand after a step: a new accumulation too
-                    self.store.add_grad(c, k, p.grad)
-                    p.grad = None
+                    self.take(c, k, p)
         self.consumed = True
         return [m.grad for m in self.store.master_params() if m.grad is not None]
 
-    def begin(self) -> None:
-        """Before adding a grad: drop the master grads a step already consumed. A loop that clears only the
-        model's grads (``model.zero_grad()``, which cannot reach the masters) then still starts each step's
-        accumulation from zero instead of adding to grads that were unscaled, clipped and applied."""
+    def take(self, c: int, k: int, param: torch.Tensor) -> None:
+        """Add ``param.grad`` into master ``k`` of chunk ``c`` and release it; first drop the master grads a step
+        consumed, so that a loop that clears only the model's grads (``model.zero_grad()``, which cannot reach
+        the masters) starts each accumulation from zero, not from grads that were unscaled, clipped and applied."""
         if self.consumed:
             self.store.clear_grads()
             self.consumed = False
+        self.store.add_grad(c, k, param.grad)
+        param.grad = None
 
 
 def _on_grad(ref: weakref.ref, c: int, k: int, param: torch.Tensor) -> None:
