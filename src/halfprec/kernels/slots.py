@@ -136,9 +136,9 @@ class HyperTable:
         if key != self._key:
             if capturing:
                 raise RuntimeError(
-                    "a param group's hyper-parameters changed while a CUDA graph was being "
-                    "captured; run one eager step first, and use 0-d device tensors for values "
-                    "that change between replays (group['lr'] = torch.tensor(lr, device='cuda'))"
+                    "a param group's hyper-parameters changed while a CUDA graph was being captured; run one "
+                    "eager step first, and use 0-d device tensors for values that change between replays "
+                    "(group['lr'] = torch.tensor(lr, device='cuda'))"
                 )
             cpu = torch.tensor([[0.0 if v is None else v for v in row] for row in key], dtype=torch.float64)
             self.table.copy_(cpu, non_blocking=True)

@@ -155,9 +155,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
 
     # --- the contract: construction pieces every strategy uses -------------------------------------------
     def _init_wrapping(self, optimizer: torch.optim.Optimizer) -> None:
-        """Wrap ``optimizer``: its groups, state and defaults become this one's. ``Optimizer.__init__`` cannot run
-        (it would make new groups), so the hook registries it would create are made as ``__setstate__`` does, and
-        ``step`` is patched so that step hooks and torch's global hooks run."""
+        """Wrap ``optimizer``: its groups, state and defaults become this one's. ``Optimizer.__init__`` would make
+        new groups, so its hook registries are made here and ``step`` is patched (step hooks and global hooks)."""
         self.optimizer = optimizer
         for name in _HOOK_REGISTRIES:
             setattr(self, name, OrderedDict())
@@ -383,8 +382,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
-        params = group["params"]
-        params = [params] if torch.is_tensor(params) else list(params)
+        params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
         check_params(params, known=set(self._model_params))
         if group.get("differentiable", False):
             raise ValueError(

@@ -86,11 +86,9 @@ def clear_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
     """What ``torch.optim.Optimizer.zero_grad`` does to each param's ``.grad``."""
     with torch.no_grad():
         for p in params:
-            if p.grad is None:
-                continue
-            if set_to_none:
+            if p.grad is not None and set_to_none:
                 p.grad = None
-            else:
+            elif p.grad is not None:
                 p.grad.detach_()
                 p.grad.zero_()
 

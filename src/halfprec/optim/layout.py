@@ -184,12 +184,10 @@ class MasterStore:
             if chunk.grad is None:
                 chunk.make_grad(torch.float32)
             for p, m, view in zip(chunk.params, masters, chunk.grad_views, strict=True):
-                if p.grad is None:
-                    m.grad = None
-                    continue
-                m.grad = view
-                filled_dst.append(view)
-                filled_src.append(p.grad)
+                m.grad = None if p.grad is None else view
+                if p.grad is not None:
+                    filled_dst.append(view)
+                    filled_src.append(p.grad)
         if filled_dst:
             torch._foreach_copy_(filled_dst, filled_src)
         return filled_dst

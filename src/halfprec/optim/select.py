@@ -1,14 +1,13 @@
 """The ``impl=`` policy: how ``MixedPrecisionOptimizer(optimizer, impl=...)``, the engine and the sharded optimizer
 choose between the exact torch path and the fused Triton path.
 
-Policy of ``impl="auto"`` (written here once): the fused path runs when the wrapped optimizer is exactly torch
-``Adam``, ``AdamW``, ``SGD`` or ``Adagrad``, every trainable param is on CUDA, Triton imports, and the inner
-optimizer's ``foreach``/``fused`` flags were left at their defaults (None; an explicit flag is the user asking for
-that torch implementation, so it is honoured) and nothing the kernels lack (``amsgrad``, ``maximize``,
-``capturable``, ``differentiable``) is on. Otherwise the torch path runs. ``impl="triton"`` overrides an explicit
-inner ``foreach``/``fused`` flag (the user asked for the fused path) and raises a ValueError naming the reason and
-the fix when the rest does not hold (under ``TRITON_INTERPRET=1`` it also accepts CPU params, for the interpreter
-tests); ``impl="torch"`` always takes the torch path.
+``impl="auto"`` (the policy, written here once) takes the fused path when the wrapped optimizer is exactly torch
+``Adam``, ``AdamW``, ``SGD`` or ``Adagrad``, every trainable param is on CUDA, Triton imports, the inner
+``foreach``/``fused`` flags are left at None (an explicit flag asks for that torch implementation) and no flag the
+kernels lack (``amsgrad``, ``maximize``, ``capturable``, ``differentiable``) is on; else the torch path.
+``impl="triton"`` overrides an explicit ``foreach``/``fused`` and raises a ValueError naming the reason and the fix
+when the rest does not hold (under ``TRITON_INTERPRET=1`` it accepts CPU params, for the interpreter tests);
+``impl="torch"`` always takes the torch path.
 """
 
 from __future__ import annotations
