@@ -17,19 +17,15 @@ scale used, loss scale after).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
+from ..scaler import DynamicLossScaler
 from .scaler import _dynamic_step, scaler_args
 from .settings import settings
 from .slots import HP_SLOTS, HP_WIDTH, PSCAL_SLOTS, Kind
 from .update import _ALIGN, _pscal_row
-
-if TYPE_CHECKING:
-    from ..scaler import DynamicLossScaler
 
 __all__ = ["sumsq", "finalize"]
 

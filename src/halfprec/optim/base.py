@@ -239,8 +239,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
 
     @property
     def grad_norm(self) -> float | None:
-        """Global L2 norm of the unscaled grads of the last step, before clipping (None: neither checked nor
-        clipped)."""
+        """Global L2 norm of the last step's unscaled grads, before clipping (None: neither checked nor clipped)."""
         return self._s.grad_norm
 
     @property

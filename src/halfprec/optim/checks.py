@@ -14,15 +14,9 @@ from ..precision import check_low_precision
 from ..scaler import LossScaler
 
 __all__ = [
-    "check_dtypes",
-    "check_grad_accum_dtype",
-    "check_options",
-    "check_params",
-    "check_torch_optimizer",
-    "check_unfrozen",
-    "clear_grads",
-    "tell_schedulers",
-]
+    "check_dtypes", "check_grad_accum_dtype", "check_options", "check_params", "check_torch_optimizer",
+    "check_unfrozen", "clear_grads", "tell_schedulers",
+]  # fmt: skip
 
 
 def check_options(
@@ -40,9 +34,8 @@ def check_options(
 
 
 def check_grad_accum_dtype(value: Any, *, strategy: str = "torch") -> None:
-    """Raise ValueError unless ``value`` is None (grads accumulate in the params' 16-bit ``.grad``) or
-    ``torch.float32`` (in the fp32 master grads), and ``strategy`` (``"torch"``, ``"fused"``, ``"sharded"``) has
-    fp32 accumulation (only the exact one, for now: no silent fallback to 16-bit accumulation elsewhere)."""
+    """Raise ValueError unless ``value`` is None or ``torch.float32`` and ``strategy`` (``"torch"``, ``"fused"``,
+    ``"sharded"``) has fp32 accumulation (only the exact one, for now: no silent fallback to 16-bit elsewhere)."""
     if value is not None and value is not torch.float32:
         raise ValueError(
             f"grad_accum_dtype must be None (accumulate in the params' 16-bit .grad) or torch.float32 (in the fp32 "

@@ -24,18 +24,9 @@ from ..kernels.slots import ALIGN
 from ..precision import LOW_PRECISION
 
 __all__ = [
-    "ALIGN",
-    "LOW_PRECISION",
-    "PAD",
-    "Bucket",
-    "Layout",
-    "Chunk",
-    "MasterStore",
-    "Piece",
-    "aligned",
-    "build_table",
-    "chunk_params",
-]
+    "ALIGN", "LOW_PRECISION", "PAD", "aligned", "build_table", "chunk_params",
+    "Chunk", "MasterStore", "Bucket", "Piece", "Layout",
+]  # fmt: skip
 
 PAD = ALIGN  # elements per rank a sharded bucket is padded to (64 bytes of fp32 per shard boundary)
 
@@ -194,9 +185,8 @@ class MasterStore:
 
     @torch.no_grad()
     def add_grad(self, c: int, k: int, grad: torch.Tensor) -> None:
-        """Add ``grad`` (16-bit) into the fp32 grad of master ``k`` of chunk ``c`` (its view of the chunk's flat
-        grad buffer, the one ``copy_grads_in`` fills): copied when the master has no grad, else added with one
-        fp32 rounding."""
+        """Add ``grad`` (16-bit) into the fp32 grad of master ``k`` of chunk ``c`` (the view ``copy_grads_in``
+        fills): copied when the master has no grad, else added with one fp32 rounding."""
         chunk, m = self.chunks[c], self.masters[c][k]
         if chunk.grad is None:
             chunk.make_grad(torch.float32)
