@@ -102,8 +102,9 @@ def scaler_args(scaler: DynamicLossScaler) -> tuple:
     read from the scaler at every step (``load_state_dict`` may change the configuration)."""
     state = scaler.state_tensors
     return (
-        state["growth_tracker"], state["hysteresis_left"], float(scaler.growth_factor),
-        float(scaler.backoff_factor), int(scaler.growth_interval), int(scaler.hysteresis), float(scaler.min_scale),
+        state["growth_tracker"], state["hysteresis_left"],
+        float(scaler.growth_factor), float(scaler.backoff_factor), int(scaler.growth_interval),
+        int(scaler.hysteresis), float(scaler.min_scale),
     )  # fmt: skip
 
 

@@ -60,12 +60,9 @@ class Chunk:
     """
 
     def __init__(
-        self,
-        params: Sequence[torch.nn.Parameter],
-        sources: Sequence[torch.Tensor],
-        *,
+        self, params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor], *,
         flat_params: bool = False,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.params = list(params)
         self.device = self.params[0].device
         self.dtype = self.params[0].dtype
