@@ -214,8 +214,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         return list(self._model_params)
 
     def _backward_params(self) -> list[torch.nn.Parameter]:
-        """The params whose ``.grad`` a backward fills, before the step reads them (the scale guard's view);
-        with fp32 accumulation the masters too, whose grads the hooks fill."""
+        """The params whose ``.grad`` a backward fills (the scale guard's view; with fp32 accumulation the masters)."""
         if self._accumulator is None:
             return self._model_params
         return self._model_params + self._store.master_params()

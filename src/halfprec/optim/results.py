@@ -91,9 +91,8 @@ class SkipLog:
 
 class ScaleGuard:
     """Whether the grads a step reads came through ``scale_loss``. With a loss scale, a plain ``loss.backward()``
-    leaves grads that unscale to ``loss_scale`` times too small (65536x at fp16's default), and nothing else
-    notices: the step is finite and trains on. One warning per optimizer (a loop that scales by hand on purpose
-    is told once)."""
+    leaves grads that unscale ``loss_scale`` times too small (65536x at fp16's default), and nothing else notices:
+    the step is finite and trains on. One warning per optimizer (a loop that scales by hand on purpose is told once)."""
 
     def __init__(self) -> None:
         self.scaled = False  # scale_loss ran since the last step
