@@ -13,10 +13,8 @@ __all__ = ["triton_status"]
 
 
 def triton_status() -> tuple[bool, str]:
-    """``(True, "")`` when Triton imports and has a backend here, else ``(False, reason)``.
-
-    A backend is a CUDA device, or the CPU interpreter when ``TRITON_INTERPRET=1`` was set before the import.
-    """
+    """``(True, "")`` when Triton imports and has a backend here (a CUDA device, or the CPU interpreter when
+    ``TRITON_INTERPRET=1`` was set before the import), else ``(False, reason)``."""
     try:
         importlib.import_module("triton")
     except ImportError as e:

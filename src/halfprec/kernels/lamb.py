@@ -96,15 +96,9 @@ def _lamb_apply_kernel(
 
 def trust_table(update_table: torch.Tensor) -> torch.Tensor:
     """int64 [params in chunk, 3]: (first row, end row, global param index) of each param's update blocks."""
-    rows = update_table.cpu()
-    out = []
-    if rows.shape[0]:
-        start = 0
-        for r in range(1, rows.shape[0] + 1):
-            if r == rows.shape[0] or rows[r, 2] != rows[start, 2]:
-                out.append((start, r, int(rows[start, 2])))
-                start = r
-    return torch.tensor(out, dtype=torch.int64).reshape(-1, 3).to(update_table.device)
+    index, counts = torch.unique_consecutive(update_table[:, 2].cpu(), return_counts=True)
+    ends = counts.cumsum(0)
+    return torch.stack([ends - counts, ends, index], dim=1).to(update_table.device)
 
 
 def lamb_update(

@@ -1,38 +1,31 @@
 """Pass 1 of the fused step: the global sum of squares and the non-finite flag, then the per-param scalars.
 
-``_sumsq_kernel`` reads each 16-bit grad once (2 B/param), unscaled by the loss scale read from device memory,
-and writes one partial sum and one non-finite count per program (a fixed order, so the norm is deterministic;
-no atomics). Params that got no grad this step are masked out, so a stale view never enters the norm.
-``_finalize_kernel`` is one program: it sums the partials, decides the skip (non-finite grads, or a norm that
-overflowed fp32, like the generic path), computes the clip coefficient exactly as
-``torch.nn.utils.clip_grads_with_norm_`` does, advances each param's step counter when it got a grad and the
-step is not skipped, and writes the per-param scalars of the update pass (bias corrections in fp64, cast to
-fp32 as torch does with its Python-double scalars). It also clears the grad marks (``flags``) it consumed and,
-given a dynamic loss scaler, runs the scaler's update (``scaler.py``): on a skipped step this program and the norm
-pass are the only work besides early-exiting update programs, and the scaler costs no launch of its own.
+``_sumsq_kernel`` reads each 16-bit grad once (2 B/param), unscaled by the device loss scale, and writes one
+partial sum and one non-finite count per program (a fixed order, so the norm is deterministic; no atomics);
+params that got no grad this step are masked out, so a stale view never enters the norm. ``_finalize_kernel``
+(one program) sums the partials, decides the skip (non-finite grads, or a norm that overflowed fp32, as on the
+exact path), computes the clip coefficient as ``torch.nn.utils.clip_grads_with_norm_`` does, advances the step
+counters of the params that got a grad, writes the update pass's per-param scalars (bias corrections in fp64,
+cast to fp32 as torch does with its Python-double scalars), clears the grad marks (``flags``) and, given a
+dynamic loss scaler, runs its update (``scaler.py``) with no launch of its own.
 
-Layout legend: ``table`` int64 [programs, 3] = (start, end, param index) into a flat buffer; ``hp`` fp64
-[groups, HP_WIDTH] hyper-parameters and ``pscal`` fp32 [params, PSCAL_WIDTH] per-param scalars, whose slots
-``slots.py`` names per algorithm (``H`` and ``S`` in the finalize program: the tables of its ``KIND``);
-``scalars`` fp32 [8] = (found_inf, grad_norm, grad coefficient = inv_scale * clip, skipped_steps, loss scale used,
-loss scale after).
+Legend: ``table`` int64 [programs, 3] = (start, end, param index) into a flat buffer; ``hp`` fp64 [groups,
+HP_WIDTH] and ``pscal`` fp32 [params, PSCAL_WIDTH], whose slots ``slots.py`` names (``H`` and ``S``: the tables of
+``KIND``); ``scalars`` fp32 [8] = (found_inf, grad_norm, grad coefficient = inv_scale * clip, skipped_steps, loss
+scale used, loss scale after).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
+from ..scaler import DynamicLossScaler
 from .scaler import _dynamic_step, scaler_args
 from .settings import settings
 from .slots import HP_SLOTS, HP_WIDTH, PSCAL_SLOTS, Kind
 from .update import _ALIGN, _pscal_row
-
-if TYPE_CHECKING:
-    from ..scaler import DynamicLossScaler
 
 __all__ = ["sumsq", "finalize"]
 
@@ -164,13 +157,9 @@ def _finalize_kernel(
 
 
 def sumsq(
-    grad: torch.Tensor,
-    table: torch.Tensor,
-    flags: torch.Tensor,
-    scale: torch.Tensor,
-    sq: torch.Tensor,
+    grad: torch.Tensor, table: torch.Tensor, flags: torch.Tensor, scale: torch.Tensor, sq: torch.Tensor,
     bad: torch.Tensor,
-) -> None:
+) -> None:  # fmt: skip
     """Partial sums of squares of ``grad / scale`` into ``sq`` and non-finite counts into ``bad``."""
     n = table.shape[0]
     if n == 0:
@@ -180,34 +169,22 @@ def sumsq(
 
 
 def finalize(
-    sq: torch.Tensor,
-    bad: torch.Tensor,
-    scale: torch.Tensor,
-    scalars: torch.Tensor,
-    max_norm: float | None,
-    flags: torch.Tensor,
-    steps: torch.Tensor,
-    pgroup: torch.Tensor,
-    hp: torch.Tensor,
-    pscal: torch.Tensor,
-    *,
-    check: bool,
-    kind: Kind,
-    scaler: DynamicLossScaler | None = None,
-) -> None:
+    sq: torch.Tensor, bad: torch.Tensor, scale: torch.Tensor, scalars: torch.Tensor, max_norm: float | None,
+    flags: torch.Tensor, steps: torch.Tensor, pgroup: torch.Tensor, hp: torch.Tensor, pscal: torch.Tensor, *,
+    check: bool, kind: Kind, scaler: DynamicLossScaler | None = None,
+) -> None:  # fmt: skip
     """Skip decision, clip coefficient, step counters and per-param scalars (one program); clears ``flags``.
 
     With ``scaler`` (a ``DynamicLossScaler`` that ``scaler.fusable`` accepts, whose ``scale`` is ``scale``) the
     program also runs the scaler's update from the skip decision, so the step needs no torch ops for it.
     ``scalars[5]`` is the loss scale after the step (the caller writes it when it updates the scaler itself).
     """
+    if scaler is not None and scaler.scale is not scale:
+        raise ValueError("finalize: scale must be the scaler's own scale tensor (scaler.scale)")
+    sargs = (
+        (scale, scale, 1.0, 0.5, 1, 1, 1.0) if scaler is None else scaler_args(scaler)
+    )  # placeholders: unused
     cfg = settings()
-    if scaler is None:
-        sargs = (scale, scale, 1.0, 0.5, 1, 1, 1.0)  # unused placeholders
-    else:
-        if scaler.scale is not scale:
-            raise ValueError("finalize: scale must be the scaler's own scale tensor (scaler.scale)")
-        sargs = scaler_args(scaler)
     _finalize_kernel[(1,)](
         sq, bad, sq.numel(), scale, scalars, 0.0 if max_norm is None else float(max_norm),
         flags, steps, pgroup, hp, pscal, steps.numel(), *sargs,

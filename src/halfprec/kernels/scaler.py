@@ -43,9 +43,8 @@ def _dynamic_step(
     grown = scale * growth_factor
     grown = tl.where((grown - grown) == 0.0, grown, scale)  # not finite: keep the scale
     backed_off = scale * backoff_factor
-    backed_off = tl.where(
-        backed_off < min_scale, min_scale, backed_off
-    )  # clamp(min=), NaN passes as in torch
+    # clamp(min=), NaN passes as in torch
+    backed_off = tl.where(backed_off < min_scale, min_scale, backed_off)
     new_scale = tl.where(backoff, backed_off, tl.where(grow, grown, scale))
     refill = backoff | grow
     new_left = tl.where(refill, hysteresis, tl.where(overflow, left_after_overflow, left))
@@ -103,14 +102,10 @@ def scaler_args(scaler: DynamicLossScaler) -> tuple:
     read from the scaler at every step (``load_state_dict`` may change the configuration)."""
     state = scaler.state_tensors
     return (
-        state["growth_tracker"],
-        state["hysteresis_left"],
-        float(scaler.growth_factor),
-        float(scaler.backoff_factor),
-        int(scaler.growth_interval),
-        int(scaler.hysteresis),
-        float(scaler.min_scale),
-    )
+        state["growth_tracker"], state["hysteresis_left"],
+        float(scaler.growth_factor), float(scaler.backoff_factor), int(scaler.growth_interval),
+        int(scaler.hysteresis), float(scaler.min_scale),
+    )  # fmt: skip
 
 
 def dynamic_update(scaler: DynamicLossScaler, found_inf: torch.Tensor) -> None:

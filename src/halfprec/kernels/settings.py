@@ -1,13 +1,12 @@
 """Launch settings of every fused-step kernel, in one place.
 
 Why these values: the update kernels stream 28-30 B per element; 4096 elements per program with 8 warps (16
-elements, i.e. 64 B of fp32 per thread per stream) keeps enough loads in flight to reach ~95 % of copy
-bandwidth on an H200 while wasting at most one partial block per parameter. The norm pass reads only 2 B per
-element, so its programs take 16x more elements with 16 warps (measured at 268M fp16 on an H200, 2026-12-02:
-162 us with 16384/8, 156 us with 32768/16, 130 us with 65536/16), which also keeps the partial-sum vector
-short for the single-program finalize pass. Update blocks of 2048/4 warps timed the same as 4096/8
-(1.83 vs 1.84 ms), 8192/16 slower (2.50 ms). The interpreter runs one program at a time (~1 ms each), so tests use bigger
-blocks there.
+elements, i.e. 64 B of fp32 per thread per stream) keeps enough loads in flight to reach ~95 % of copy bandwidth on
+an H200 while wasting at most one partial block per parameter. The norm pass reads only 2 B per element, so its
+programs take 16x more elements with 16 warps (measured at 268M fp16 on an H200, 2026-12-02: 162 us with 16384/8,
+156 us with 32768/16, 130 us with 65536/16), which also keeps the partial-sum vector short for the single-program
+finalize pass. Update blocks of 2048/4 warps timed the same as 4096/8 (1.83 vs 1.84 ms), 8192/16 slower (2.50 ms).
+The interpreter runs one program at a time (~1 ms each), so tests use bigger blocks there.
 """
 
 from __future__ import annotations

@@ -2,19 +2,15 @@
 
 Legend (one row of each table per group or per param):
 
-- ``hp``, fp64 [groups, HP_WIDTH]: a group's hyper-parameters. Written on the host by each fused optimizer's
-  ``hp_row`` classmethod (through ``hp_row`` here) and copied to the device before each step (a 0-d device
-  tensor value is copied in place, so CUDA graphs see its changes); read only by the finalize program
-  (``norm.py``).
-- ``pscal``, fp32 [params, PSCAL_WIDTH]: a param's scalars for this step. Written by the finalize program from
-  the param's group row and step count; read by the update kernels (``update.py``, ``lamb.py``), except
-  ``AdamScalars.TRUST``, which LAMB's trust pass writes between its stage and apply passes.
+- ``hp``, fp64 [groups, HP_WIDTH]: a group's hyper-parameters, written on the host (``hp_row``) and copied to
+  the device before each step (``HyperTable``); read only by the finalize program (``norm.py``).
+- ``pscal``, fp32 [params, PSCAL_WIDTH]: a param's scalars for this step, written by the finalize program from
+  its group row and step count (LAMB's trust pass writes ``AdamScalars.TRUST``); read by the update kernels.
 
-Columns a table does not name stay 0. The finalize program writes the pscal table of the optimizer's ``Kind``;
-each update kernel reads the table of its algorithm. The kernels receive a table as a ``tl.constexpr`` argument,
-so ``ps + S.EPS`` folds to the same constant offset a literal would, and since a table's repr lists every slot
-number, renumbering a slot changes Triton's cache key. This module imports no Triton: the optimizer classes use
-it at import time.
+Columns a table does not name stay 0. The kernels receive a table as a ``tl.constexpr`` argument, so
+``ps + S.EPS`` folds to the same constant offset a literal would, and since a table's repr lists every slot
+number, renumbering a slot changes Triton's cache key. No Triton import: the optimizer classes use this module
+at import time.
 """
 
 from __future__ import annotations
@@ -25,27 +21,10 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
-    "Kind",
-    "HyperTable",
-    "ALIGN",
-    "HP_WIDTH",
-    "PSCAL_WIDTH",
-    "AdamHp",
-    "SgdHp",
-    "AdagradHp",
-    "AdamScalars",
-    "SgdScalars",
-    "AdagradScalars",
-    "ADAM_HP",
-    "SGD_HP",
-    "ADAGRAD_HP",
-    "ADAM_PSCAL",
-    "SGD_PSCAL",
-    "ADAGRAD_PSCAL",
-    "HP_SLOTS",
-    "PSCAL_SLOTS",
-    "hp_row",
-]
+    "Kind", "HyperTable", "ALIGN", "HP_WIDTH", "PSCAL_WIDTH", "HP_SLOTS", "PSCAL_SLOTS", "hp_row",
+    "AdamHp", "SgdHp", "AdagradHp", "ADAM_HP", "SGD_HP", "ADAGRAD_HP",
+    "AdamScalars", "SgdScalars", "AdagradScalars", "ADAM_PSCAL", "SGD_PSCAL", "ADAGRAD_PSCAL",
+]  # fmt: skip
 
 
 class Kind(IntEnum):
@@ -157,9 +136,9 @@ class HyperTable:
         if key != self._key:
             if capturing:
                 raise RuntimeError(
-                    "a param group's hyper-parameters changed while a CUDA graph was being "
-                    "captured; run one eager step first, and use 0-d device tensors for values "
-                    "that change between replays (group['lr'] = torch.tensor(lr, device='cuda'))"
+                    "a param group's hyper-parameters changed while a CUDA graph was being captured; run one "
+                    "eager step first, and use 0-d device tensors for values that change between replays "
+                    "(group['lr'] = torch.tensor(lr, device='cuda'))"
                 )
             cpu = torch.tensor([[0.0 if v is None else v for v in row] for row in key], dtype=torch.float64)
             self.table.copy_(cpu, non_blocking=True)

@@ -11,10 +11,8 @@ masters, 1 for fp16, 2 for bf16 (passed as an int16 view). ``ALIGNED``: every ro
 multiple of ``ALIGN`` elements (the fused optimizers' padded layout), which lets Triton vectorise; the sharded
 optimizer's pieces cut params anywhere, so their unaligned head and tail rows run with ``ALIGNED=False``.
 ``KIND`` picks the algorithm (``slots.Kind``) and ``S`` is its table of ``pscal`` slots (``slots.py``); each
-branch compiles only for its own ``KIND``.
-
-The ``@triton.jit`` helpers here are shared with ``lamb.py`` and ``norm.py``; Triton inlines them, so they cost
-nothing at run time.
+branch compiles only for its own ``KIND``. The ``@triton.jit`` helpers here are shared with ``lamb.py`` and
+``norm.py`` (Triton inlines them).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """FP32 gradient accumulation for the exact strategy (``grad_accum_dtype=torch.float32``).
 
 A post-accumulate-grad hook on every 16-bit trained param adds the grad backward just produced into the param's
-fp32 master grad (``MasterStore.add_grad``: its view of the chunk's flat grad buffer, the buffer the 16-bit path
-copies into at the step, so no memory is added) and releases the 16-bit ``.grad``: 16-bit grad memory is
-transient, and k micro-batches round once each in fp32 instead of once each in 16 bits. fp32 params are their own
-masters and accumulate in their fp32 ``.grad`` as usual.
-
-Not yet with data parallelism: DDP all-reduces ``.grad`` from hooks of its own, which would find the grads
-released (the fp32 all-reduce into the master grads is a later part of issue 19), so a process group of more
-than one rank is refused.
+fp32 master grad (``MasterStore.add_grad``: the buffer the 16-bit path copies into at the step, so no memory is
+added) and releases the 16-bit ``.grad``: k micro-batches round once each in fp32 instead of in 16 bits. fp32
+params are their own masters and accumulate in their ``.grad`` as usual. Not yet with data parallelism (DDP's
+hooks would find the grads released; the fp32 all-reduce is a later part of issue 19).
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ __all__ = ["GradAccumulator"]
 
 class GradAccumulator:
     """The hooks that accumulate ``store``'s model grads into its fp32 master grads. ``state``: the optimizer's
-    step record, whose ``unscaled`` flag makes a backward between ``unscale_()`` and ``step()`` an error (its
-    grads would be added, still scaled, to unscaled ones)."""
+    step record (its ``unscaled`` flag makes a backward between ``unscale_()`` and ``step()`` an error)."""
 
     def __init__(self, store: MasterStore, state: StepState) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -59,30 +54,27 @@ class GradAccumulator:
                 "a backward ran after unscale_() and before step(): its grads would be added, still loss-scaled, "
                 "to unscaled ones. Call unscale_() after the last backward() of the step."
             )
-        self.begin()
-        self.store.add_grad(c, k, param.grad)
-        param.grad = None
+        self.take(c, k, param)
 
     def collect(self) -> list[torch.Tensor]:
-        """At the step: add the model grads assigned by hand (no hook ran for them) the same way, end the
-        accumulation (the next grad starts a new one) and return the master grads that hold a grad (still
-        scaled)."""
+        """At the step: take the model grads assigned by hand (no hook ran for them), end the accumulation (the
+        next grad starts a new one) and return the master grads that hold a grad (still scaled)."""
         for c, chunk in enumerate(self.store.chunks):
             for k, p in enumerate(chunk.params):
                 if p.grad is not None:
-                    self.begin()  # grads assigned by hand after a step: a new accumulation too
-                    self.store.add_grad(c, k, p.grad)
-                    p.grad = None
+                    self.take(c, k, p)
         self.consumed = True
         return [m.grad for m in self.store.master_params() if m.grad is not None]
 
-    def begin(self) -> None:
-        """Before adding a grad: drop the master grads a step already consumed. A loop that clears only the
-        model's grads (``model.zero_grad()``, which cannot reach the masters) then still starts each step's
-        accumulation from zero instead of adding to grads that were unscaled, clipped and applied."""
+    def take(self, c: int, k: int, param: torch.Tensor) -> None:
+        """Add ``param.grad`` into master ``k`` of chunk ``c`` and release it; first drop the master grads a step
+        consumed, so that a loop that clears only the model's grads (``model.zero_grad()``, which cannot reach
+        the masters) starts each accumulation from zero, not from grads that were unscaled, clipped and applied."""
         if self.consumed:
             self.store.clear_grads()
             self.consumed = False
+        self.store.add_grad(c, k, param.grad)
+        param.grad = None
 
 
 def _on_grad(ref: weakref.ref, c: int, k: int, param: torch.Tensor) -> None:

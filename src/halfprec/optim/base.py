@@ -1,26 +1,17 @@
 """MixedPrecisionOptimizer: the contract every halfprec optimizer keeps, and its default (exact) strategy.
 
-Every optimizer halfprec builds is an instance of this class: the exact strategy is the class itself (an inner
-torch step on FP32 masters), the fused strategy (``fused/``, Triton) and the sharded one (``sharded/``, ZeRO-1/2)
-are subclasses that replace the strategy methods (construction, ``unscale_``, ``_step``, ``zero_grad``, the state
-payload). What they share lives here once: option checks, the default loss scaler, the ``param_dtype`` cast,
-frozen-param checks, ``scale_loss``/``backward`` and their order guard, the step results (``results.StepState``),
-the skip log, torch's hook registries, the state-dict envelope and ``check_state_dict``. Every guard in the
-library tests ``isinstance(x, MixedPrecisionOptimizer)``.
+The fused (``fused/``, Triton) and sharded (``sharded/``, ZeRO-1/2) strategies are subclasses that replace the
+strategy methods (construction, ``unscale_``, ``_step``, ``zero_grad``, the state payload); what they share is
+written here once (docs/architecture.md lists it), and every guard in the library tests
+``isinstance(x, MixedPrecisionOptimizer)``. Subclasses rather than a dispatch inside one object (torch's
+``foreach``/``fused`` flags): the strategies hold different buffers and take different constructor arguments,
+which one object would have to hold side by side. ``MixedPrecisionOptimizer(torch_opt, impl=...)`` builds the
+strategy ``select.select_impl`` picks (``_SelectImpl``); subclasses construct as usual.
 
-Why subclasses of the public class rather than a dispatch inside one object (torch's ``foreach``/``fused``
-flags): the strategies hold different buffers and take different constructor arguments (``FusedAdamW(params,
-lr=...)``, ``ShardedMixedPrecisionOptimizer(opt, named_parameters=...)``), which one object would have to hold
-side by side. Calling the public class itself (``MixedPrecisionOptimizer(torch_opt, impl=...)``) goes through
-``_SelectImpl``, which builds the strategy ``select.select_impl`` picks; subclasses construct as usual.
-
-A step of the exact strategy (traced in docs/architecture.md): unscale the fp32 master grads (fp32 params are
-their own masters, unscaled in place); the global norm, as ``torch.nn.utils.get_total_norm`` computes it, is also
-the non-finite check (finite iff every grad is); the scaler updates on the device; one host sync; then skip
-(only the scaler and ``skipped_steps`` change), or clip (``clip_grads_with_norm_``, bit-identical to
-``clip_grad_norm_``), the inner step on the masters and the rounding into the model params.
-
-The wrapped optimizer is never stepped on construction and its math is never changed.
+The exact step: the global norm of the unscaled fp32 master grads (``get_total_norm``) is also the non-finite
+check; the scaler updates on the device; one host sync; then skip (only the scaler and ``skipped_steps`` change),
+or clip (``clip_grads_with_norm_``, bit-identical to ``clip_grad_norm_``), the inner step on the masters and the
+rounding into the model params. The wrapped optimizer is never stepped on construction.
 """
 
 from __future__ import annotations
@@ -38,7 +29,6 @@ from .checks import (
     check_grad_accum_dtype,
     check_options,
     check_params,
-    check_saved_groups,
     check_torch_optimizer,
     check_unfrozen,
     clear_grads,
@@ -51,16 +41,12 @@ __all__ = ["FORMAT", "MixedPrecisionOptimizer"]
 
 FORMAT = "halfprec.MixedPrecisionOptimizer/1"
 
-_HOOK_REGISTRIES = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
+# torch's hook registries (``_optimizer_step_pre_hooks``, ...), which ``Optimizer.__init__`` would create
+_HOOK_REGISTRIES = tuple(
+    f"_optimizer_{kind}_{when}_hooks"
+    for kind in ("step", "state_dict", "load_state_dict")
+    for when in ("pre", "post")
 )
-
-
 _OPTIONS = ("loss_scaler", "max_grad_norm", "skip_nonfinite", "param_dtype")
 
 
@@ -111,20 +97,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         param_dtype: ``torch.bfloat16`` or ``torch.float16`` to cast the optimizer's trainable params to that
             dtype in place (same ``Parameter`` objects), keeping their fp32 values as the masters;
             ``torch.float32`` casts nothing and says an all-fp32 model is meant (``None`` warns then).
-        impl: ``"torch"`` (this exact path), ``"triton"`` (the fused optimizer of ``halfprec.optim`` with the same
-            hyper-parameters; ValueError naming the fix when it cannot run) or ``"auto"`` (fused when the inner
-            optimizer is torch Adam/AdamW/SGD/Adagrad on CUDA with its ``foreach``/``fused`` left at their
-            defaults and Triton importable; see ``halfprec.optim.select``). A fused result is a
-            ``halfprec.optim.Fused*`` optimizer: a subclass of this one.
+        impl: ``"torch"`` (this exact path), ``"triton"`` (the ``halfprec.optim.Fused*`` optimizer with the same
+            hyper-parameters, a subclass of this one; ValueError naming the fix when it cannot run) or ``"auto"``
+            (fused when it can run: the policy of ``halfprec.optim.select``).
         grad_accum_dtype: ``None`` accumulates micro-batch grads in the params' 16-bit ``.grad`` (one 16-bit
             rounding per micro-batch); ``torch.float32`` adds each 16-bit grad, as backward produces it, into its
             fp32 master grad and releases the 16-bit one (``accumulate.py``; no extra memory: the master grads
             exist on this path). Exact strategy only for now (ValueError on the fused and sharded ones).
     """
 
-    optimizer: torch.optim.Optimizer | None = (
-        None  # the wrapped one (exact, sharded); None: fused owns its groups
-    )
+    optimizer: torch.optim.Optimizer | None = None  # wrapped (exact, sharded); None: fused owns its groups
     impl = "torch"  # the strategy: "torch" (exact, inner torch step) or "triton" (fused kernels)
     grad_accum_dtype: torch.dtype | None = None  # None: 16-bit .grad; torch.float32: the master grads
     _accumulator: GradAccumulator | None = None  # the fp32 accumulation's hooks (exact strategy)
@@ -165,20 +147,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 f"trainable params span several devices {sorted(map(str, devices))}; halfprec keeps one loss "
                 "scale per optimizer: build one MixedPrecisionOptimizer per device"
             )
-        self._init_scaler(
-            loss_scaler,
-            dtypes={p.dtype for p in self._trained},
-            device=devices.pop() if devices else torch.device("cpu"),
-        )
+        device = devices.pop() if devices else torch.device("cpu")
+        self._init_scaler(loss_scaler, dtypes={p.dtype for p in self._trained}, device=device)
         if grad_accum_dtype is not None:
             self.grad_accum_dtype = grad_accum_dtype
             self._accumulator = GradAccumulator(self._store, self._s)
 
     # --- the contract: construction pieces every strategy uses -------------------------------------------
     def _init_wrapping(self, optimizer: torch.optim.Optimizer) -> None:
-        """Wrap ``optimizer``: its groups, state and defaults become this one's. ``Optimizer.__init__`` cannot run
-        (it would make new groups), so the hook registries it would create are made as ``__setstate__`` does, and
-        ``step`` is patched so that step hooks and torch's global hooks run."""
+        """Wrap ``optimizer``: its groups, state and defaults become this one's. ``Optimizer.__init__`` would make
+        new groups, so its hook registries are made here and ``step`` is patched (step hooks and global hooks)."""
         self.optimizer = optimizer
         for name in _HOOK_REGISTRIES:
             setattr(self, name, OrderedDict())
@@ -197,7 +175,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
     def _init_scaler(self, loss_scaler: LossScaler | None, *, dtypes: set, device: torch.device) -> None:
         """The default scaler: dynamic when any trained param is fp16 (its grads need it), else none. ``dtypes``:
         the trained params' dtypes; all fp32 without ``param_dtype`` warns (nothing would be mixed precision)."""
-        has_fp16 = torch.float16 in dtypes
+        self._has_fp16 = torch.float16 in dtypes
         if dtypes and not dtypes & set(LOW_PRECISION) and self.param_dtype is None:
             warn_caller(
                 f"halfprec: every trained param is {'/'.join(sorted(map(str, dtypes)))} and param_dtype is None, so "
@@ -206,8 +184,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 UserWarning,
             )
         if loss_scaler is None:
-            loss_scaler = DynamicLossScaler() if has_fp16 else StaticLossScaler(1.0)
-        self._has_fp16 = has_fp16
+            loss_scaler = DynamicLossScaler() if self._has_fp16 else StaticLossScaler(1.0)
         self.loss_scaler = loss_scaler.to(device)
 
     def _cast_to_param_dtype(self, p: torch.nn.Parameter, originals: dict) -> None:
@@ -237,8 +214,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         return list(self._model_params)
 
     def _backward_params(self) -> list[torch.nn.Parameter]:
-        """The params whose ``.grad`` a backward fills, before the step reads them (the scale guard's view);
-        with fp32 accumulation the masters too, whose grads the hooks fill."""
+        """The params whose ``.grad`` a backward fills (the scale guard's view; with fp32 accumulation the masters)."""
         if self._accumulator is None:
             return self._model_params
         return self._model_params + self._store.master_params()
@@ -262,8 +238,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
 
     @property
     def grad_norm(self) -> float | None:
-        """Global L2 norm of the unscaled grads of the last step, before clipping (None: neither checked nor
-        clipped)."""
+        """Global L2 norm of the last step's unscaled grads, before clipping (None: neither checked nor clipped)."""
         return self._s.grad_norm
 
     @property
@@ -356,7 +331,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 "MixedPrecisionOptimizer(..., impl='torch'), followed by mp.refresh_masters()"
             )
         self._check_compatible(state_dict["params"])
-        check_saved_groups(state_dict, self.param_groups, self.loss_scaler)
+        saved_groups = [len(g["params"]) for g in state_dict["optimizer"]["param_groups"]]
+        groups = [len(g["params"]) for g in self.param_groups]
+        if saved_groups != groups:
+            raise ValueError(
+                f"state dict has param groups of sizes {saved_groups}, this optimizer {groups}: build the "
+                "optimizer with the same param groups as the one that was saved"
+            )
+        self.loss_scaler.check_state_dict(state_dict.get("scaler"))
         self.check_algorithm(state_dict.get("algorithm"), state_dict["optimizer"]["param_groups"])
         self.check_state_values(state_dict)
 
@@ -365,9 +347,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         for i, (entry, here) in enumerate(zip(saved, mine, strict=False)):
             if entry != here:
                 raise ValueError(
-                    f"state dict does not match this model at param {i}: saved shape {entry['shape']} dtype "
-                    f"{entry['dtype']}{_role(entry)}, this model shape {here['shape']} dtype {here['dtype']}"
-                    f"{_role(here)}"
+                    f"state dict does not match this model at param {i}: saved {_describe(entry)}, "
+                    f"this model {_describe(here)}"
                 )
         if len(saved) != len(mine):
             i = min(len(saved), len(mine))
@@ -399,8 +380,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
-        params = group["params"]
-        params = [params] if torch.is_tensor(params) else list(params)
+        params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
         check_params(params, known=set(self._model_params))
         if group.get("differentiable", False):
             raise ValueError(
@@ -428,9 +408,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
 
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 tensors the inner optimizer updates (masters, and fp32 params that are their own)."""
-        own = set(self._own)
-        masters = set(self._store.master_params())
-        return [p for g in self.param_groups for p in g["params"] if p in masters or p in own]
+        updated = set(self._own) | set(self._store.master_params())
+        return [p for g in self.param_groups for p in g["params"] if p in updated]
 
     def refresh_masters(self) -> None:
         """Copy the model's current weights into the masters (after an external weights-only load)."""
@@ -577,14 +556,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             found = sorted(int(k) for k in masters) if isinstance(masters, dict) else type(masters).__name__
             raise ValueError(f"{where} holds masters of params {found}, this optimizer has masters of {want}")
         for k, value in masters.items():
-            if (
-                not (torch.is_tensor(value) and value.is_floating_point())
-                or list(value.shape) != entries[int(k)]["shape"]
-            ):
+            expected = entries[int(k)]["shape"]
+            if not (torch.is_tensor(value) and value.is_floating_point() and list(value.shape) == expected):
                 shape = list(value.shape) if torch.is_tensor(value) else type(value).__name__
                 raise ValueError(
-                    f"{where}'s master of param {k} is {shape}, expected a floating tensor of shape "
-                    f"{entries[int(k)]['shape']}"
+                    f"{where}'s master of param {k} is {shape}, expected a floating tensor of shape {expected}"
                 )
         self.check_counters(state_dict["scaler"], state_dict.get("skipped_steps"), where)
 
@@ -599,8 +575,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             raise ValueError(f"{where}'s loss-scaler state: {e}") from e
 
 
-def _role(entry: dict[str, Any]) -> str:
-    return " (trained, fp32 master)" if entry["master"] else ""
+def _describe(entry: dict[str, Any]) -> str:
+    role = " (trained, fp32 master)" if entry["master"] else ""
+    return f"shape {entry['shape']} dtype {entry['dtype']}{role}"
 
 
 def _check_wrappable(optimizer: Any, options: dict[str, Any]) -> None:

@@ -1,5 +1,5 @@
 """Checks every halfprec optimizer makes (the exact, fused and sharded strategies alike): its options, the torch
-optimizer it is given, unfrozen params, a saved state dict's groups; and the pieces of the torch.optim contract
+optimizer it is given, unfrozen params and their dtypes; and the pieces of the torch.optim contract
 they share (zero_grad's grad clearing, telling LR schedulers that a step ran)."""
 
 from __future__ import annotations
@@ -14,24 +14,13 @@ from ..precision import check_low_precision
 from ..scaler import LossScaler
 
 __all__ = [
-    "check_dtypes",
-    "check_grad_accum_dtype",
-    "check_options",
-    "check_params",
-    "check_saved_groups",
-    "check_torch_optimizer",
-    "check_unfrozen",
-    "clear_grads",
-    "tell_schedulers",
-]
+    "check_dtypes", "check_grad_accum_dtype", "check_options", "check_params", "check_torch_optimizer",
+    "check_unfrozen", "clear_grads", "tell_schedulers",
+]  # fmt: skip
 
 
 def check_options(
-    *,
-    loss_scaler: Any = None,
-    max_grad_norm: Any = None,
-    param_dtype: torch.dtype | None = None,
-    skip_nonfinite: Any = True,
+    *, loss_scaler: Any = None, max_grad_norm: Any = None, param_dtype: Any = None, skip_nonfinite: Any = True
 ) -> None:
     """Raise ValueError naming the value and the fix for a bad ``loss_scaler``, ``max_grad_norm`` or ``param_dtype``."""
     if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
@@ -45,9 +34,8 @@ def check_options(
 
 
 def check_grad_accum_dtype(value: Any, *, strategy: str = "torch") -> None:
-    """Raise ValueError unless ``value`` is None (grads accumulate in the params' 16-bit ``.grad``) or
-    ``torch.float32`` (in the fp32 master grads), and ``strategy`` (``"torch"``, ``"fused"``, ``"sharded"``) has
-    fp32 accumulation (only the exact one, for now: no silent fallback to 16-bit accumulation elsewhere)."""
+    """Raise ValueError unless ``value`` is None or ``torch.float32`` and ``strategy`` (``"torch"``, ``"fused"``,
+    ``"sharded"``) has fp32 accumulation (only the exact one, for now: no silent fallback to 16-bit elsewhere)."""
     if value is not None and value is not torch.float32:
         raise ValueError(
             f"grad_accum_dtype must be None (accumulate in the params' 16-bit .grad) or torch.float32 (in the fp32 "
@@ -62,12 +50,9 @@ def check_grad_accum_dtype(value: Any, *, strategy: str = "torch") -> None:
 
 
 def check_unfrozen(frozen: Iterable[torch.Tensor]) -> None:
-    """Raise when a param that was frozen when the optimizer was built has been unfrozen and got a grad.
-
-    halfprec made no FP32 master (nor shard, nor fused slot) for it, so it cannot be trained; applying its
-    16-bit, still loss-scaled grad directly, or dropping it, would both be silent. A frozen param that keeps a
-    stale ``.grad`` while still frozen is left alone, as the user froze it.
-    """
+    """Raise when a param that was frozen when the optimizer was built has been unfrozen and got a grad: it has
+    no FP32 master (nor shard, nor fused slot), and applying its 16-bit, still loss-scaled grad or dropping it
+    would both be silent. A still-frozen param with a stale ``.grad`` is left alone, as the user froze it."""
     for p in frozen:
         if p.requires_grad and p.grad is not None:
             raise RuntimeError(
@@ -90,27 +75,13 @@ def check_dtypes(params: Iterable[torch.Tensor], dtypes: Iterable[torch.dtype]) 
             )
 
 
-def check_saved_groups(state_dict: dict, param_groups: list[dict], loss_scaler) -> None:
-    """A halfprec optimizer state dict has this optimizer's group sizes and loss-scaler kind (ValueError)."""
-    saved_groups = [len(g["params"]) for g in state_dict["optimizer"]["param_groups"]]
-    groups = [len(g["params"]) for g in param_groups]
-    if saved_groups != groups:
-        raise ValueError(
-            f"state dict has param groups of sizes {saved_groups}, this optimizer {groups}: build the "
-            "optimizer with the same param groups as the one that was saved"
-        )
-    loss_scaler.check_state_dict(state_dict.get("scaler"))
-
-
 def clear_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
     """What ``torch.optim.Optimizer.zero_grad`` does to each param's ``.grad``."""
     with torch.no_grad():
         for p in params:
-            if p.grad is None:
-                continue
-            if set_to_none:
+            if p.grad is not None and set_to_none:
                 p.grad = None
-            else:
+            elif p.grad is not None:
                 p.grad.detach_()
                 p.grad.zero_()
 
@@ -127,7 +98,7 @@ def check_params(params: list, known: set) -> None:
     for p in params:
         if not isinstance(p, torch.Tensor):
             raise ValueError(f"optimizer params must be tensors, got {type(p).__name__}")
-        if not (p.is_floating_point()):
+        if not p.is_floating_point():
             raise ValueError(
                 f"param of shape {tuple(p.shape)} has dtype {p.dtype}; halfprec trains floating-point params "
                 "only: remove it from the optimizer or make it a buffer"
@@ -140,7 +111,7 @@ def check_params(params: list, known: set) -> None:
         seen.add(p)
 
 
-def check_torch_optimizer(optimizer: Any, *, known: Iterable[torch.Tensor] = ()) -> None:
+def check_torch_optimizer(optimizer: Any) -> None:
     """Raise ValueError unless ``optimizer`` is a torch optimizer halfprec can wrap (not an already-wrapped one:
     the caller checks that, knowing the halfprec base class)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -159,4 +130,4 @@ def check_torch_optimizer(optimizer: Any, *, known: Iterable[torch.Tensor] = ())
                 f"param group {i} has differentiable=True; halfprec's step runs under no_grad: build the "
                 "optimizer with differentiable=False"
             )
-    check_params([p for g in optimizer.param_groups for p in g["params"]], known=set(known))
+    check_params([p for g in optimizer.param_groups for p in g["params"]], known=set())

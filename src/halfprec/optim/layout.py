@@ -1,30 +1,20 @@
 """The flat-buffer layout every strategy uses: one alignment, per-param offsets, and the sharded coordinates.
 
-* ``ALIGN`` (the kernels' vector width, ``kernels/slots.py``) pads every param's slot in a flat buffer, so a
-  kernel block never straddles two params unaligned; padding stays zero in every buffer;
-* ``aligned_offsets``: where each param of a chunk starts;
-* ``Chunk``: the params of one (device, dtype) in flat buffers at those offsets with their fp32 masters: the exact
-  strategy's masters (``MasterStore``, whose ``nn.Parameter`` views the wrapped optimizer steps) and the fused
-  strategy's param, grad, master and state buffers (``build_table`` cuts them into kernel blocks);
-* ``Layout``: the sharded strategy's coordinates (buckets split into one shard per rank, and the *pieces* of
-  params a rank holds). Its params sit back to back inside a bucket (a shard boundary cuts through params
-  anyway); buckets are padded to ``world_size * ALIGN``.
+``ALIGN`` (the kernels' vector width, ``kernels/slots.py``) pads every param's slot in a ``Chunk`` (the params of
+one device and dtype, flat, with their fp32 masters), so a kernel block never straddles two params unaligned;
+padding stays zero in every buffer.
 
-Sharded coordinates (all in elements):
-
-* global flat: the 16-bit param buffer that every rank holds whole; params sit back to back in layout order
-  (the reverse of the optimizer's param order, which approximates the order backward produces grads);
-* a bucket is a contiguous run of whole params, padded at its end to a multiple of ``world_size * PAD``
-  so it splits into ``world_size`` equal shards; rank ``r`` owns shard ``r`` of every bucket;
-* local: a rank's shards of all buckets, back to back: the index space of its fp32 masters, fp32 grads and
-  optimizer state. A shard may cut through params: the part of a param inside one rank's shard is a *piece*.
-  World size 1 is the unsharded case: one shard per bucket, every param one whole piece.
-
-Pure Python index math apart from the chunks: the unit tests build layouts for any world size.
+Sharded coordinates (``Layout``, all in elements): the *global* flat 16-bit param buffer, which every rank holds
+whole, has the params back to back in the reverse of the optimizer's order (roughly the order backward produces
+grads); a *bucket* is a run of whole params padded to a multiple of ``world_size * PAD``, so it splits into
+``world_size`` equal shards (rank ``r`` owns shard ``r`` of each); *local* is a rank's shards of all buckets back
+to back: the index space of its fp32 masters, grads and state. A shard may cut through a param: the part inside
+one rank's shard is a *piece*. World size 1 is the unsharded case. Pure index math apart from the chunks.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -34,19 +24,9 @@ from ..kernels.slots import ALIGN
 from ..precision import LOW_PRECISION
 
 __all__ = [
-    "ALIGN",
-    "LOW_PRECISION",
-    "PAD",
-    "Bucket",
-    "Layout",
-    "Chunk",
-    "MasterStore",
-    "Piece",
-    "aligned",
-    "aligned_offsets",
-    "build_table",
-    "chunk_params",
-]
+    "ALIGN", "LOW_PRECISION", "PAD", "aligned", "build_table", "chunk_params",
+    "Chunk", "MasterStore", "Bucket", "Piece", "Layout",
+]  # fmt: skip
 
 PAD = ALIGN  # elements per rank a sharded bucket is padded to (64 bytes of fp32 per shard boundary)
 
@@ -54,15 +34,6 @@ PAD = ALIGN  # elements per rank a sharded bucket is padded to (64 bytes of fp32
 def aligned(n: int) -> int:
     """``n`` rounded up to a multiple of ``ALIGN``."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def aligned_offsets(numels: Iterable[int]) -> tuple[list[int], int]:
-    """Offsets of params laid out at ``ALIGN``-padded slots, and the total padded size."""
-    offsets, total = [], 0
-    for n in numels:
-        offsets.append(total)
-        total += aligned(n)
-    return offsets, total
 
 
 def build_table(
@@ -82,27 +53,21 @@ def build_table(
 class Chunk:
     """The params of one device and dtype, laid out flat at ``ALIGN``-padded offsets, and their fp32 masters.
 
-    * ``data``: the fp32 masters, filled from ``sources`` (each param's best fp32 value); ``master_views`` are
-      the per-param views of it;
-    * ``param``: with ``flat_params``, the 16-bit buffer the params' ``.data`` become views of (fp32 params become
-      views of ``data`` instead: they are their own masters, and ``param`` stays None);
-    * ``grad``: a flat grad buffer and its ``grad_views``, made by ``make_grad`` at the first grad;
-    * ``state``: flat fp32 optimizer state buffers by name, added by ``add_state`` at the first update.
-
-    Padding is zero in every buffer and an update keeps it zero (zero grad, zero master, zero state).
+    ``data``: the fp32 masters, filled from ``sources`` (each param's best fp32 value), with ``master_views``;
+    ``param``: with ``flat_params``, the 16-bit buffer the params' ``.data`` become views of (fp32 params, their
+    own masters, become views of ``data``); ``grad`` (``make_grad``) and ``state`` (``add_state``): made at the
+    first grad and update. Padding is zero in every buffer and an update keeps it zero.
     """
 
     def __init__(
-        self,
-        params: Sequence[torch.nn.Parameter],
-        sources: Sequence[torch.Tensor],
-        *,
+        self, params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor], *,
         flat_params: bool = False,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.params = list(params)
         self.device = self.params[0].device
         self.dtype = self.params[0].dtype
-        self.offsets, self.numel = aligned_offsets(p.numel() for p in self.params)
+        self.offsets = list(itertools.accumulate((aligned(p.numel()) for p in self.params), initial=0))
+        self.numel = self.offsets.pop()  # the total padded size
         self.data = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         self.master_views = self.views(self.data)
         self.param: torch.Tensor | None = None
@@ -169,10 +134,8 @@ class MasterStore:
         ] = []  # per chunk: the Parameters the inner optimizer steps
 
     def add(self, params: Iterable[torch.nn.Parameter], originals: dict[torch.Tensor, torch.Tensor]) -> dict:
-        """Create masters for ``params`` (16-bit, trainable); ``originals`` maps a param to its best fp32 value.
-
-        Returns ``{param: master}``.
-        """
+        """``{param: master}`` for new masters of ``params`` (16-bit, trainable) from their best fp32 values
+        (``originals[p]``, else ``p``)."""
         params = list(params)
         mapping = {}
         for chunk, _ in chunk_params(params, [originals.get(p, p) for p in params]):
@@ -201,31 +164,26 @@ class MasterStore:
                     )
 
     def copy_grads_in(self) -> list[torch.Tensor]:
-        """Point each master's ``.grad`` at its fp32 view and fill it from the model grad, or set it to None.
-
-        Returns the master grads that were filled (still scaled).
-        """
+        """Point each master's ``.grad`` at its fp32 view and fill it from the model grad (or set it to None);
+        return the filled ones (still scaled)."""
         filled_dst: list[torch.Tensor] = []
         filled_src: list[torch.Tensor] = []
         for chunk, masters in zip(self.chunks, self.masters, strict=True):
             if chunk.grad is None:
                 chunk.make_grad(torch.float32)
             for p, m, view in zip(chunk.params, masters, chunk.grad_views, strict=True):
-                if p.grad is None:
-                    m.grad = None
-                    continue
-                m.grad = view
-                filled_dst.append(view)
-                filled_src.append(p.grad)
+                m.grad = None if p.grad is None else view
+                if p.grad is not None:
+                    filled_dst.append(view)
+                    filled_src.append(p.grad)
         if filled_dst:
             torch._foreach_copy_(filled_dst, filled_src)
         return filled_dst
 
     @torch.no_grad()
     def add_grad(self, c: int, k: int, grad: torch.Tensor) -> None:
-        """Add ``grad`` (16-bit) into the fp32 grad of master ``k`` of chunk ``c`` (its view of the chunk's flat
-        grad buffer, the one ``copy_grads_in`` fills): copied when the master has no grad, else added with one
-        fp32 rounding."""
+        """Add ``grad`` (16-bit) into the fp32 grad of master ``k`` of chunk ``c`` (the view ``copy_grads_in``
+        fills): copied when the master has no grad, else added with one fp32 rounding."""
         chunk, m = self.chunks[c], self.masters[c][k]
         if chunk.grad is None:
             chunk.make_grad(torch.float32)
@@ -315,22 +273,14 @@ class Layout:
             close()
         self.total = start
         self.local_numel = local
-        self.pieces: list[Piece] = []
         self.piece_of: dict[int, Piece] = {}
-        for i, n in enumerate(self.numels):
+        for i, (n, off) in enumerate(zip(self.numels, self.offsets, strict=True)):
             bucket = self.buckets[self.bucket_of[i]]
             lo_g, hi_g = bucket.shard_range(rank)
-            begin, end = max(self.offsets[i], lo_g), min(self.offsets[i] + n, hi_g)
+            begin, end = max(off, lo_g), min(off + n, hi_g)
             if begin < end:
-                piece = Piece(
-                    i,
-                    bucket.index,
-                    begin - self.offsets[i],
-                    end - self.offsets[i],
-                    bucket.local + begin - lo_g,
-                )
-                self.pieces.append(piece)
-                self.piece_of[i] = piece
+                self.piece_of[i] = Piece(i, bucket.index, begin - off, end - off, bucket.local + begin - lo_g)
+        self.pieces = list(self.piece_of.values())  # layout order
 
     def offset_in_bucket(self, i: int) -> int:
         return self.offsets[i] - self.buckets[self.bucket_of[i]].start

@@ -1,10 +1,9 @@
 """What a step leaves behind, for every strategy: the step record, the grad marks, the skip log and the guard
 against grads that were not loss-scaled.
 
-``StepState`` holds everything a step changes in one object: wrappers that copy an optimizer's ``__dict__``
-(Lightning's and Fabric's) share it, so a call made through such a wrapper updates the real optimizer. The fused
-strategy keeps its results in device memory (no host sync in ``step()``); its record reads them on demand and
-has the same attribute names, so the contract's properties read ``optimizer._s`` the same way on every strategy.
+``StepState`` holds everything a step changes in one object, so wrappers that copy an optimizer's ``__dict__``
+(Lightning's, Fabric's) update the real optimizer. The fused strategy's record (results in device memory, read
+on demand) has the same attribute names, so the contract's properties read ``_s`` alike on every strategy.
 """
 
 from __future__ import annotations
@@ -92,9 +91,8 @@ class SkipLog:
 
 class ScaleGuard:
     """Whether the grads a step reads came through ``scale_loss``. With a loss scale, a plain ``loss.backward()``
-    leaves grads that unscale to ``loss_scale`` times too small (65536x at fp16's default), and nothing else
-    notices: the step is finite and trains on. One warning per optimizer (a loop that scales by hand on purpose
-    is told once)."""
+    leaves grads that unscale ``loss_scale`` times too small (65536x at fp16's default), and nothing else notices:
+    the step is finite and trains on. One warning per optimizer (a loop that scales by hand on purpose is told once)."""
 
     def __init__(self) -> None:
         self.scaled = False  # scale_loss ran since the last step

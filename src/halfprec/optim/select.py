@@ -1,13 +1,13 @@
 """The ``impl=`` policy: how ``MixedPrecisionOptimizer(optimizer, impl=...)``, the engine and the sharded optimizer
 choose between the exact torch path and the fused Triton path.
 
-Policy of ``impl="auto"`` (written here once): the fused path runs when the wrapped optimizer is exactly torch
-``Adam``, ``AdamW``, ``SGD`` or ``Adagrad``, every trainable param is on CUDA, Triton imports, and the inner
-optimizer's ``foreach``/``fused`` flags were left at their defaults (None; an explicit flag is the user asking for
-that torch implementation, so it is honoured) and nothing the kernels lack (``amsgrad``, ``maximize``,
-``capturable``, ``differentiable``) is on. Otherwise the torch path runs. ``impl="triton"`` raises a ValueError
-naming the reason and the fix when these do not hold (under ``TRITON_INTERPRET=1`` it also accepts CPU params,
-for the interpreter tests); ``impl="torch"`` always takes the torch path.
+``impl="auto"`` (the policy, written here once) takes the fused path when the wrapped optimizer is exactly torch
+``Adam``, ``AdamW``, ``SGD`` or ``Adagrad``, every trainable param is on CUDA, Triton imports, the inner
+``foreach``/``fused`` flags are left at None (an explicit flag asks for that torch implementation) and no flag the
+kernels lack (``amsgrad``, ``maximize``, ``capturable``, ``differentiable``) is on; else the torch path.
+``impl="triton"`` overrides an explicit ``foreach``/``fused`` and raises a ValueError naming the reason and the fix
+when the rest does not hold (under ``TRITON_INTERPRET=1`` it accepts CPU params, for the interpreter tests);
+``impl="torch"`` always takes the torch path.
 """
 
 from __future__ import annotations
@@ -71,18 +71,11 @@ def fused_unsupported_reason(optimizer: torch.optim.Optimizer, *, explicit: bool
         return f"params of dtype {odd}; the fused kernels train fp16, bf16 and fp32 params: use impl='torch'"
     from ..kernels import triton_status
 
-    ok, why = triton_status()
-    if not ok:
-        return why
-    return None
+    return triton_status()[1] or None  # the reason Triton cannot run here, "" when it can
 
 
 def select_impl(optimizer: torch.optim.Optimizer, impl: str) -> str:
-    """Resolve ``impl`` ("auto" | "torch" | "triton") to "torch" or "triton" for ``optimizer`` (see the policy).
-
-    With ``impl="triton"`` an explicit inner ``foreach``/``fused`` flag is overridden (the user asked for the
-    fused path); anything else that cannot be honoured raises ValueError with the reason and the fix.
-    """
+    """Resolve ``impl`` ("auto" | "torch" | "triton") to "torch" or "triton" for ``optimizer`` (see the policy)."""
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if impl == "torch":
@@ -99,21 +92,13 @@ _SKIP_KEYS = {"params", "foreach", "fused", "capturable", "differentiable"}
 
 
 def fused_from_torch(
-    optimizer: torch.optim.Optimizer,
-    *,
-    loss_scaler=None,
-    max_grad_norm: float | None = None,
-    skip_nonfinite: bool = True,
-    param_dtype: torch.dtype | None = None,
+    optimizer: torch.optim.Optimizer, *, loss_scaler=None, max_grad_norm: float | None = None,
+    skip_nonfinite: bool = True, param_dtype: torch.dtype | None = None,
     grad_accum_dtype: torch.dtype | None = None,
-):
-    """The fused optimizer equivalent to ``optimizer``: same params, groups and per-group hyper-parameters
-    (every group key is copied, so LR schedulers and state dicts carry over), and its state if it has any.
-
-    The fused optimizer takes over the torch optimizer's param-group dicts (the very dicts, so an LR scheduler
-    built on the torch optimizer before wrapping drives the kernel) and its state (moved, so it is held once);
-    the torch optimizer is never stepped, and its params become views of the fused optimizer's flat buffers.
-    """
+):  # fmt: skip
+    """The fused optimizer equivalent to ``optimizer``: it takes over the very param-group dicts (so an LR
+    scheduler built on ``optimizer`` drives the kernel, and state dicts carry over) and moves the state (held
+    once); ``optimizer`` is never stepped, and its params become views of the fused optimizer's flat buffers."""
     cls = fused_class(optimizer)
     if cls is None:
         raise ValueError(
@@ -125,13 +110,9 @@ def fused_from_torch(
         for g in optimizer.param_groups
     ]
     fused = cls(
-        groups,
-        loss_scaler=loss_scaler,
-        max_grad_norm=max_grad_norm,
-        skip_nonfinite=skip_nonfinite,
-        param_dtype=param_dtype,
-        grad_accum_dtype=grad_accum_dtype,
-    )
+        groups, loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
+        param_dtype=param_dtype, grad_accum_dtype=grad_accum_dtype,
+    )  # fmt: skip
     fused.param_groups = optimizer.param_groups
     if saved_state is not None:
         fused.load_state_dict(saved_state)

@@ -58,11 +58,9 @@ def _fresh_state(optimizer: torch.optim.Optimizer, targets: dict) -> dict | None
     errors = []
     for kwargs in (dict(optimizer.defaults), {}):
         try:
-            fresh = cls(groups, **kwargs)
+            return dict(cls(groups, **kwargs).state)
         except Exception as e:  # noqa: BLE001 - any failure means "cannot re-run", reported below
             errors.append(f"{type(e).__name__}: {e}")
-            continue
-        return dict(fresh.state)
     warnings.warn(
         f"halfprec: could not re-run {cls.__name__}.__init__ over the fp32 masters ({errors[-1]}); its eagerly "
         "created 16-bit state is upcast to fp32, which is not the exact fp32 value. Build the optimizer over "
@@ -101,36 +99,28 @@ def move_state(optimizer: torch.optim.Optimizer, targets: dict) -> None:
         for key, value in st.items():
             if torch.is_tensor(value) and not whole:
                 value = value.detach()
-                value = (
-                    value.reshape(-1)[target.lo : target.hi]
-                    if is_elementwise(key, value, param.shape)
-                    else value
-                )
+                if is_elementwise(key, value, param.shape):
+                    value = value.reshape(-1)[target.lo : target.hi]
                 value = value.clone()
             if not _is_low_precision(value, param):
                 out[key] = value
                 continue
-            candidate = made.get(key)
-            if (
-                fresh is not None
-                and torch.is_tensor(candidate)
-                and candidate.shape == value.shape
-                and torch.equal(candidate.to(value.dtype), value)
-            ):
-                out[key] = candidate
-            else:
-                out[key] = value.to(torch.float32)
+            # the constructor's fresh fp32 value when the 16-bit one is its rounding, else the user's, upcast
+            fresh_value = made.get(key)
+            exact = (
+                torch.is_tensor(fresh_value)
+                and fresh_value.shape == value.shape
+                and torch.equal(fresh_value.to(value.dtype), value)
+            )
+            out[key] = fresh_value if exact else value.to(torch.float32)
         new[target.tensor] = out
     optimizer.state = new
 
 
 def restore_state_dtypes(optimizer: torch.optim.Optimizer, saved_state: dict, params: list) -> None:
-    """Undo ``Optimizer.load_state_dict``'s cast of every state tensor to the param's dtype.
-
-    ``saved_state`` is the ``"state"`` of the loaded state dict (int index -> dict), ``params`` the optimizer's
-    params in index order. Integer counters and bool masks come back with their saved dtype, and non-tensor
-    values as saved (torch's cast turns a string into a generator).
-    """
+    """Undo ``Optimizer.load_state_dict``'s cast of every state tensor to the param's dtype: counters and masks
+    come back in their saved dtype, non-tensors as saved (torch's cast turns a string into a generator).
+    ``saved_state``: the loaded ``"state"`` (int index -> dict); ``params``: the optimizer's, in index order."""
     for index, saved in saved_state.items():
         live = optimizer.state.get(params[index])
         if live is None:
