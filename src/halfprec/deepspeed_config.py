@@ -211,13 +211,13 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
     precision = _precision(flat, notes)
     fields: dict[str, Any] = {"precision": precision}
     sources = {"precision": "fp16.enabled/bf16.enabled"}  # field -> DeepSpeed key, for Config's errors
-    unused = [k for k in flat if _ROWS[k].action == "mapped" and k.split(".")[0] in ("fp16", "bf16")]
-    unused = [k for k in unused if not k.endswith(".enabled") and k.split(".")[0] != precision]
+    off = {"fp16", "bf16"} - {precision}  # the block of the precision not chosen: validated, not applied
+    unused = [k for k in flat if k.split(".")[0] in off and _ROWS[k].action == "mapped"]
+    unused = [k for k in unused if not k.endswith(".enabled")]
     if unused:
         notes.append(f"precision is {precision!r}, so these were not applied: {', '.join(unused)}")
     for key, field, convert in _MAPPED:
-        block = key.partition(".")[0]
-        if (block in ("fp16", "bf16") and block != precision) or key not in flat:
+        if key.partition(".")[0] in off or key not in flat:
             continue
         if flat[key] == "auto":
             notes.append(f"{key}='auto': halfprec's default {field}={getattr(defaults, field)!r}")
@@ -277,7 +277,7 @@ def _precision(flat: dict[str, Any], notes: list[str]) -> str:
     enabled = {}
     for name in ("fp16", "bf16"):
         value = flat.get(f"{name}.enabled", False)
-        if value not in (True, False, "auto") or (value in (0, 1) and not isinstance(value, bool)):
+        if not isinstance(value, bool) and value != "auto":
             raise ValueError(f"{name}.enabled must be true, false or 'auto', got {value!r}")
         enabled[name] = value
     if enabled["fp16"] is True and enabled["bf16"] is True:

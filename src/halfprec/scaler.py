@@ -238,10 +238,8 @@ class DynamicLossScaler(LossScaler):
       budget are reset;
     * an overflowing step resets ``growth_tracker`` and spends one unit of the hysteresis budget; when the
       budget is exhausted (``hysteresis`` overflows since the last growth or backoff) the scale is multiplied by
-      ``backoff_factor``, never going below ``min_scale``, and the budget is refilled. DeepSpeed and Megatron
-      refill it on growth only, so under sustained overflow they back off on every step once the first
-      ``hysteresis`` overflows are spent; halfprec waits ``hysteresis`` overflows before each backoff. With
-      ``hysteresis=1`` both rules agree: every overflow backs off.
+      ``backoff_factor``, never going below ``min_scale``, and the budget is refilled (DeepSpeed and Megatron
+      refill it on growth only: docs/guarantees.md).
 
     An overflow at ``min_scale`` cannot lower the scale any more; the optimizer warns when that happens.
     """
@@ -262,12 +260,9 @@ class DynamicLossScaler(LossScaler):
                 growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
             )
         )  # fmt: skip
-        super().__init__(checked["init_scale"])
-        self.growth_factor = checked["growth_factor"]
-        self.backoff_factor = checked["backoff_factor"]
-        self.growth_interval = checked["growth_interval"]
-        self.hysteresis = checked["hysteresis"]
-        self.min_scale = checked["min_scale"]
+        super().__init__(checked.pop("init_scale"))
+        for setting, value in checked.items():  # growth_factor, ..., min_scale: attributes of their names
+            setattr(self, setting, value)
 
     def _fresh_state(self, device: torch.device) -> dict[str, torch.Tensor]:
         state = super()._fresh_state(device)
