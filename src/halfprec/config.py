@@ -130,7 +130,8 @@ class Config:
         choice("skip_nonfinite", self.skip_nonfinite, (True, False))
         if is_int(self.zero_stage) and self.zero_stage == 3:
             raise ValueError(f"zero_stage=3 is not supported: {FSDP2_HINT}")
-        for name in ("zero_stage", "reduce_dtype", "impl", "grad_accum_dtype"):  # the values their Literal names
+        # the values their Literal annotations name
+        for name in ("zero_stage", "reduce_dtype", "impl", "grad_accum_dtype"):
             hint = "; 'fp32' is torch.float32" if name == "grad_accum_dtype" else ""
             choice(name, getattr(self, name), get_args(_HINTS[name]), hint)
         if self.grad_accum_dtype == "fp32" and (self.zero_stage != 0 or self.impl == "triton"):
