@@ -164,6 +164,7 @@ class Engine:
         self.micro_step = 0
         self.last_record: StepRecord | None = None
         self._stepped_micro = 0
+        self._sharded = config.zero_stage in (1, 2)
 
     # --- the loop --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -253,10 +254,6 @@ class Engine:
         return self.optimizer.loss_scale
 
     # --- checkpoints -----------------------------------------------------------------------------------
-    def _param_names(self) -> list[str | None]:
-        names = {p: n for n, p in self.module.named_parameters()}  # first name of a tied param
-        return [names.get(p) for p in self.optimizer.model_params()]
-
     def save_checkpoint(
         self,
         directory: str | os.PathLike,
@@ -278,14 +275,16 @@ class Engine:
                 f"{self.gradient_accumulation_steps} per step): save right after engine.step()"
             )
         tag = f"step-{self.global_step}" if tag is None else ckpt.check_tag(tag)
-        ckpt.check_plain(client_state or {})
+        client_state = client_state or {}
+        ckpt.check_plain(client_state)
+        names = {p: n for n, p in self.module.named_parameters()}  # first name of a tied param
         engine_state = {
             "global_step": self.global_step,
             "micro_step": self.micro_step,
-            "param_names": self._param_names() if not self._sharded else [],
+            "param_names": [] if self._sharded else [names.get(p) for p in self.optimizer.model_params()],
             "config": asdict(self.config),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "client_state": client_state or {},
+            "client_state": client_state,
         }
         ckpt.check_plain(engine_state["lr_scheduler"], "lr_scheduler.state_dict()")
         info = {
@@ -307,10 +306,6 @@ class Engine:
             overwrite=overwrite,
             keep_last=keep_last,
         )
-
-    @property
-    def _sharded(self) -> bool:
-        return self.config.zero_stage in (1, 2)
 
     def _save_sharded(self, directory, tag, engine_state, info, overwrite, keep_last) -> Path:
         """Every rank writes its optimizer shard (DCP) and RNG state into one temporary directory; rank 0 adds
