@@ -1,6 +1,6 @@
-"""Type and range checks shared by ``Config``, the DeepSpeed reader and the loss scalers.
+"""Type and range checks shared by ``Config``, the DeepSpeed reader, the precision names and the loss scalers.
 
-They sit below all three, so none imports another for them (no import cycle). The loss-scaler settings are
+They sit below all of them, so none imports another for them (no import cycle). The loss-scaler settings are
 checked here only, by the scalers' constructors, their ``load_state_dict`` and ``Config``: one wording per rule.
 """
 
