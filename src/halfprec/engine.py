@@ -263,12 +263,8 @@ class Engine:
         overwrite: bool = False,
         keep_last: int | None = None,
     ) -> Path:
-        """Save at an optimizer-step boundary into ``<directory>/<tag>`` (default ``step-<global_step>``).
-
-        A tag is a str of letters, digits, ``.``, ``_`` and ``-`` starting with a letter or digit (ValueError
-        otherwise; ``checkpoint.check_tag``). An existing ``<tag>`` that is not a halfprec checkpoint is an error
-        and is left as it is, even with ``overwrite=True``.
-        """
+        """Save at an optimizer-step boundary into ``<directory>/<tag>`` (default ``step-<global_step>``); tags
+        and what ``overwrite`` may replace: docs/checkpoints.md."""
         if self.micro_step % self.gradient_accumulation_steps != 0 or self.micro_step != self._stepped_micro:
             raise RuntimeError(
                 f"save_checkpoint() in the middle of a gradient accumulation (micro_step {self.micro_step}, "
@@ -353,16 +349,14 @@ class Engine:
     ) -> dict[str, Any]:
         """Restore weights, masters, optimizer and scaler state, counters, scheduler and RNG; return client_state.
 
-        ``load_optimizer_states=False`` loads the weights only and refreshes the masters from them. Everything is
-        read and checked before the first write (model, param groups, the optimizer's and the loss scaler's
-        kinds, their values, counters): a failed load changes nothing. Grads of an unfinished accumulation are
-        cleared, so the next step sees only what follows the load. The loss scaler's settings stay those of this
-        engine's config (a warning lists any that the checkpoint had otherwise); its dynamic state (scale,
-        growth tracker, hysteresis budget) comes from the checkpoint.
+        Everything is read and checked before the first write, so a failed load changes nothing.
+        ``load_optimizer_states=False`` loads the weights only and refreshes the masters from them. What a resume
+        keeps (the config's loss-scaler settings) and drops (an unfinished accumulation): docs/checkpoints.md.
         """
         root = ckpt.resolve(directory, tag).parent
         # one process reads under the directory's lock, so a concurrent overwrite or prune cannot swap files
-        # between the digest check and the read; a sharded engine's ranks load collectively (no lock: deadlock)
+        # between the digest check and the read; a sharded engine's ranks load collectively (no lock: deadlock).
+        # Resolved again under the lock: 'latest' or an interrupted replace may have moved on meanwhile
         with contextlib.nullcontext() if self._sharded else ckpt.reading(root):
             path = ckpt.resolve(directory, tag)
             manifest = ckpt.read_manifest(path)
