@@ -147,16 +147,13 @@ class Config:
     def loss_scaler(self) -> LossScaler:
         """A new loss scaler with these settings: ``StaticLossScaler(static_loss_scale)`` when set, else a
         ``DynamicLossScaler`` for fp16 and no scaling (``StaticLossScaler(1.0)``) for bf16 and fp32."""
-        if self.static_loss_scale is not None:
-            return StaticLossScaler(self.static_loss_scale)
-        if not dynamic_scaling(self.precision, self.static_loss_scale):
-            return StaticLossScaler(1.0)
-        return DynamicLossScaler(**self._dynamic_settings())
+        if dynamic_scaling(self.precision, self.static_loss_scale):
+            return DynamicLossScaler(**self._dynamic_settings())
+        return StaticLossScaler(1.0 if self.static_loss_scale is None else self.static_loss_scale)
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied (validated); an unknown field is a TypeError naming close matches."""
         check_fields(changes)
-        changes = dict(changes)
         # dataclasses.replace passes every field, and an InitVar left out as its attribute (here the property
         # that reads the new name): spell out both, so that only an old name the caller passed counts
         for old, new in OLD_NAMES.items():

@@ -311,8 +311,7 @@ def setup_fabric(
 
     Call it instead of ``fabric.setup`` on the fp32 module and the optimizers built over it; ``fabric`` must
     have a ``HalfprecFabricPrecision`` plugin. ``max_grad_norm`` clips the unscaled master grads inside each
-    step (``fabric.clip_gradients(..., error_if_nonfinite=False)`` also works on the masters, but raises on
-    an fp16 overflow step with the default ``error_if_nonfinite=True``).
+    step (why rather than ``fabric.clip_gradients``: docs/integrations.md).
     """
     plugin = fabric.strategy.precision
     if not isinstance(plugin, HalfprecFabricPrecision):
