@@ -6,7 +6,6 @@ the scalers run. Imports go one way: config -> deepspeed_config -> _checks.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass
@@ -19,6 +18,7 @@ from ._checks import (
     check_max_grad_norm,
     check_power_of_two,
     choice,
+    did_you_mean,
     int_at_least_one,
     is_int,
 )
@@ -182,10 +182,7 @@ def check_fields(changes: Mapping[str, Any], what: str = "Config field") -> None
     unknown = [key for key in changes if key not in fields and key not in OLD_NAMES]
     if not unknown:
         return
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(str(key), fields, n=3, cutoff=0.6)
-        hints.append(f"{key!r} (did you mean {' or '.join(map(repr, close))}?)" if close else repr(key))
+    hints = [repr(key) + did_you_mean(str(key), fields, n=3) for key in unknown]
     raise TypeError(
         f"unknown {what}{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; Config's fields are: "
         f"{', '.join(fields)}"

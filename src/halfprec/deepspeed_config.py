@@ -10,7 +10,6 @@ importing ``Config`` here would make an import cycle.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import os
@@ -19,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from ._checks import FSDP2_HINT, is_int, is_number
+from ._checks import FSDP2_HINT, did_you_mean, is_int, is_number
 
 __all__ = [
     "DEEPSPEED_KEYS",
@@ -182,11 +181,7 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
 
     unknown = [k for k in flat if k not in _ROWS]
     if unknown:
-        known = list(_ROWS)
-        listed = "; ".join(
-            k + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(k, known, n=1))
-            for k in unknown
-        )
+        listed = "; ".join(k + did_you_mean(k, _ROWS) for k in unknown)
         raise ValueError(
             f"unknown DeepSpeed config key(s) inside blocks halfprec owns: {listed}. Remove them or fix the "
             "spelling; docs/deepspeed-config.md lists every key halfprec knows"
