@@ -277,9 +277,8 @@ def _precision(flat: dict[str, Any], notes: list[str]) -> str:
         enabled[name] = value
     if enabled["fp16"] is True and enabled["bf16"] is True:
         raise ValueError("both fp16.enabled and bf16.enabled are true; enable one of them")
-    for name in ("fp16", "bf16"):
+    for name, other in (("fp16", "bf16"), ("bf16", "fp16")):
         if enabled[name] is True:
-            other = "bf16" if name == "fp16" else "fp16"
             if enabled[other] == "auto":
                 notes.append(
                     f"{other}.enabled='auto' with {name}.enabled=true: {name} is used, {other} stays off"
