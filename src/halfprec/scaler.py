@@ -42,7 +42,6 @@ class LossScaler:
     def __init__(self, init_scale: float) -> None:
         self._init_scale = init_scale
         self._state: dict[str, torch.Tensor] = {}
-        self._pending: dict[str, Any] | None = None
         self._device: torch.device | None = None
 
     # --- state placement -------------------------------------------------------------------------------
@@ -59,9 +58,6 @@ class LossScaler:
         else:
             self._state = self._fresh_state(device)
         self._device = device
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self.load_state_dict(pending)
         return self
 
     def _ensure(self) -> dict[str, torch.Tensor]:
@@ -147,11 +143,8 @@ class LossScaler:
         if keep_settings:
             state_dict, kept = self._with_own_settings(state_dict)
         self._load_config(state_dict)
-        if self._device is None:  # not placed yet: kept until the optimizer places the state on its device
-            self._pending = dict(state_dict)
-        else:
-            for key, tensor in self._ensure().items():
-                tensor.fill_(state_dict[key])
+        for key, tensor in self._ensure().items():  # not placed yet: on the CPU, until the optimizer moves it
+            tensor.fill_(state_dict[key])
         return kept
 
     # The constructor's setting names, the initial scale first (kept in _init_scale, the others in attributes
