@@ -229,4 +229,4 @@ def test_keep_settings_before_placement_survives_the_placement():
     mine.load_state_dict(saved.state_dict(), keep_settings=True)
     # the optimizer places it on its params' device later: the loaded state and the kept settings go along
     state = mine.to("cpu").state_dict()
-    assert (state["scale"], state["hysteresis_left"], state["min_scale"], state["hysteresis"]) == (8.0, 2, 4.0, 2)
+    assert [state[k] for k in ("scale", "hysteresis_left", "min_scale", "hysteresis")] == [8.0, 2, 4.0, 2]
