@@ -138,11 +138,13 @@ class LossScaler:
         differed, for the caller's warning (empty without ``keep_settings``). A ValueError changes nothing.
         """
         self.check_state_dict(state_dict)
-        self._check_values(state_dict)
+        loaded = self._checked_settings(state_dict)
         kept = KeptSettings({}, [])
         if keep_settings:
             state_dict, kept = self._with_own_settings(state_dict)
-        self._load_config(state_dict)
+        else:
+            for setting, value in loaded.items():
+                setattr(self, self._attribute(setting), value)
         for key, tensor in self._ensure().items():  # not placed yet: on the CPU, until the optimizer moves it
             tensor.fill_(state_dict[key])
         return kept
@@ -182,21 +184,18 @@ class LossScaler:
         """Move the state in ``wanted`` (saved state, own settings) into the settings' range; say what moved."""
         return []
 
-    def _check_values(self, state_dict: dict[str, Any]) -> None:
-        """The loaded settings pass the constructor's checks and the scale is a power of two (ValueError)."""
+    def _checked_settings(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The settings ``state_dict`` holds, as the constructor checks and keeps them; its scale must be a power
+        of two (ValueError)."""
         saved = {k: self._SAVED_AS.get(k, k) for k in self._SETTINGS}
+        given = {k: state_dict[key] for k, key in saved.items() if key in state_dict}
         try:
-            type(self)(**{k: state_dict[key] for k, key in saved.items() if key in state_dict})
+            checked = type(self)(**given).settings()
         except (TypeError, ValueError) as e:
             raise ValueError(f"loss-scaler state dict holds invalid settings: {e}") from e
         if "scale" in state_dict:
             check_power_of_two("scale", state_dict["scale"])
-
-    def _load_config(self, state_dict: dict[str, Any]) -> None:
-        for setting, value in self.settings().items():
-            key = self._SAVED_AS.get(setting, setting)
-            if key in state_dict:
-                setattr(self, self._attribute(setting), type(value)(state_dict[key]))
+        return {k: checked[k] for k in given}
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
