@@ -73,6 +73,6 @@ def check_low_precision(
     ValueError naming it."""
     allowed = (*LOW_PRECISION, torch.float32) if allow_fp32 else LOW_PRECISION
     if value is None or value in allowed:
-        return value
+        return value  # type: ignore[return-value]
     names = ", ".join(map(str, allowed))
     raise ValueError(f"{name} must be {names} or None, got {value!r}")
