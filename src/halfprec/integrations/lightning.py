@@ -240,11 +240,8 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         for config in lr_schedulers:
             scheduler = config.scheduler
             mp = by_id.get(id(getattr(scheduler, "optimizer", None)))
-            if (
-                mp is not None
-                and config.interval == "step"
-                and not isinstance(scheduler, _HoldOnSkipScheduler)
-            ):
+            proxied = isinstance(scheduler, _HoldOnSkipScheduler)
+            if mp is not None and config.interval == "step" and not proxied:
                 config.scheduler = _HoldOnSkipScheduler(scheduler, mp)
         return model, wrapped, lr_schedulers
 
