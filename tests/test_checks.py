@@ -23,6 +23,12 @@ def test_choice_matches_value_and_type():
             _checks.choice("stage", bad, (1, 2), "; see docs")
 
 
+def test_did_you_mean_names_close_matches():
+    assert _checks.did_you_mean("stag", ("stage", "impl")) == " (did you mean 'stage'?)"
+    assert _checks.did_you_mean("stages", ("stage", "stage2"), n=2) == " (did you mean 'stage' or 'stage2'?)"
+    assert _checks.did_you_mean("xyz", ("stage",)) == ""
+
+
 def test_int_at_least_one():
     assert _checks.int_at_least_one("n", 3, at_most=3) == 3
     for bad in (0, -1, 2.0, True, "2"):

@@ -222,8 +222,11 @@ def test_plain_load_reports_nothing_and_takes_the_settings():
     assert kept == ({}, []) and mine.hysteresis == 4
 
 
-def test_keep_settings_before_placement_does_not_place_the_state():
+def test_keep_settings_before_placement_survives_the_placement():
     mine = DynamicLossScaler(min_scale=4.0)
-    mine.load_state_dict(DynamicLossScaler().state_dict(), keep_settings=True)
-    assert mine._device is None  # the optimizer places it on its params' device later
-    assert mine.to("cpu").state_dict()["min_scale"] == 4.0
+    saved = DynamicLossScaler(init_scale=2.0**3, hysteresis=5)
+    saved.update(torch.tensor(1.0))
+    mine.load_state_dict(saved.state_dict(), keep_settings=True)
+    # the optimizer places it on its params' device later: the loaded state and the kept settings go along
+    state = mine.to("cpu").state_dict()
+    assert [state[k] for k in ("scale", "hysteresis_left", "min_scale", "hysteresis")] == [8.0, 2, 4.0, 2]

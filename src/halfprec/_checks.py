@@ -1,13 +1,14 @@
-"""Type and range checks shared by ``Config``, the DeepSpeed reader and the loss scalers.
+"""Type and range checks shared by ``Config``, the DeepSpeed reader, the precision names and the loss scalers.
 
-They sit below all three, so none imports another for them (no import cycle). The loss-scaler settings are
+They sit below all of them, so none imports another for them (no import cycle). The loss-scaler settings are
 checked here only, by the scalers' constructors, their ``load_state_dict`` and ``Config``: one wording per rule.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ __all__ = [
     "check_max_grad_norm",
     "check_power_of_two",
     "choice",
+    "did_you_mean",
     "int_at_least_one",
     "is_int",
     "is_number",
@@ -44,6 +46,12 @@ def choice(name: str, value: Any, allowed: tuple[Any, ...], hint: str = "") -> N
     if any(type(value) is type(a) and value == a for a in allowed):
         return
     raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}{hint}")
+
+
+def did_you_mean(name: str, known: Iterable[str], n: int = 1) -> str:
+    """`` (did you mean 'a' or 'b'?)`` with up to ``n`` close matches of ``name`` in ``known``; '' for none."""
+    close = difflib.get_close_matches(name, list(known), n=n)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
 def int_at_least_one(name: str, value: Any, *, at_most: int | None = None, why: str = "") -> int:

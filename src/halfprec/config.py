@@ -6,11 +6,10 @@ the scalers run. Imports go one way: config -> deepspeed_config -> _checks.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_type_hints
 
 from ._checks import (
     DYNAMIC_SETTINGS,
@@ -19,6 +18,7 @@ from ._checks import (
     check_max_grad_norm,
     check_power_of_two,
     choice,
+    did_you_mean,
     int_at_least_one,
     is_int,
 )
@@ -124,17 +124,16 @@ class Config:
                     "is only for fp16 (bf16 and fp32 have fp32's exponent range); use static_loss_scale=None, "
                     "or precision='fp16'"
                 )
-        # checked for every precision (unused unless fp16), so one config can switch precision without edits
         check_dynamic_settings(self._dynamic_settings(), spelled)
         int_at_least_one("gradient_accumulation_steps", self.gradient_accumulation_steps)
         check_max_grad_norm(self.max_grad_norm)
         choice("skip_nonfinite", self.skip_nonfinite, (True, False))
         if is_int(self.zero_stage) and self.zero_stage == 3:
             raise ValueError(f"zero_stage=3 is not supported: {FSDP2_HINT}")
-        choice("zero_stage", self.zero_stage, (0, 1, 2))
-        choice("reduce_dtype", self.reduce_dtype, ("fp32", "param"))
-        choice("impl", self.impl, ("auto", "torch", "triton"))
-        choice("grad_accum_dtype", self.grad_accum_dtype, ("param", "fp32"), "; 'fp32' is torch.float32")
+        # the values their Literal annotations name
+        for name in ("zero_stage", "reduce_dtype", "impl", "grad_accum_dtype"):
+            hint = "; 'fp32' is torch.float32" if name == "grad_accum_dtype" else ""
+            choice(name, getattr(self, name), get_args(_HINTS[name]), hint)
         if self.grad_accum_dtype == "fp32" and (self.zero_stage != 0 or self.impl == "triton"):
             raise ValueError(
                 f"grad_accum_dtype='fp32' with zero_stage={self.zero_stage!r}, impl={self.impl!r}: fp32 gradient "
@@ -148,16 +147,13 @@ class Config:
     def loss_scaler(self) -> LossScaler:
         """A new loss scaler with these settings: ``StaticLossScaler(static_loss_scale)`` when set, else a
         ``DynamicLossScaler`` for fp16 and no scaling (``StaticLossScaler(1.0)``) for bf16 and fp32."""
-        if self.static_loss_scale is not None:
-            return StaticLossScaler(self.static_loss_scale)
-        if not dynamic_scaling(self.precision, self.static_loss_scale):
-            return StaticLossScaler(1.0)
-        return DynamicLossScaler(**self._dynamic_settings())
+        if dynamic_scaling(self.precision, self.static_loss_scale):
+            return DynamicLossScaler(**self._dynamic_settings())
+        return StaticLossScaler(1.0 if self.static_loss_scale is None else self.static_loss_scale)
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied (validated); an unknown field is a TypeError naming close matches."""
         check_fields(changes)
-        changes = dict(changes)
         # dataclasses.replace passes every field, and an InitVar left out as its attribute (here the property
         # that reads the new name): spell out both, so that only an old name the caller passed counts
         for old, new in OLD_NAMES.items():
@@ -171,9 +167,7 @@ class Config:
         """Build a Config from a DeepSpeed config (a dict, or the path of its JSON file).
 
         Every key inside the blocks halfprec owns must have a row in ``DEEPSPEED_KEYS`` (else ValueError); what
-        is accepted but not applied, every ``"auto"`` and every rounding is reported in one
-        ``DeepSpeedConfigWarning``. Absent keys take halfprec's defaults (``gradient_clipping``: no clipping,
-        where recent DeepSpeed defaults it to 1.0). The rules: docs/deepspeed-config.md.
+        is not applied is reported in one ``DeepSpeedConfigWarning``. The rules: docs/deepspeed-config.md.
         """
         return read_deepspeed(cls, cfg)
 
@@ -188,10 +182,7 @@ def check_fields(changes: Mapping[str, Any], what: str = "Config field") -> None
     unknown = [key for key in changes if key not in fields and key not in OLD_NAMES]
     if not unknown:
         return
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(str(key), fields, n=3, cutoff=0.6)
-        hints.append(f"{key!r} (did you mean {' or '.join(map(repr, close))}?)" if close else repr(key))
+    hints = [repr(key) + did_you_mean(str(key), fields, n=3) for key in unknown]
     raise TypeError(
         f"unknown {what}{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; Config's fields are: "
         f"{', '.join(fields)}"
@@ -199,6 +190,7 @@ def check_fields(changes: Mapping[str, Any], what: str = "Config field") -> None
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
+_HINTS = get_type_hints(Config)
 # read access under the old name (the InitVar above only covers building)
 Config.initial_scale = property(lambda self: self.init_scale, doc="Old name of ``init_scale``.")  # type: ignore[assignment]
 

@@ -10,7 +10,6 @@ importing ``Config`` here would make an import cycle.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import os
@@ -19,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from ._checks import FSDP2_HINT, is_int, is_number
+from ._checks import FSDP2_HINT, did_you_mean, is_int, is_number
 
 __all__ = [
     "DEEPSPEED_KEYS",
@@ -182,11 +181,7 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
 
     unknown = [k for k in flat if k not in _ROWS]
     if unknown:
-        known = list(_ROWS)
-        listed = "; ".join(
-            k + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(k, known, n=1))
-            for k in unknown
-        )
+        listed = "; ".join(k + did_you_mean(k, _ROWS) for k in unknown)
         raise ValueError(
             f"unknown DeepSpeed config key(s) inside blocks halfprec owns: {listed}. Remove them or fix the "
             "spelling; docs/deepspeed-config.md lists every key halfprec knows"
@@ -211,13 +206,13 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
     precision = _precision(flat, notes)
     fields: dict[str, Any] = {"precision": precision}
     sources = {"precision": "fp16.enabled/bf16.enabled"}  # field -> DeepSpeed key, for Config's errors
-    unused = [k for k in flat if _ROWS[k].action == "mapped" and k.split(".")[0] in ("fp16", "bf16")]
-    unused = [k for k in unused if not k.endswith(".enabled") and k.split(".")[0] != precision]
+    off = {"fp16", "bf16"} - {precision}  # the block of the precision not chosen: validated, not applied
+    unused = [k for k in flat if k.split(".")[0] in off and _ROWS[k].action == "mapped"]
+    unused = [k for k in unused if not k.endswith(".enabled")]
     if unused:
         notes.append(f"precision is {precision!r}, so these were not applied: {', '.join(unused)}")
     for key, field, convert in _MAPPED:
-        block = key.partition(".")[0]
-        if (block in ("fp16", "bf16") and block != precision) or key not in flat:
+        if key.partition(".")[0] in off or key not in flat:
             continue
         if flat[key] == "auto":
             notes.append(f"{key}='auto': halfprec's default {field}={getattr(defaults, field)!r}")
@@ -277,14 +272,13 @@ def _precision(flat: dict[str, Any], notes: list[str]) -> str:
     enabled = {}
     for name in ("fp16", "bf16"):
         value = flat.get(f"{name}.enabled", False)
-        if value not in (True, False, "auto") or (value in (0, 1) and not isinstance(value, bool)):
+        if not isinstance(value, bool) and value != "auto":
             raise ValueError(f"{name}.enabled must be true, false or 'auto', got {value!r}")
         enabled[name] = value
     if enabled["fp16"] is True and enabled["bf16"] is True:
         raise ValueError("both fp16.enabled and bf16.enabled are true; enable one of them")
-    for name in ("fp16", "bf16"):
+    for name, other in (("fp16", "bf16"), ("bf16", "fp16")):
         if enabled[name] is True:
-            other = "bf16" if name == "fp16" else "fp16"
             if enabled[other] == "auto":
                 notes.append(
                     f"{other}.enabled='auto' with {name}.enabled=true: {name} is used, {other} stays off"

@@ -164,6 +164,7 @@ class Engine:
         self.micro_step = 0
         self.last_record: StepRecord | None = None
         self._stepped_micro = 0
+        self._sharded = config.zero_stage in (1, 2)
 
     # --- the loop --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -253,10 +254,6 @@ class Engine:
         return self.optimizer.loss_scale
 
     # --- checkpoints -----------------------------------------------------------------------------------
-    def _param_names(self) -> list[str | None]:
-        names = {p: n for n, p in self.module.named_parameters()}  # first name of a tied param
-        return [names.get(p) for p in self.optimizer.model_params()]
-
     def save_checkpoint(
         self,
         directory: str | os.PathLike,
@@ -266,26 +263,24 @@ class Engine:
         overwrite: bool = False,
         keep_last: int | None = None,
     ) -> Path:
-        """Save at an optimizer-step boundary into ``<directory>/<tag>`` (default ``step-<global_step>``).
-
-        A tag is a str of letters, digits, ``.``, ``_`` and ``-`` starting with a letter or digit (ValueError
-        otherwise; ``checkpoint.check_tag``). An existing ``<tag>`` that is not a halfprec checkpoint is an error
-        and is left as it is, even with ``overwrite=True``.
-        """
+        """Save at an optimizer-step boundary into ``<directory>/<tag>`` (default ``step-<global_step>``); tags
+        and what ``overwrite`` may replace: docs/checkpoints.md."""
         if self.micro_step % self.gradient_accumulation_steps != 0 or self.micro_step != self._stepped_micro:
             raise RuntimeError(
                 f"save_checkpoint() in the middle of a gradient accumulation (micro_step {self.micro_step}, "
                 f"{self.gradient_accumulation_steps} per step): save right after engine.step()"
             )
         tag = f"step-{self.global_step}" if tag is None else ckpt.check_tag(tag)
-        ckpt.check_plain(client_state or {})
+        client_state = client_state or {}
+        ckpt.check_plain(client_state)
+        names = {p: n for n, p in self.module.named_parameters()}  # first name of a tied param
         engine_state = {
             "global_step": self.global_step,
             "micro_step": self.micro_step,
-            "param_names": self._param_names() if not self._sharded else [],
+            "param_names": [] if self._sharded else [names.get(p) for p in self.optimizer.model_params()],
             "config": asdict(self.config),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "client_state": client_state or {},
+            "client_state": client_state,
         }
         ckpt.check_plain(engine_state["lr_scheduler"], "lr_scheduler.state_dict()")
         info = {
@@ -307,10 +302,6 @@ class Engine:
             overwrite=overwrite,
             keep_last=keep_last,
         )
-
-    @property
-    def _sharded(self) -> bool:
-        return self.config.zero_stage in (1, 2)
 
     def _save_sharded(self, directory, tag, engine_state, info, overwrite, keep_last) -> Path:
         """Every rank writes its optimizer shard (DCP) and RNG state into one temporary directory; rank 0 adds
@@ -358,16 +349,14 @@ class Engine:
     ) -> dict[str, Any]:
         """Restore weights, masters, optimizer and scaler state, counters, scheduler and RNG; return client_state.
 
-        ``load_optimizer_states=False`` loads the weights only and refreshes the masters from them. Everything is
-        read and checked before the first write (model, param groups, the optimizer's and the loss scaler's
-        kinds, their values, counters): a failed load changes nothing. Grads of an unfinished accumulation are
-        cleared, so the next step sees only what follows the load. The loss scaler's settings stay those of this
-        engine's config (a warning lists any that the checkpoint had otherwise); its dynamic state (scale,
-        growth tracker, hysteresis budget) comes from the checkpoint.
+        Everything is read and checked before the first write, so a failed load changes nothing.
+        ``load_optimizer_states=False`` loads the weights only and refreshes the masters from them. What a resume
+        keeps (the config's loss-scaler settings) and drops (an unfinished accumulation): docs/checkpoints.md.
         """
         root = ckpt.resolve(directory, tag).parent
         # one process reads under the directory's lock, so a concurrent overwrite or prune cannot swap files
-        # between the digest check and the read; a sharded engine's ranks load collectively (no lock: deadlock)
+        # between the digest check and the read; a sharded engine's ranks load collectively (no lock: deadlock).
+        # Resolved again under the lock: 'latest' or an interrupted replace may have moved on meanwhile
         with contextlib.nullcontext() if self._sharded else ckpt.reading(root):
             path = ckpt.resolve(directory, tag)
             manifest = ckpt.read_manifest(path)

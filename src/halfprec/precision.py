@@ -13,6 +13,8 @@ from typing import Literal, get_args
 
 import torch
 
+from ._checks import choice
+
 __all__ = [
     "DTYPES",
     "LOW_PRECISION",
@@ -42,12 +44,11 @@ _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "f
 
 
 def check_precision(value: object, name: str = "precision", allowed: tuple[str, ...] = PRECISIONS) -> str:
-    """Return ``value`` when it is one of ``allowed``; else ValueError naming the value and what to write."""
-    if type(value) is str and value in allowed:  # a str subclass or enum member is not a precision name
-        return value
+    """Return ``value`` when it is one of ``allowed`` (a str subclass or enum member is not); else ValueError
+    naming the value and what to write."""
     alias = _ALIASES.get(value) if isinstance(value, str) else None
-    hint = f"; use {alias!r}" if alias in allowed else ""
-    raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}{hint}")
+    choice(name, value, allowed, f"; use {alias!r}" if alias in allowed else "")
+    return value
 
 
 def to_dtype(precision: object) -> torch.dtype:

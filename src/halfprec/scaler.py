@@ -42,7 +42,6 @@ class LossScaler:
     def __init__(self, init_scale: float) -> None:
         self._init_scale = init_scale
         self._state: dict[str, torch.Tensor] = {}
-        self._pending: dict[str, Any] | None = None
         self._device: torch.device | None = None
 
     # --- state placement -------------------------------------------------------------------------------
@@ -59,9 +58,6 @@ class LossScaler:
         else:
             self._state = self._fresh_state(device)
         self._device = device
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self.load_state_dict(pending)
         return self
 
     def _ensure(self) -> dict[str, torch.Tensor]:
@@ -142,16 +138,15 @@ class LossScaler:
         differed, for the caller's warning (empty without ``keep_settings``). A ValueError changes nothing.
         """
         self.check_state_dict(state_dict)
-        self._check_values(state_dict)
+        loaded = self._checked_settings(state_dict)
         kept = KeptSettings({}, [])
         if keep_settings:
             state_dict, kept = self._with_own_settings(state_dict)
-        self._load_config(state_dict)
-        if self._device is None:  # not placed yet: kept until the optimizer places the state on its device
-            self._pending = dict(state_dict)
         else:
-            for key, tensor in self._ensure().items():
-                tensor.fill_(state_dict[key])
+            for setting, value in loaded.items():
+                setattr(self, self._attribute(setting), value)
+        for key, tensor in self._ensure().items():  # not placed yet: on the CPU, until the optimizer moves it
+            tensor.fill_(state_dict[key])
         return kept
 
     # The constructor's setting names, the initial scale first (kept in _init_scale, the others in attributes
@@ -189,21 +184,18 @@ class LossScaler:
         """Move the state in ``wanted`` (saved state, own settings) into the settings' range; say what moved."""
         return []
 
-    def _check_values(self, state_dict: dict[str, Any]) -> None:
-        """The loaded settings pass the constructor's checks and the scale is a power of two (ValueError)."""
+    def _checked_settings(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The settings ``state_dict`` holds, as the constructor checks and keeps them; its scale must be a power
+        of two (ValueError)."""
         saved = {k: self._SAVED_AS.get(k, k) for k in self._SETTINGS}
+        given = {k: state_dict[key] for k, key in saved.items() if key in state_dict}
         try:
-            type(self)(**{k: state_dict[key] for k, key in saved.items() if key in state_dict})
+            checked = type(self)(**given).settings()
         except (TypeError, ValueError) as e:
             raise ValueError(f"loss-scaler state dict holds invalid settings: {e}") from e
         if "scale" in state_dict:
             check_power_of_two("scale", state_dict["scale"])
-
-    def _load_config(self, state_dict: dict[str, Any]) -> None:
-        for setting, value in self.settings().items():
-            key = self._SAVED_AS.get(setting, setting)
-            if key in state_dict:
-                setattr(self, self._attribute(setting), type(value)(state_dict[key]))
+        return {k: checked[k] for k in given}
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
@@ -238,10 +230,8 @@ class DynamicLossScaler(LossScaler):
       budget are reset;
     * an overflowing step resets ``growth_tracker`` and spends one unit of the hysteresis budget; when the
       budget is exhausted (``hysteresis`` overflows since the last growth or backoff) the scale is multiplied by
-      ``backoff_factor``, never going below ``min_scale``, and the budget is refilled. DeepSpeed and Megatron
-      refill it on growth only, so under sustained overflow they back off on every step once the first
-      ``hysteresis`` overflows are spent; halfprec waits ``hysteresis`` overflows before each backoff. With
-      ``hysteresis=1`` both rules agree: every overflow backs off.
+      ``backoff_factor``, never going below ``min_scale``, and the budget is refilled (DeepSpeed and Megatron
+      refill it on growth only: docs/guarantees.md).
 
     An overflow at ``min_scale`` cannot lower the scale any more; the optimizer warns when that happens.
     """
@@ -262,12 +252,9 @@ class DynamicLossScaler(LossScaler):
                 growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
             )
         )  # fmt: skip
-        super().__init__(checked["init_scale"])
-        self.growth_factor = checked["growth_factor"]
-        self.backoff_factor = checked["backoff_factor"]
-        self.growth_interval = checked["growth_interval"]
-        self.hysteresis = checked["hysteresis"]
-        self.min_scale = checked["min_scale"]
+        super().__init__(checked.pop("init_scale"))
+        for setting, value in checked.items():  # growth_factor, ..., min_scale: attributes of their names
+            setattr(self, setting, value)
 
     def _fresh_state(self, device: torch.device) -> dict[str, torch.Tensor]:
         state = super()._fresh_state(device)

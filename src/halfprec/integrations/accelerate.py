@@ -63,8 +63,7 @@ def attach(accelerator: Any) -> None:
     """Check ``accelerator`` and make every prepared ``MixedPrecisionOptimizer``'s skips visible to it.
 
     Works for ``MixedPrecisionOptimizer`` and the fused optimizers (``halfprec.optim.FusedAdamW``, ...).
-    Idempotent: safe to call after every ``accelerator.prepare``. After it, ``opt.step_was_skipped``,
-    ``accelerator.optimizer_step_was_skipped`` and ``AcceleratedScheduler.step`` see halfprec's skips.
+    Idempotent: safe to call after every ``accelerator.prepare``.
     """
     check_accelerator(accelerator)
     for prepared in accelerator._optimizers:

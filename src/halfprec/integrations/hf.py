@@ -1,18 +1,11 @@
 """halfprec under the HuggingFace ``Trainer``: the Trainer keeps its loop, halfprec owns the dtype and the scale.
 
-``HalfprecTrainer`` (or ``HalfprecTrainerMixin`` in front of your own ``Trainer`` subclass) with
-``TrainingArguments(fp16=False, bf16=False, max_grad_norm=...)``; usage in docs/integrations.md. Against the
-stock Trainer:
-
-* ``create_optimizer`` wraps the Trainer's optimizer (or a plain one passed in ``optimizers=``) in
-  ``MixedPrecisionOptimizer(param_dtype=halfprec_dtype)``, so the masters start from the fp32 weights.
-* ``max_grad_norm`` clips the unscaled fp32 master grads inside ``step()`` (the Trainer's own clipping would
-  clip the scaled 16-bit grads); the logged ``grad_norm`` is halfprec's unscaled, pre-clip norm.
-* ``training_step``: for fp16 a gradient hook on the loss that ``compute_loss`` returns multiplies the
-  incoming gradient by the loss scale (a power of two, so exact): the logged loss stays unscaled. A step after
-  a backward that was not scaled is an error.
-* ``create_scheduler`` (called right after ``accelerator.prepare``) links halfprec's skipped steps to
-  ``accelerator.optimizer_step_was_skipped``, which the Trainer reads to hold the LR schedule.
+Usage: docs/integrations.md. Against the stock Trainer: ``create_optimizer`` wraps the optimizer in
+``MixedPrecisionOptimizer(param_dtype=halfprec_dtype)``; ``max_grad_norm`` clips inside ``step()`` (the
+Trainer's own clipping would clip the scaled 16-bit grads); for fp16 a gradient hook on the loss that
+``compute_loss`` returns multiplies the incoming gradient by the loss scale (exact), so the logged loss stays
+unscaled; ``create_scheduler`` (called right after ``accelerator.prepare``) links halfprec's skipped steps to
+``accelerator.optimizer_step_was_skipped``, which the Trainer reads to hold the LR schedule.
 
 This overrides three private Trainer methods (``_clip_grad_norm``, ``_get_grad_norm``,
 ``_maybe_log_save_evaluate``); tested with transformers 5.24.
@@ -124,9 +117,8 @@ class HalfprecTrainerMixin:
         loss_scaler: LossScaler | None = None,
         **kwargs: Any,
     ) -> None:
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if training_args is not None:
-            check_training_args(training_args)
+        # refused before the Trainer builds anything on these arguments
+        check_training_args(kwargs.get("args", args[1] if len(args) > 1 else None))
         self.halfprec_dtype = check_low_precision(halfprec_dtype, "halfprec_dtype")
         self._halfprec_loss_scaler = loss_scaler
         self._halfprec_checked: MixedPrecisionOptimizer | None = None  # the optimizer the scale check hooks

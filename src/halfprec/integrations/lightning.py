@@ -62,6 +62,7 @@ class _Common:
         self.skip_nonfinite = skip_nonfinite
         self._fp32: dict[torch.Tensor, torch.Tensor] = {}  # param -> its fp32 tensor, until connect/setup
         self._optimizers: list[MixedPrecisionOptimizer] = []
+        self._base_clip: dict[int, float | None] = {}  # Trainer: max_grad_norm outside a clipped step
 
     # --- dtypes -----------------------------------------------------------------------------------------
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -94,7 +95,14 @@ class _Common:
         optimizer = _unwrap(optimizer)
         if isinstance(optimizer, MixedPrecisionOptimizer):
             mp = optimizer  # already owns masters and a loss scale (MixedPrecisionOptimizer, FusedAdamW, ...)
-            self._warn_rounded_masters(mp)
+            if any(p in self._fp32 for p in mp.model_params()):
+                warnings.warn(
+                    f"the {type(mp).__name__} was built over params that the halfprec plugin had already cast to "
+                    f"{self.dtype}, so its fp32 masters start from their 16-bit roundings, not from the fp32 "
+                    "weights; return the plain torch optimizer from configure_optimizers and let the plugin wrap it",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         else:
             with torch.no_grad():
                 for group in optimizer.param_groups:
@@ -103,10 +111,9 @@ class _Common:
                             # back to fp32 so that param_dtype keeps it as the master; on the param's device
                             # now (the Trainer moves the module after convert_module, the fp32 copy stayed)
                             p.data = self._fp32[p].to(p.device)
-            scaler = None if self.loss_scaler is None else copy.deepcopy(self.loss_scaler)
             mp = MixedPrecisionOptimizer(
                 optimizer,
-                loss_scaler=scaler,
+                loss_scaler=copy.deepcopy(self.loss_scaler),  # one per optimizer
                 max_grad_norm=max_grad_norm,
                 skip_nonfinite=self.skip_nonfinite,
                 param_dtype=self.dtype,
@@ -117,17 +124,6 @@ class _Common:
         if mp not in self._optimizers:
             self._optimizers.append(mp)
         return mp
-
-    def _warn_rounded_masters(self, mp: Any) -> None:
-        held = mp.model_params() if isinstance(mp, MixedPrecisionOptimizer) else []
-        if any(p in self._fp32 for p in held):
-            warnings.warn(
-                f"the {type(mp).__name__} was built over params that the halfprec plugin had already cast to "
-                f"{self.dtype}, so its fp32 masters start from their 16-bit roundings, not from the fp32 weights; "
-                "return the plain torch optimizer from configure_optimizers and let the plugin wrap it",
-                RuntimeWarning,
-                stacklevel=4,
-            )
 
     def release_fp32(self) -> None:
         """Drop the fp32 copies kept for wrapping: params outside every optimizer stay 16-bit."""
@@ -223,15 +219,8 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         skip_nonfinite: skip steps with non-finite bf16 grads too (fp16 is always checked).
     """
 
-    def __init__(
-        self, precision: str, *, loss_scaler: LossScaler | None = None, skip_nonfinite: bool = True
-    ) -> None:
-        super().__init__(precision, loss_scaler=loss_scaler, skip_nonfinite=skip_nonfinite)
-        self._base_clip: dict[int, float | None] = {}
-
     def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple[Any, list, list]:
-        trainer = getattr(model, "_trainer", None)
-        clip_val = getattr(trainer, "gradient_clip_val", None) if trainer is not None else None
+        clip_val = getattr(getattr(model, "_trainer", None), "gradient_clip_val", None)
         by_id: dict[int, MixedPrecisionOptimizer] = {}
         wrapped = []
         # every fit (and Tuner.lr_find) connects its optimizers anew: only this fit's are the plugin's
@@ -251,11 +240,8 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         for config in lr_schedulers:
             scheduler = config.scheduler
             mp = by_id.get(id(getattr(scheduler, "optimizer", None)))
-            if (
-                mp is not None
-                and config.interval == "step"
-                and not isinstance(scheduler, _HoldOnSkipScheduler)
-            ):
+            proxied = isinstance(scheduler, _HoldOnSkipScheduler)
+            if mp is not None and config.interval == "step" and not proxied:
                 config.scheduler = _HoldOnSkipScheduler(scheduler, mp)
         return model, wrapped, lr_schedulers
 
@@ -322,8 +308,7 @@ def setup_fabric(
 
     Call it instead of ``fabric.setup`` on the fp32 module and the optimizers built over it; ``fabric`` must
     have a ``HalfprecFabricPrecision`` plugin. ``max_grad_norm`` clips the unscaled master grads inside each
-    step (``fabric.clip_gradients(..., error_if_nonfinite=False)`` also works on the masters, but raises on
-    an fp16 overflow step with the default ``error_if_nonfinite=True``).
+    step (why rather than ``fabric.clip_gradients``: docs/integrations.md).
     """
     plugin = fabric.strategy.precision
     if not isinstance(plugin, HalfprecFabricPrecision):
