@@ -101,16 +101,20 @@ def test_one_micro_batch_is_todays_path_bit_for_bit(dtype, clip):
     runs = [build(dtype, accum, max_grad_norm=clip) for accum in (None, FP32)]
     seen = [seen_grads(mp) for _, mp in runs]
     for step in range(4):
-        for model, mp in runs:
-            mp.backward(loss_of(model, step, 0, dtype))
-            mp.step()
-            mp.zero_grad()
-        (m0, mp0), (m1, mp1) = runs
-        assert mp0.grad_norm == mp1.grad_norm
+        step_alike(runs, step, dtype)
+        assert runs[0][1].grad_norm == runs[1][1].grad_norm
         for a, b in zip(seen[0][-1], seen[1][-1], strict=True):
             assert bits_equal(a, b)
-        for a, b in zip(m0.parameters(), m1.parameters(), strict=True):
-            assert bits_equal(a.detach(), b.detach())
+
+
+def step_alike(runs, step: int, dtype: torch.dtype, loss=loss_of) -> None:
+    """One single-micro-batch step of each ``(model, optimizer)`` of ``runs``; their params agree bitwise."""
+    for model, mp in runs:
+        mp.backward(loss(model, step, 0, dtype))
+        mp.step()
+        mp.zero_grad()
+    for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
+        assert bits_equal(a.detach(), b.detach())
 
 
 def test_grads_set_by_hand_are_accumulated_too():
