@@ -50,16 +50,12 @@ def check_grad_accum_dtype(value: Any, *, strategy: str = "torch") -> None:
             "halfprec.MixedPrecisionOptimizer(torch_optimizer, grad_accum_dtype=torch.float32) in one process, or "
             "grad_accum_dtype=None"
         )
-    world = (
-        torch.distributed.get_world_size()
-        if torch.distributed.is_available() and torch.distributed.is_initialized()
-        else 1
-    )
-    if world > 1:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError(
-            f"grad_accum_dtype=torch.float32 with a process group of {world} ranks: DDP's all-reduce reads the "
-            "16-bit .grad that fp32 accumulation releases, so it is not supported with data parallelism yet; use "
-            "grad_accum_dtype=None"
+            f"grad_accum_dtype=torch.float32 with a process group of {dist.get_world_size()} ranks: DDP's all-reduce "
+            "reads the 16-bit .grad that fp32 accumulation releases, so it is not supported with data parallelism "
+            "yet; use grad_accum_dtype=None"
         )
 
 
