@@ -19,6 +19,8 @@ VALID = [
     {"precision": "fp32", "max_grad_norm": 0.5, "gradient_accumulation_steps": 8},
     {"precision": "fp16", "initial_scale": 2.0**-3, "min_scale": 2.0**-10, "growth_factor": 4.0},
     {"zero_stage": 2, "reduce_dtype": "param", "impl": "triton", "skip_nonfinite": False},
+    {"precision": "fp16", "grad_accum_dtype": "fp32", "impl": "triton"},  # fp32 accumulation, fused path
+    {"precision": "bf16", "grad_accum_dtype": "fp32"},  # impl="auto": either path
 ]
 
 
@@ -59,6 +61,7 @@ INVALID = [
     ({"zero_stage": True}, r"zero_stage must be one of 0, 1, 2, got True"),
     ({"reduce_dtype": "bf16"}, r"reduce_dtype must be one of 'fp32', 'param', got 'bf16'"),
     ({"impl": "cuda"}, r"impl must be one of 'auto', 'torch', 'triton', got 'cuda'"),
+    ({"grad_accum_dtype": "fp32", "zero_stage": 2}, r"zero_stage=2: fp32 gradient .*sharded.*zero_stage=0"),
 ]
 
 

@@ -99,8 +99,8 @@ class Config:
 
     grad_accum_dtype: Literal["param", "fp32"] = "param"
     """Where micro-batch grads accumulate: the params' 16-bit ``.grad`` (``"param"``), or the fp32 master grads
-    (``"fp32"``: ``grad_accum_dtype=torch.float32`` of ``MixedPrecisionOptimizer``; the exact path, ZeRO stage 0
-    without DDP, for now)."""
+    (``"fp32"``: ``grad_accum_dtype=torch.float32`` of ``MixedPrecisionOptimizer``; the exact and fused paths, ZeRO
+    stage 0 without DDP, for now)."""
 
     impl: Literal["auto", "torch", "triton"] = "auto"
     """Optimizer step implementation: the exact torch path, the fused Triton kernels, or pick automatically."""
@@ -134,11 +134,10 @@ class Config:
         for name in ("zero_stage", "reduce_dtype", "impl", "grad_accum_dtype"):
             hint = "; 'fp32' is torch.float32" if name == "grad_accum_dtype" else ""
             choice(name, getattr(self, name), get_args(_HINTS[name]), hint)
-        if self.grad_accum_dtype == "fp32" and (self.zero_stage != 0 or self.impl == "triton"):
+        if self.grad_accum_dtype == "fp32" and self.zero_stage != 0:
             raise ValueError(
-                f"grad_accum_dtype='fp32' with zero_stage={self.zero_stage!r}, impl={self.impl!r}: fp32 gradient "
-                "accumulation is not yet supported on the sharded and fused paths; use zero_stage=0 and "
-                "impl='torch', or grad_accum_dtype='param'"
+                f"grad_accum_dtype='fp32' with zero_stage={self.zero_stage!r}: fp32 gradient accumulation is not yet "
+                "supported on the sharded path; use zero_stage=0, or grad_accum_dtype='param'"
             )
 
     def _dynamic_settings(self) -> dict[str, Any]:

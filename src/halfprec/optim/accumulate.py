@@ -25,14 +25,6 @@ class GradAccumulator:
     step record (its ``unscaled`` flag makes a backward between ``unscale_()`` and ``step()`` an error)."""
 
     def __init__(self, store: MasterStore, state: StepState) -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            world = torch.distributed.get_world_size()
-            if world > 1:
-                raise ValueError(
-                    f"grad_accum_dtype=torch.float32 with a process group of {world} ranks: DDP's all-reduce "
-                    "reads the 16-bit .grad that fp32 accumulation releases, so it is not supported with data "
-                    "parallelism yet; use grad_accum_dtype=None"
-                )
         self.store = store
         self.state = state
         self.consumed = False  # a step read the master grads: the next grad starts a new accumulation

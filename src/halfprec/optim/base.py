@@ -103,7 +103,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         grad_accum_dtype: ``None`` accumulates micro-batch grads in the params' 16-bit ``.grad`` (one 16-bit
             rounding per micro-batch); ``torch.float32`` adds each 16-bit grad, as backward produces it, into its
             fp32 master grad and releases the 16-bit one (``accumulate.py``; no extra memory: the master grads
-            exist on this path). Exact strategy only for now (ValueError on the fused and sharded ones).
+            exist on this path; the fused strategy keeps an fp32 flat grad buffer). ValueError on the sharded strategy.
     """
 
     optimizer: torch.optim.Optimizer | None = None  # wrapped (exact, sharded); None: fused owns its groups

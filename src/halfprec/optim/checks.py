@@ -35,17 +35,27 @@ def check_options(
 
 def check_grad_accum_dtype(value: Any, *, strategy: str = "torch") -> None:
     """Raise ValueError unless ``value`` is None or ``torch.float32`` and ``strategy`` (``"torch"``, ``"fused"``,
-    ``"sharded"``) has fp32 accumulation (only the exact one, for now: no silent fallback to 16-bit elsewhere)."""
-    if value is not None and value is not torch.float32:
+    ``"sharded"``) has fp32 accumulation (not the sharded one, nor data parallelism, for now: no silent fallback
+    to 16-bit)."""
+    if value is None:
+        return
+    if value is not torch.float32:
         raise ValueError(
             f"grad_accum_dtype must be None (accumulate in the params' 16-bit .grad) or torch.float32 (in the fp32 "
             f"master grads), got {value!r}"
         )
-    if value is not None and strategy != "torch":
+    if strategy == "sharded":
         raise ValueError(
-            f"grad_accum_dtype={value} is not yet supported on the {strategy} path, use impl='torch' "
-            "(halfprec.MixedPrecisionOptimizer(torch_optimizer, impl='torch', grad_accum_dtype=torch.float32)), "
-            "or grad_accum_dtype=None"
+            f"grad_accum_dtype={value} is not yet supported on the sharded path (ZeRO stages 1/2): use "
+            "halfprec.MixedPrecisionOptimizer(torch_optimizer, grad_accum_dtype=torch.float32) in one process, or "
+            "grad_accum_dtype=None"
+        )
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"grad_accum_dtype=torch.float32 with a process group of {dist.get_world_size()} ranks: DDP's all-reduce "
+            "reads the 16-bit .grad that fp32 accumulation releases, so it is not supported with data parallelism "
+            "yet; use grad_accum_dtype=None"
         )
 
 

@@ -87,6 +87,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         check_options(loss_scaler=loss_scaler, **options)
         self._built = False
         self._init_options(**options)
+        self.grad_accum_dtype = grad_accum_dtype
         torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})  # owns its groups
         self._build()
         self._built = True
@@ -158,7 +159,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._pscal = torch.zeros(n, PSCAL_WIDTH, dtype=torch.float32, device=dev)
         self._hyper = HyperTable(len(self.param_groups), dev)
         self._scalars = torch.zeros(8, dtype=torch.float32, device=dev)
-        self._grads = GradViews(trainable, self._where, dev)
+        self._grads = GradViews(trainable, self._where, dev, self.grad_accum_dtype)
 
     # --- per-algorithm hooks (subclasses) --------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
@@ -232,6 +233,10 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         return step
 
     # --- grads ---------------------------------------------------------------------------------------
+    def _backward_params(self) -> list[torch.Tensor]:
+        """The params whose ``.grad`` a backward fills; with fp32 accumulation the masters too (``grads.py``)."""
+        return self._model_params + (self.master_params() if self.grad_accum_dtype is not None else [])
+
     def mark_grads(self) -> None:
         """Count every trainable param's ``.grad`` as this step's (what backward's hooks do per param): for callers
         that write the flat grad buffers themselves, e.g. a benchmark replaying a captured step."""

@@ -5,6 +5,11 @@ first backward, or after ``zero_grad(set_to_none=True)``/``model.zero_grad()``),
 view and re-attaches it. Outside graph capture, ``step()`` also adopts a ``.grad`` assigned by hand and unmarks
 params whose ``.grad`` was set to None. An unmarked param is not updated and its counter does not advance. The
 marks live in ``flags`` (int32 per param, on the device), which the finalize program reads and clears.
+
+With ``accum_dtype=torch.float32`` a 16-bit chunk's grad buffer is fp32: the hook copies a param's first grad of
+the step into its fp32 view, adds later ones (one fp32 rounding each, in micro-batch order) and releases the
+16-bit ``.grad``; the view becomes the ``.grad`` of the param's master. The marks are the accumulation: a step or
+``zero_grad`` clears them, so the next grad starts a new sum whoever clears ``.grad``.
 """
 
 from __future__ import annotations
@@ -36,9 +41,13 @@ class GradViews:
     """The grad marks of ``params``; ``where[i]`` is param ``i``'s (chunk, position in the chunk)."""
 
     def __init__(
-        self, params: Sequence[torch.nn.Parameter], where: Sequence[tuple[Chunk, int]], device: torch.device
-    ) -> None:
+        self, params: Sequence[torch.nn.Parameter], where: Sequence[tuple[Chunk, int]], device: torch.device,
+        accum_dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         self.params = list(params)
+        self.accum_dtype = accum_dtype
+        # the params whose grads are added into a wider buffer and released (fp32 params accumulate in .grad)
+        self._accumulates = [accum_dtype not in (None, chunk.dtype) for chunk, _ in where]
         self.where = list(where)
         self.flags = torch.zeros(max(len(self.params), 1), dtype=torch.int32, device=device)
         self._marked = [False] * len(self.params)
@@ -52,21 +61,27 @@ class GradViews:
     def views(self, chunk: Chunk) -> list[torch.Tensor]:
         """The chunk's grad views, its flat grad buffer made at the first grad it gets (not at construction)."""
         if chunk.grad is None:
-            chunk.make_grad(chunk.dtype)
+            chunk.make_grad(self.accum_dtype or chunk.dtype)
             for i, (c, local) in enumerate(self.where):
                 if c is chunk:
                     self._view_ptrs[i] = chunk.grad_views[local].data_ptr()
         return chunk.grad_views
 
     def mark(self, i: int) -> None:
-        """Param ``i`` got a grad: make ``.grad`` its view of the flat buffer (copying a fresh tensor in)."""
+        """Param ``i`` got a grad: make ``.grad`` its view of the flat buffer (copying a fresh tensor in), or add it
+        into its fp32 view and release it."""
         p = self.params[i]
         chunk, local = self.where[i]
         if p.dtype != chunk.dtype:
             return  # cast after the optimizer was built: step() refuses it (checks.check_dtypes)
         view = self.views(chunk)[local]
         g = p.grad
-        if g is not None and g.data_ptr() != view.data_ptr():
+        if self._accumulates[i]:
+            with torch.no_grad():
+                view.add_(g) if self._marked[i] else view.copy_(g)
+            p.grad = None
+            chunk.master_views[local].grad = view
+        elif g is not None and g.data_ptr() != view.data_ptr():
             with torch.no_grad():
                 view.copy_(g)
             p.grad = view
@@ -85,7 +100,7 @@ class GradViews:
                     "build the optimizer after the model is in its final dtype and device"
                 )
             g = p.grad
-            if g is None and self._marked[i]:
+            if g is None and self._marked[i] and not self._accumulates[i]:
                 self.flags[i].fill_(0)
                 self._marked[i] = False
             elif g is not None and g.data_ptr() != self._view_ptrs[i]:
@@ -94,9 +109,13 @@ class GradViews:
     def consumed(self) -> None:
         """A step read the marks (the finalize program cleared ``flags``)."""
         self._marked = [False] * len(self.params)
+        for (chunk, local), accumulates in zip(self.where, self._accumulates, strict=True):
+            if accumulates:
+                chunk.master_views[local].grad = None
 
     def clear(self, chunks: Sequence[Chunk], set_to_none: bool) -> None:
-        """``zero_grad``: ``.grad`` to None, or the flat buffers zeroed with ``.grad`` kept as views."""
+        """``zero_grad``: ``.grad`` to None, or the flat buffers zeroed with ``.grad`` kept as views (None when
+        the view is wider than the param: fp32 accumulation)."""
         if set_to_none:
             for p in self.params:
                 p.grad = None
@@ -105,6 +124,6 @@ class GradViews:
                 views = self.views(chunk)
                 chunk.grad.zero_()
                 for p, view in zip(chunk.params, views, strict=True):
-                    p.grad = view
+                    p.grad = view if view.dtype == p.dtype else None
         self.flags.zero_()
         self.consumed()
