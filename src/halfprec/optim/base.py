@@ -541,7 +541,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         masters = state_dict.get("masters")
         if not isinstance(masters, dict) or sorted(int(k) for k in masters) != want:
             found = sorted(int(k) for k in masters) if isinstance(masters, dict) else type(masters).__name__
-            raise ValueError(f"state dict holds masters of params {found}, this optimizer has masters of {want}")
+            raise ValueError(
+                f"state dict holds masters of params {found}, this optimizer has masters of {want}"
+            )
         for k, value in masters.items():
             expected = entries[int(k)]["shape"]
             if not (torch.is_tensor(value) and value.is_floating_point() and list(value.shape) == expected):

@@ -122,7 +122,8 @@ class MasterStore:
 
     def __init__(self) -> None:
         self.chunks: list[Chunk] = []
-        self.masters: list[list[torch.nn.Parameter]] = []  # per chunk: the Parameters the inner optimizer steps
+        # per chunk: the Parameters the inner optimizer steps
+        self.masters: list[list[torch.nn.Parameter]] = []
 
     def add(self, params: Iterable[torch.nn.Parameter], originals: dict[torch.Tensor, torch.Tensor]) -> dict:
         """``{param: master}`` for new masters of ``params`` from ``originals[p]`` (else ``p``)."""
