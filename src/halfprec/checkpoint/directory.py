@@ -188,18 +188,13 @@ def reading(root: Path) -> Iterator[None]:
     """Hold ``<root>/.lock`` while one process verifies and reads a checkpoint in ``root``, so that a save cannot
     swap files between the digest check and the read. A read-only directory, where nothing can save either, is
     read without it. Not for a collective load, whose ranks would wait for each other under the lock."""
-    lock = _lock(root)
-    try:
-        lock.acquire()
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(_lock(root))
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
         yield
-        return
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def _checked(directory: str | os.PathLike, tag: str, keep_last: int | None) -> tuple[Path, Path]:
