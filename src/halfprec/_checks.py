@@ -1,8 +1,5 @@
-"""Type and range checks shared by ``Config``, the DeepSpeed reader, the precision names and the loss scalers.
-
-They sit below all of them, so none imports another for them (no import cycle). The loss-scaler settings are
-checked here only, by the scalers' constructors, their ``load_state_dict`` and ``Config``: one wording per rule.
-"""
+"""Type and range checks shared by ``Config``, the DeepSpeed reader, the precision names and the loss scalers
+(below all of them: no import cycle), one wording per rule."""
 
 from __future__ import annotations
 
@@ -138,11 +135,7 @@ def check_dynamic_settings(
             f"{init} ({settings['init_scale']!r}) must be >= {low} ({settings['min_scale']!r}); "
             f"raise {init} or lower {low}"
         )
+    why = "the loss scaler counts steps in an int64 tensor"
     for key in ("growth_interval", "hysteresis"):
-        checked[key] = int_at_least_one(
-            names[key],
-            settings[key],
-            at_most=_COUNTER_MAX,
-            why="the loss scaler counts steps in an int64 tensor",
-        )
+        checked[key] = int_at_least_one(names[key], settings[key], at_most=_COUNTER_MAX, why=why)
     return {key: checked[key] for key in DYNAMIC_SETTINGS}

@@ -1,9 +1,6 @@
-"""``halfprec.initialize(...) -> Engine``: accumulation, LR-schedule holding, counters and checkpoints.
+"""``halfprec.initialize(...) -> Engine``: accumulation, LR-schedule holding, counters and checkpoints; no math.
 
-The engine composes the pieces and owns no math: the ``MixedPrecisionOptimizer`` (masters, scaling, skips,
-clipping), the loss scaler it holds, and the ``checkpoint`` module (files). Counters follow DeepSpeed and
-Megatron: ``global_step`` counts optimizer-step boundaries, skipped ones included; ``skipped_steps`` counts
-the skips; the wrapped optimizer's own counters and the LR schedule do not move on a skipped step.
+``global_step`` counts optimizer-step boundaries, skipped ones included, as DeepSpeed and Megatron do.
 """
 
 from __future__ import annotations
@@ -171,12 +168,9 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model with the floating-point tensors of ``args``/``kwargs`` cast to the training dtype.
-
-        An fp32 batch would otherwise meet 16-bit weights in the first matmul (Lightning's half-precision
-        plugins and DeepSpeed's ``fp16.auto_cast`` cast inputs too). Integer and bool tensors and non-tensors
-        pass unchanged; nested lists, tuples and dicts are cast too. ``engine.module(...)`` runs uncast.
-        """
+        """Run the model with the floating-point tensors of ``args``/``kwargs`` (nested ones too) cast to the
+        training dtype, as Lightning's half-precision plugins and DeepSpeed's ``fp16.auto_cast`` do: an fp32 batch
+        would otherwise meet 16-bit weights. ``engine.module(...)`` runs uncast."""
         dtype = DTYPES[self.config.precision]
         if dtype != torch.float32:
             args, kwargs = self._cast_floating(args, dtype), self._cast_floating(kwargs, dtype)
@@ -348,15 +342,11 @@ class Engine:
         load_rng_states: bool = True,
     ) -> dict[str, Any]:
         """Restore weights, masters, optimizer and scaler state, counters, scheduler and RNG; return client_state.
-
-        Everything is read and checked before the first write, so a failed load changes nothing.
-        ``load_optimizer_states=False`` loads the weights only and refreshes the masters from them. What a resume
-        keeps (the config's loss-scaler settings) and drops (an unfinished accumulation): docs/checkpoints.md.
-        """
+        A failed load changes nothing; ``load_optimizer_states=False`` loads the weights and refreshes the masters
+        from them; what a resume keeps and drops: docs/checkpoints.md."""
         root = ckpt.resolve(directory, tag).parent
-        # one process reads under the directory's lock, so a concurrent overwrite or prune cannot swap files
-        # between the digest check and the read; a sharded engine's ranks load collectively (no lock: deadlock).
-        # Resolved again under the lock: 'latest' or an interrupted replace may have moved on meanwhile
+        # a sharded engine's ranks load collectively (the lock would deadlock them); resolved again under the
+        # lock: 'latest' or an interrupted replace may have moved on meanwhile
         with contextlib.nullcontext() if self._sharded else ckpt.reading(root):
             path = ckpt.resolve(directory, tag)
             manifest = ckpt.read_manifest(path)
@@ -370,7 +360,7 @@ class Engine:
             rng = self._staged_rng(path, engine_state) if load_rng_states else None
         configured = self.optimizer.loss_scaler.state_dict() if load_optimizer_states else {}
         # nothing has changed so far; from here on every step is a write
-        self.optimizer.zero_grad(set_to_none=True)  # an unfinished accumulation's grads
+        self.optimizer.zero_grad(set_to_none=True)
         self.module.load_state_dict(weights, strict=True)
         if load_optimizer_states:
             load_optimizer()
@@ -387,7 +377,7 @@ class Engine:
         return engine_state["client_state"]
 
     def _staged_optimizer_load(self, path: Path, engine_state: dict[str, Any], sharded_files: bool):
-        """Read and check the optimizer part of the checkpoint at ``path``; return the function that loads it."""
+        """Read and check the checkpoint's optimizer part; return the function that loads it."""
         if self._sharded and not sharded_files:
             raise ckpt.CheckpointError(
                 f"{path} holds an unsharded optimizer state (optimizer.pt); a ZeRO-{self.config.zero_stage} engine "
@@ -429,7 +419,7 @@ class Engine:
 
 
 def _check_engine_state(path: Path, engine_state: Any) -> tuple[int, int]:
-    """``(global_step, micro_step)`` of a checkpoint's ``engine.pt``, checked before anything is loaded."""
+    """``(global_step, micro_step)`` of a checkpoint's ``engine.pt``, checked."""
     if not isinstance(engine_state, dict):
         raise ckpt.CheckpointError(f"{path / 'engine.pt'} holds a {type(engine_state).__name__}, not a dict")
     for key in ("global_step", "micro_step"):

@@ -1,9 +1,5 @@
-"""The precision vocabulary: the names ``"bf16"``, ``"fp16"``, ``"fp32"`` and the one map from them to dtypes.
-
-Every module that turns a precision name into a dtype (the engine, export, the Lightning plugin, the sharded
-engine path) reads ``DTYPES`` here, so a name means the same dtype everywhere and an alias such as
-``"bfloat16"`` is refused with the same hint.
-"""
+"""The precision vocabulary: the names ``"bf16"``, ``"fp16"``, ``"fp32"`` and the one map from them to dtypes, so a
+name means the same dtype everywhere and an alias such as ``"bfloat16"`` is refused with the same hint."""
 
 from __future__ import annotations
 
@@ -22,8 +18,6 @@ __all__ = [
     "Precision",
     "check_low_precision",
     "check_precision",
-    "precision_of",
-    "to_dtype",
 ]
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -37,7 +31,7 @@ DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 )
 
 LOW_PRECISION: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
-"""The 16-bit dtypes halfprec keeps fp32 masters for (same order as ``masters.LOW_PRECISION``)."""
+"""The 16-bit dtypes halfprec keeps fp32 masters for."""
 
 # torch's and numpy's spellings, which users reach for first: refused, with the name to use instead
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
@@ -49,21 +43,6 @@ def check_precision(value: object, name: str = "precision", allowed: tuple[str, 
     alias = _ALIASES.get(value) if isinstance(value, str) else None
     choice(name, value, allowed, f"; use {alias!r}" if alias in allowed else "")
     return value
-
-
-def to_dtype(precision: object) -> torch.dtype:
-    """The dtype of a precision name (ValueError naming the value and the fix for anything else)."""
-    return DTYPES[check_precision(precision)]
-
-
-def precision_of(dtype: torch.dtype) -> Precision:
-    """The precision name of ``dtype`` (ValueError for a dtype without one, e.g. torch.float64)."""
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name  # type: ignore[return-value]
-    raise ValueError(
-        f"{dtype} has no halfprec precision name; use one of {', '.join(map(str, DTYPES.values()))}"
-    )
 
 
 def check_low_precision(

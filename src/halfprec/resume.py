@@ -1,8 +1,5 @@
-"""The engine's two checks around loading a loss scaler from a checkpoint, in the config's words.
-
-The policies belong to the scaler (``check_state_dict``, ``load_state_dict(..., keep_settings=True)``); here is
-what only the engine knows: the saved config and its setting names, in which it words the scaler's errors.
-"""
+"""The engine's two checks around loading a loss scaler from a checkpoint, worded in its config's names (the
+policies are the scaler's: ``check_state_dict``, ``load_state_dict(..., keep_settings=True)``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Loss scalers: a static scale, and a dynamic one with growth, backoff, hysteresis and a floor.
-
-Both keep their state in 0-d tensors on the params' device and update it with tensor ops only, so an update
-never syncs with the host; the fused optimizers share the same objects. Every scale is a power of two, which
-makes scaling and unscaling exact in binary floating point. The settings are checked in ``_checks``.
-"""
+"""Loss scalers, static and dynamic: state in 0-d device tensors updated without a host sync (the fused
+optimizers share them), every scale a power of two so that scaling and unscaling are exact."""
 
 from __future__ import annotations
 
@@ -34,10 +30,7 @@ class KeptSettings(NamedTuple):
 
 
 class LossScaler:
-    """Common interface of the scalers: ``scale`` (a 0-d fp32 tensor), ``inv_scale()`` and ``update(found_inf)``.
-
-    ``found_inf`` is a 0-d float tensor (1.0 = the step overflowed) on the same device as the state.
-    """
+    """Common interface of the scalers: ``scale`` (a 0-d fp32 tensor), ``inv_scale()`` and ``update(found_inf)``."""
 
     def __init__(self, init_scale: float) -> None:
         self._init_scale = init_scale
@@ -77,7 +70,7 @@ class LossScaler:
 
     @property
     def scale(self) -> torch.Tensor:
-        """The current scale as a 0-d fp32 tensor on the state's device (no sync)."""
+        """The current scale (no sync)."""
         return self._ensure()["scale"]
 
     @property
@@ -97,7 +90,7 @@ class LossScaler:
         return not self.is_dynamic and self._init_scale == 1.0
 
     def update(self, found_inf: torch.Tensor) -> None:
-        """Advance the schedule after a step; ``found_inf`` is 1.0 when the step overflowed."""
+        """Advance the schedule after a step; ``found_inf``: a 0-d float on the state's device, 1.0 on overflow."""
 
     def at_min_scale(self) -> torch.Tensor:
         """A 0-d bool tensor: true when an overflow can no longer lower the scale."""
@@ -167,7 +160,7 @@ class LossScaler:
         return {self._SAVED_AS.get(k, k): v for k, v in self.settings().items()}
 
     def _saved_settings(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The settings a state dict holds, under the constructor's names (None where one is missing)."""
+        """Under the constructor's names, None where missing."""
         return {k: state_dict.get(self._SAVED_AS.get(k, k)) for k in self._SETTINGS}
 
     def _with_own_settings(self, saved: dict[str, Any]) -> tuple[dict[str, Any], KeptSettings]:
@@ -185,8 +178,7 @@ class LossScaler:
         return []
 
     def _checked_settings(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The settings ``state_dict`` holds, as the constructor checks and keeps them; its scale must be a power
-        of two (ValueError)."""
+        """The settings ``state_dict`` holds, as the constructor checks and keeps them."""
         saved = {k: self._SAVED_AS.get(k, k) for k in self._SETTINGS}
         given = {k: state_dict[key] for k, key in saved.items() if key in state_dict}
         try:

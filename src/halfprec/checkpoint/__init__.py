@@ -1,21 +1,15 @@
-"""Checkpoints: the engine's directory format, reshardable DCP optimizer checkpoints, export of weights.
-
-Both formats share one atomic commit (``atomic``), one record of the layout (``formats``) and one reader
-(``read``). This package gives the directory format's functions; ``dcp`` (public as
-``halfprec.distributed.checkpoint``), ``consolidate`` and ``export`` import heavier modules, so on use.
+"""Checkpoints: the engine's directory format (its functions are here), reshardable DCP optimizer checkpoints
+(``dcp``, public as ``halfprec.distributed.checkpoint``), export; the last two import heavier modules, so on use.
 """
 
 from __future__ import annotations
 
-from .atomic import commit
 from .directory import (
     LATEST,
     CheckpointError,
     _digest,  # noqa: F401 - used by tests that re-seal a tampered checkpoint
     _manifest_digest,  # noqa: F401
     check_tag,
-    prepare,
-    publish,
     reading,
     save_pt,
     saving,
@@ -43,11 +37,8 @@ __all__ = [
     "reading",
     "write_checkpoint",
     "saving",
-    "prepare",
     "stage",
     "seal",
-    "commit",
-    "publish",
     "save_pt",
     "load_weights",
     "load_pt",

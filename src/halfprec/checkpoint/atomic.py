@@ -47,7 +47,6 @@ def fsync_path(path: Path) -> None:
 
 
 def write_synced(file: Path, text: str) -> None:
-    """Write ``text`` to ``file`` and fsync the file and its directory."""
     with open(file, "w") as f:
         f.write(text)
         f.flush()
@@ -65,9 +64,8 @@ def _aside(final: Path) -> Path:
 
 
 def commit(tmp: Path, final: Path, *, replace: bool = True) -> None:
-    """Rename the complete directory ``tmp`` to ``final``, replacing an existing ``final``; fsync the parent.
-    A crash at any point leaves a complete checkpoint at ``final`` or at ``.<name>.replaced``. With
-    ``replace=False`` an existing ``final`` (something written since the caller checked) is a FileExistsError."""
+    """Rename the complete directory ``tmp`` to ``final``; with ``replace=False`` an existing ``final`` (written
+    since the caller checked) is a FileExistsError."""
     aside = _aside(final)
     recover(final)
     if final.exists() or final.is_symlink():
@@ -155,10 +153,8 @@ def remove_if_dead(path: Path) -> bool:
 
 
 def remove_leftovers(root: Path, pattern: re.Pattern[str]) -> None:
-    """Remove the entries of ``root`` whose name fully matches ``pattern`` and that no live writer holds.
-
-    Trash (``.<name>.trash-*``) is removed whether held or not: nothing reads it, its writer only deletes it.
-    """
+    """Remove the entries of ``root`` whose name fully matches ``pattern`` and that no live writer holds (trash
+    whether held or not: nothing reads it, its writer only deletes it)."""
     try:
         entries = [entry for entry in root.iterdir() if pattern.fullmatch(entry.name)]
     except OSError:

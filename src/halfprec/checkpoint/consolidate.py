@@ -1,7 +1,4 @@
-"""Read a halfprec DCP optimizer checkpoint (any world size) into whole tensors, without a process group.
-
-Every file is verified against the checkpoint's manifest first (``safe_dcp.open_checkpoint``).
-"""
+"""Read a verified halfprec DCP optimizer checkpoint (any world size) into whole tensors, without a process group."""
 
 from __future__ import annotations
 

@@ -58,8 +58,7 @@ def _distributed() -> bool:
 
 
 def _run_dcp(run, state_dict: dict[str, torch.Tensor], group, planner, **storage) -> None:
-    """``dcp.save`` or ``dcp.load`` (``run``), in a process group or without one (DCP then warns that it assumes
-    a single process: that is the intent here)."""
+    """``dcp.save`` or ``dcp.load`` (``run``), without DCP's warning that no process group means one process."""
     with warnings.catch_warnings():
         if not _distributed():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -214,8 +213,7 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
 
 
 def seal(directory: Path, name: str) -> None:
-    """Write the manifest of the DCP checkpoint in ``directory``, to be published as ``name``: the engine's
-    (``directory.seal``), of format ``formats.DCP_FORMAT``; an earlier manifest there is replaced."""
+    """Write (or replace) the manifest of the DCP checkpoint in ``directory``, to be published as ``name``."""
     (directory / MANIFEST).unlink(missing_ok=True)
     seal_directory(directory, name, {"format": DCP_FORMAT, "layout": DCP})
 

@@ -9,7 +9,7 @@ Layout of ``<dir>/<tag>/``::
     manifest.json       written last: format, layout, counters, ties, each file's size and SHA-256, its own SHA-256
 
 ``<dir>/.published`` logs every tag ``latest`` has named (published tags are immutable; ``keep_last`` keeps the
-most recent). The digests catch truncated or flipped bytes, which neither ``torch.load`` nor safetensors notices.
+most recent).
 """
 
 from __future__ import annotations
@@ -93,11 +93,9 @@ _TAG_RULE = (
 
 
 def check_tag(tag: Any) -> str:
-    """Return ``tag`` if it is a valid checkpoint tag, else raise ValueError naming it and the rule.
-
-    Tags are plain names: a space would not survive the ``latest`` pointer, a ``/`` would leave the directory, a
-    ``*`` would make the cleanup of one tag's temporaries match another's. An int is refused, not converted, so
-    that ``tag=0`` cannot be mistaken for "no tag"."""
+    """``tag`` if it is a valid checkpoint tag, else ValueError. A space would not survive the ``latest`` pointer,
+    a ``/`` would leave the directory, a ``*`` would make the cleanup of one tag's temporaries match another's; an
+    int is refused, not converted, so that ``tag=0`` cannot be mistaken for "no tag"."""
     if not isinstance(tag, str):
         raise ValueError(
             f"invalid checkpoint tag {tag!r} of type {type(tag).__name__}: {_TAG_RULE}; e.g. tag=f'step-{{n}}'"
@@ -139,11 +137,8 @@ def write_checkpoint(
     overwrite: bool = False,
     keep_last: int | None = None,
 ) -> Path:
-    """Write ``<directory>/<tag>`` atomically and point ``latest`` at it; returns the checkpoint's path.
-
-    ``weights`` go to model.safetensors; each item of ``files`` to ``<name>.pt``; ``info`` (plain JSON values)
-    into the manifest. ``overwrite=True`` replaces an existing tag crash-safely (``atomic.commit``).
-    """
+    """Write ``<directory>/<tag>`` atomically and point ``latest`` at it: ``weights`` to model.safetensors, each
+    item of ``files`` to ``<name>.pt``, ``info`` (plain JSON values) into the manifest."""
     with saving(directory, tag, overwrite=overwrite, keep_last=keep_last) as tmp:
         stage(tmp, weights=weights, files=files)
         seal(tmp, tag, info)
@@ -173,7 +168,6 @@ def saving(
 
 
 def _lock(root: Path):
-    """The directory's lock, which saves (:func:`locked`) and loads (:func:`reading`) take."""
     from filelock import FileLock
 
     return FileLock(os.fspath(root / LOCK))
@@ -194,22 +188,16 @@ def reading(root: Path) -> Iterator[None]:
     """Hold ``<root>/.lock`` while one process verifies and reads a checkpoint in ``root``, so that a save cannot
     swap files between the digest check and the read. A read-only directory, where nothing can save either, is
     read without it. Not for a collective load, whose ranks would wait for each other under the lock."""
-    lock = _lock(root)
-    try:
-        lock.acquire()
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(_lock(root))
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
         yield
-        return
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def _checked(directory: str | os.PathLike, tag: str, keep_last: int | None) -> tuple[Path, Path]:
-    """``(root, final)`` of a save whose arguments are valid; ValueError otherwise."""
     if not os.fspath(directory):
         raise ValueError(
             "checkpoint directory is '' (it would write into the current directory); pass a directory such as "
@@ -225,13 +213,10 @@ def _checked(directory: str | os.PathLike, tag: str, keep_last: int | None) -> t
 def prepare(
     directory: str | os.PathLike, tag: str, *, overwrite: bool, keep_last: int | None
 ) -> tuple[Path, Path]:
-    """Check the arguments of a save, under :func:`locked`; returns ``(root, final)``. Raises before anything is
-    written. A replace of this tag that died midway is undone first, and leftovers are removed.
-
-    A save killed after its rename but before ``latest`` was replaced leaves a complete ``<tag>`` that ``latest``
-    never named; the restarted run reaches the same tag again, so such an unpublished directory is moved aside
-    with a warning instead of blocking it, and removed at the next save.
-    """
+    """Check a save under :func:`locked` (raising before anything is written), undo a replace of this tag that
+    died midway, remove leftovers; ``(root, final)``. A save killed between its rename and ``latest`` leaves a
+    ``<tag>`` that ``latest`` never named: the rerun reaches that tag again, so it is moved aside with a warning
+    (removed at the next save) rather than blocking it."""
     root, final = _checked(directory, tag, keep_last)
     recover(final)
     _refuse_foreign(final, tag)
@@ -271,8 +256,7 @@ _UNPUBLISHED = re.compile(r"\.([A-Za-z0-9][A-Za-z0-9._-]*)\.unpublished-[0-9a-f]
 
 
 def _remove_leftovers(root: Path) -> None:
-    """Remove what earlier killed saves left in ``root``: temporary directories and ``latest`` files that no live
-    save holds, trash, and the unpublished checkpoints that an earlier save moved aside (with a warning)."""
+    """Remove what killed saves left in ``root`` (unheld temporaries, trash) and the tags moved aside earlier."""
     remove_leftovers(root, _LEFTOVER)
     for entry in root.iterdir():
         match = _UNPUBLISHED.fullmatch(entry.name)
@@ -299,8 +283,7 @@ def stage(tmp: Path, *, weights: dict[str, torch.Tensor] | None, files: dict[str
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str]) -> None:
-    """``safetensors.torch.save_file``, a failed write named by :func:`writing`, with the mode the umask gives
-    (safetensors writes 0600)."""
+    """``safetensors.torch.save_file`` with the mode the umask gives (safetensors writes 0600)."""
     from safetensors.torch import save_file
 
     with writing(file):
@@ -344,8 +327,7 @@ def writing(file: Path) -> Iterator[None]:
 
 
 def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
-    """fsync every file under ``tmp`` and write the manifest (sizes, digests, ties, ``info``: layout, counters)
-    last."""
+    """fsync every file under ``tmp``, then write the manifest (sizes, digests, ties, ``info``)."""
     entries = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         fsync_path(path)
@@ -365,8 +347,7 @@ def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
 
 
 def publish(root: Path, tag: str, keep_last: int | None) -> None:
-    """Point ``latest`` at ``tag`` (atomically), log the publication, then prune to the ``keep_last`` most
-    recently published checkpoints."""
+    """Point ``latest`` at ``tag`` atomically, log it, prune to the ``keep_last`` most recently published."""
     # read first: a directory without a log yet is seeded from what it held before this save
     before = [t for t in _published(root) if t != tag]
     _write_latest(root, tag)
@@ -422,7 +403,6 @@ def _legacy_published(root: Path, latest: str | None) -> list[str]:
 
 
 def _checkpoints(root: Path) -> list[str]:
-    """The tags of the halfprec checkpoints in ``root``."""
     return [p.name for p in root.iterdir() if not p.name.startswith(".") and _is_checkpoint_of(p, p.name)]
 
 

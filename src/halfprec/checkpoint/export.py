@@ -1,8 +1,5 @@
-"""Consolidated weights from a checkpoint of any layout: the fp32 masters under the model's state-dict names.
-
-Serves ``halfprec export`` (:func:`export`) and ``halfprec inspect`` (:func:`describe`: ``inspect`` would shadow
-the standard library's module).
-"""
+"""Consolidated weights from a checkpoint of any layout (the fp32 masters under the model's state-dict names),
+for ``halfprec export`` and ``halfprec inspect`` (:func:`describe`: ``inspect`` would shadow the stdlib's)."""
 
 from __future__ import annotations
 
@@ -14,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..precision import DTYPES
 from . import read as ckpt
 from .atomic import fsync_path, remove_leftovers, tmp_dir, unique_suffix
 from .directory import reading, save_safetensors
@@ -21,16 +19,14 @@ from .formats import DCP, ENGINE_SHARDED, layout_of
 
 __all__ = ["consolidated_weights", "export", "describe"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dict[str, torch.Tensor]:
     """Every key of the model's state dict; trained params from their fp32 masters, cast to ``dtype``.
 
     Tied weights appear under each of their names as separate tensors, so a strict ``load_state_dict`` works.
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = Path(path)
     if layout_of(path) == DCP:
         from .consolidate import consolidate  # noqa: PLC0415 - imports torch.distributed.checkpoint
@@ -42,7 +38,7 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
     out = {}
     for key, tensor in weights.items():
         value = masters.get(key, tensor)
-        out[key] = (value.to(_DTYPES[dtype]) if value.is_floating_point() else value).clone().contiguous()
+        out[key] = (value.to(DTYPES[dtype]) if value.is_floating_point() else value).clone().contiguous()
     for alias, name in ties.items():
         out[alias] = out[name].clone()
     return out
@@ -82,11 +78,8 @@ def _read_engine(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], d
 
 
 def export(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32") -> Path:
-    """Write :func:`consolidated_weights` to a safetensors file loadable with ``safetensors.torch.load_file``.
-
-    The file appears whole or not at all: it is written in a hidden temporary directory next to ``out`` and
-    renamed onto it. What a killed export left is removed by the next export to ``out``.
-    """
+    """Write :func:`consolidated_weights` to the safetensors file ``out``, whole or not at all (renamed from a
+    hidden temporary directory next to it, which the next export removes if this one is killed)."""
     out = Path(out)
     if out.is_dir():
         raise IsADirectoryError(

@@ -1,8 +1,5 @@
-"""Plain data for checkpoint files: ``torch.load(weights_only=True)`` loads only what :func:`check_plain` accepts.
-
-Checked at save time, so that a state that could not be loaded without running code is refused before anything is
-written; the RNG states are converted to tensors and plain values for the same reason.
-"""
+"""Plain data for checkpoint files, checked at save time: ``torch.load(weights_only=True)`` loads only what
+:func:`check_plain` accepts (the RNG states are converted to tensors and plain values for it)."""
 
 from __future__ import annotations
 

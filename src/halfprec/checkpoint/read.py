@@ -1,8 +1,5 @@
-"""Reading a checkpoint directory: find it (``latest``, tags, a DCP directory), verify it, load its files.
-
-Every reader goes through these functions: the manifest is verified before any file is used, for the engine's
-format and DCP's alike.
-"""
+"""Reading a checkpoint directory: find it (``latest``, tags, a DCP directory), verify its manifest before any
+file is used (both formats), load its files."""
 
 from __future__ import annotations
 

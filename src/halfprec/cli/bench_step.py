@@ -1,9 +1,6 @@
-"""Timing of one mixed-precision optimizer step: fused path, generic torch path, plain torch pipeline.
-
-What is timed: ``step()`` only, grads in place (backward is the same for all three; the fused grad marks are
-set outside the timed region), as the median of CUDA-event timings after warm-up; against the copy bandwidth
-of the same run and the bytes floor of the algorithm (``FLOOR_BYTES``).
-"""
+"""Timing of one optimizer step (fused, generic torch path, plain torch pipeline): ``step()`` only, grads in place
+and grad marks set outside the timed region, the median of CUDA-event timings after warm-up, against the copy
+bandwidth of the same run and the bytes floor of the algorithm (``FLOOR_BYTES``)."""
 
 from __future__ import annotations
 

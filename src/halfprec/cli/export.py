@@ -1,8 +1,5 @@
-"""`halfprec export CKPT --out FILE` and `halfprec inspect CKPT`.
-
-A bad checkpoint or argument is the user's input, not a bug: its message goes to stderr, without a traceback,
-and the command exits with status 2 (as argparse does for bad arguments).
-"""
+"""`halfprec export CKPT --out FILE` and `halfprec inspect CKPT`. A bad checkpoint is the user's input, not a bug:
+its message goes to stderr without a traceback, and the exit status is 2 (as argparse's for bad arguments)."""
 
 from __future__ import annotations
 

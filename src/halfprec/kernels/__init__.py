@@ -1,8 +1,5 @@
-"""Triton kernels of the fused optimizer step, with their launchers.
-
-Importing this package does not import Triton: the kernel modules (``norm``, ``update``) do, and only the fused
-optimizers import them, lazily, when they are built. ``triton_status()`` says whether they can run here.
-"""
+"""Triton kernels of the fused optimizer step, with their launchers. Importing this package does not import
+Triton (the kernel modules do, imported by the fused optimizers when they are built)."""
 
 from __future__ import annotations
 

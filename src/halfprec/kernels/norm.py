@@ -181,9 +181,8 @@ def finalize(
     """
     if scaler is not None and scaler.scale is not scale:
         raise ValueError("finalize: scale must be the scaler's own scale tensor (scaler.scale)")
-    sargs = (
-        (scale, scale, 1.0, 0.5, 1, 1, 1.0) if scaler is None else scaler_args(scaler)
-    )  # placeholders: unused
+    # without a scaler: placeholders the kernel does not read
+    sargs = (scale, scale, 1.0, 0.5, 1, 1, 1.0) if scaler is None else scaler_args(scaler)
     cfg = settings()
     _finalize_kernel[(1,)](
         sq, bad, sq.numel(), scale, scalars, 0.0 if max_norm is None else float(max_norm),

@@ -1,11 +1,9 @@
 """The dynamic loss scaler's update in Triton: the schedule of ``halfprec.scaler.DynamicLossScaler.update`` in one
 program, instead of ~20 small torch ops (each a kernel launch and ~15 us of host time).
 
-The fused step runs it inside its finalize program (``norm.finalize(..., scaler=...)``), so an eager step pays no
-launch for it at all; ``dynamic_update`` is the same update as a launch of its own for callers that have no
-finalize pass. Both read and write the scaler's own state tensors (``scale`` fp32, ``growth_tracker`` and
-``hysteresis_left`` int64, all 0-d), so the scaler object, its ``state_dict`` and the generic torch path see the
-same state. ``_dynamic_step`` is ``DynamicLossScaler.update`` op by op (which stays the reference).
+The fused step runs it inside its finalize program (``norm.finalize(..., scaler=...)``); ``dynamic_update`` is
+the same update as a launch of its own. Both update the scaler's own state tensors in place; ``_dynamic_step``
+is ``DynamicLossScaler.update`` op by op (which stays the reference).
 
 Products are fp32, as torch computes a 0-d fp32 tensor times a Python float. ``fusable`` takes only
 configurations in which no fp32 subnormal can decide a result (``min_scale`` a normal fp32, the factors within

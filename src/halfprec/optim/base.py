@@ -1,17 +1,7 @@
 """MixedPrecisionOptimizer: the contract every halfprec optimizer keeps, and its default (exact) strategy.
 
-The fused (``fused/``, Triton) and sharded (``sharded/``, ZeRO-1/2) strategies are subclasses that replace the
-strategy methods (construction, ``unscale_``, ``_step``, ``zero_grad``, the state payload); what they share is
-written here once (docs/architecture.md lists it), and every guard in the library tests
-``isinstance(x, MixedPrecisionOptimizer)``. Subclasses rather than a dispatch inside one object (torch's
-``foreach``/``fused`` flags): the strategies hold different buffers and take different constructor arguments,
-which one object would have to hold side by side. ``MixedPrecisionOptimizer(torch_opt, impl=...)`` builds the
-strategy ``select.select_impl`` picks (``_SelectImpl``); subclasses construct as usual.
-
-The exact step: the global norm of the unscaled fp32 master grads (``get_total_norm``) is also the non-finite
-check; the scaler updates on the device; one host sync; then skip (only the scaler and ``skipped_steps`` change),
-or clip (``clip_grads_with_norm_``, bit-identical to ``clip_grad_norm_``), the inner step on the masters and the
-rounding into the model params. The wrapped optimizer is never stepped on construction.
+The fused and sharded strategies are subclasses (docs/architecture.md), not a dispatch inside one object as
+torch's ``foreach``/``fused`` flags are: they hold different buffers and take different constructor arguments.
 """
 
 from __future__ import annotations
@@ -22,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .._checks import is_int
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from .accumulate import GradAccumulator
 from .checks import (
@@ -155,8 +146,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
 
     # --- the contract: construction pieces every strategy uses -------------------------------------------
     def _init_wrapping(self, optimizer: torch.optim.Optimizer) -> None:
-        """Wrap ``optimizer``: its groups, state and defaults become this one's. ``Optimizer.__init__`` would make
-        new groups, so its hook registries are made here and ``step`` is patched (step hooks and global hooks)."""
+        """``Optimizer.__init__`` would make new groups: its hook registries and ``step`` patch are made here."""
         self.optimizer = optimizer
         for name in _HOOK_REGISTRIES:
             setattr(self, name, OrderedDict())
@@ -173,8 +163,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         self._scale_guard = ScaleGuard()
 
     def _init_scaler(self, loss_scaler: LossScaler | None, *, dtypes: set, device: torch.device) -> None:
-        """The default scaler: dynamic when any trained param is fp16 (its grads need it), else none. ``dtypes``:
-        the trained params' dtypes; all fp32 without ``param_dtype`` warns (nothing would be mixed precision)."""
+        """The default scaler: dynamic when any trained param (of ``dtypes``) is fp16, else none."""
         self._has_fp16 = torch.float16 in dtypes
         if dtypes and not dtypes & set(LOW_PRECISION) and self.param_dtype is None:
             warn_caller(
@@ -214,17 +203,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         return list(self._model_params)
 
     def _backward_params(self) -> list[torch.nn.Parameter]:
-        """The params whose ``.grad`` a backward fills (the scale guard's view; with fp32 accumulation the masters)."""
-        if self._accumulator is None:
-            return self._model_params
-        return self._model_params + self._store.master_params()
+        """The params whose ``.grad`` a backward fills (the scale guard's view)."""
+        return self._model_params + self._accumulated()
 
     def _grad_holders(self) -> list[torch.Tensor]:
-        """The tensors whose ``.grad`` a step consumes (``GradMarks`` of a step): the trained params, and with
-        fp32 accumulation the masters too (the hooks move the 16-bit grads there)."""
-        if self._accumulator is None:
-            return self._trained
-        return self._trained + self._store.master_params()
+        """The tensors whose ``.grad`` a step consumes (``GradMarks`` of a step)."""
+        return self._trained + self._accumulated()
+
+    def _accumulated(self) -> list[torch.nn.Parameter]:
+        """The masters when fp32 accumulation's hooks move the 16-bit grads into theirs, else none."""
+        return [] if self._accumulator is None else self._store.master_params()
 
     # --- the contract: read-only results ----------------------------------------------------------------
     @property
@@ -340,7 +328,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             )
         self.loss_scaler.check_state_dict(state_dict.get("scaler"))
         self.check_algorithm(state_dict.get("algorithm"), state_dict["optimizer"]["param_groups"])
-        self.check_state_values(state_dict)
+        self._check_state_values(state_dict)
 
     def _check_compatible(self, saved: list[dict[str, Any]]) -> None:
         mine = self._param_entries()
@@ -545,34 +533,31 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 "weights"
             )
 
-    def check_state_values(self, state_dict: dict[str, Any], where: str = "state dict") -> None:
-        """Raise ValueError unless the values a load writes fit: one floating master of its param's shape for each
-        param that has a master, and the counters (``check_counters``). Checked before the first write, so that a
-        failed load changes nothing; ``where`` names the source in the errors."""
+    def _check_state_values(self, state_dict: dict[str, Any]) -> None:
+        """Raise ValueError unless the values a load writes fit (a floating master of its param's shape for each
+        param that has one, the counters, the scaler state on a copy): a failed load changes nothing."""
         entries = self._param_entries()
         want = [i for i, entry in enumerate(entries) if entry["master"]]
         masters = state_dict.get("masters")
         if not isinstance(masters, dict) or sorted(int(k) for k in masters) != want:
             found = sorted(int(k) for k in masters) if isinstance(masters, dict) else type(masters).__name__
-            raise ValueError(f"{where} holds masters of params {found}, this optimizer has masters of {want}")
+            raise ValueError(
+                f"state dict holds masters of params {found}, this optimizer has masters of {want}"
+            )
         for k, value in masters.items():
             expected = entries[int(k)]["shape"]
             if not (torch.is_tensor(value) and value.is_floating_point() and list(value.shape) == expected):
                 shape = list(value.shape) if torch.is_tensor(value) else type(value).__name__
                 raise ValueError(
-                    f"{where}'s master of param {k} is {shape}, expected a floating tensor of shape {expected}"
+                    f"state dict's master of param {k} is {shape}, expected a floating tensor of shape {expected}"
                 )
-        self.check_counters(state_dict["scaler"], state_dict.get("skipped_steps"), where)
-
-    def check_counters(self, scaler_state: Any, skipped_steps: Any, where: str = "state dict") -> None:
-        """Raise ValueError unless ``skipped_steps`` is a non-negative int and this loss scaler takes
-        ``scaler_state`` (its own checks, on a copy); ``where`` names the source in the errors."""
-        if isinstance(skipped_steps, bool) or not isinstance(skipped_steps, int) or skipped_steps < 0:
-            raise ValueError(f"{where}'s skipped_steps must be a non-negative int, got {skipped_steps!r}")
+        skipped_steps = state_dict.get("skipped_steps")
+        if not is_int(skipped_steps) or skipped_steps < 0:
+            raise ValueError(f"state dict's skipped_steps must be a non-negative int, got {skipped_steps!r}")
         try:
-            copy.deepcopy(self.loss_scaler).load_state_dict(scaler_state)
+            copy.deepcopy(self.loss_scaler).load_state_dict(state_dict["scaler"])
         except ValueError as e:
-            raise ValueError(f"{where}'s loss-scaler state: {e}") from e
+            raise ValueError(f"state dict's loss-scaler state: {e}") from e
 
 
 def _describe(entry: dict[str, Any]) -> str:

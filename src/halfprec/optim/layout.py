@@ -1,8 +1,4 @@
-"""The flat-buffer layout every strategy uses: one alignment, per-param offsets, and the sharded coordinates.
-
-``ALIGN`` (the kernels' vector width, ``kernels/slots.py``) pads every param's slot in a ``Chunk`` (the params of
-one device and dtype, flat, with their fp32 masters), so a kernel block never straddles two params unaligned;
-padding stays zero in every buffer.
+"""The flat-buffer layout every strategy uses: one alignment (``ALIGN``), per-param offsets, sharded coordinates.
 
 Sharded coordinates (``Layout``, all in elements): the *global* flat 16-bit param buffer, which every rank holds
 whole, has the params back to back in the reverse of the optimizer's order (roughly the order backward produces
@@ -89,11 +85,9 @@ class Chunk:
                 p.data = v
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each param's view of one of the chunk's flat buffers, in param order."""
         return [self.view(flat, k) for k in range(len(self.params))]
 
     def view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
-        """Param ``k``'s view of one of the chunk's flat buffers."""
         p, off = self.params[k], self.offsets[k]
         return flat[off : off + p.numel()].view(p.shape)
 
@@ -106,15 +100,14 @@ class Chunk:
             self.state[name] = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
 
     def table(self, indices: Sequence[int], block: int) -> torch.Tensor:
-        """``build_table`` over this chunk's params; ``indices``: their indices in the kernels' per-param arrays."""
+        """``indices``: this chunk's params' indices in the kernels' per-param arrays."""
         return build_table(self.offsets, [p.numel() for p in self.params], indices, block, self.device)
 
 
 def chunk_params(
     params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor], *, flat_params: bool = False
 ) -> list[tuple[Chunk, list[int]]]:
-    """``params`` (with their ``sources``) in one ``Chunk`` per (device, dtype), in first-seen order; each chunk
-    with the indices in ``params`` of its own params."""
+    """One ``Chunk`` per (device, dtype) in first-seen order, each with the indices in ``params`` of its params."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault((p.device, p.dtype), []).append(i)
@@ -129,13 +122,11 @@ class MasterStore:
 
     def __init__(self) -> None:
         self.chunks: list[Chunk] = []
-        self.masters: list[
-            list[torch.nn.Parameter]
-        ] = []  # per chunk: the Parameters the inner optimizer steps
+        # per chunk: the Parameters the inner optimizer steps
+        self.masters: list[list[torch.nn.Parameter]] = []
 
     def add(self, params: Iterable[torch.nn.Parameter], originals: dict[torch.Tensor, torch.Tensor]) -> dict:
-        """``{param: master}`` for new masters of ``params`` (16-bit, trainable) from their best fp32 values
-        (``originals[p]``, else ``p``)."""
+        """``{param: master}`` for new masters of ``params`` from ``originals[p]`` (else ``p``)."""
         params = list(params)
         mapping = {}
         for chunk, _ in chunk_params(params, [originals.get(p, p) for p in params]):
@@ -152,7 +143,6 @@ class MasterStore:
         return [p for chunk in self.chunks for p in chunk.params]
 
     def check_devices(self) -> None:
-        """Raise when a model param has moved off its master's device since the masters were made."""
         for chunk in self.chunks:
             for p in chunk.params:
                 if p.device != chunk.device:
@@ -164,8 +154,8 @@ class MasterStore:
                     )
 
     def copy_grads_in(self) -> list[torch.Tensor]:
-        """Point each master's ``.grad`` at its fp32 view and fill it from the model grad (or set it to None);
-        return the filled ones (still scaled)."""
+        """Point each master's ``.grad`` at its fp32 view, filled from the model grad (or None); return the filled
+        ones (still scaled)."""
         filled_dst: list[torch.Tensor] = []
         filled_src: list[torch.Tensor] = []
         for chunk, masters in zip(self.chunks, self.masters, strict=True):
@@ -182,8 +172,7 @@ class MasterStore:
 
     @torch.no_grad()
     def add_grad(self, c: int, k: int, grad: torch.Tensor) -> None:
-        """Add ``grad`` (16-bit) into the fp32 grad of master ``k`` of chunk ``c`` (the view ``copy_grads_in``
-        fills): copied when the master has no grad, else added with one fp32 rounding."""
+        """Add the 16-bit ``grad`` into master ``k`` of chunk ``c``'s fp32 grad: a copy, or one fp32 rounding."""
         chunk, m = self.chunks[c], self.masters[c][k]
         if chunk.grad is None:
             chunk.make_grad(torch.float32)
@@ -199,7 +188,7 @@ class MasterStore:
 
     @torch.no_grad()
     def copy_params_out(self) -> None:
-        """Round every master to its model param's dtype (round to nearest even) and store it in place."""
+        """Round every master into its model param (to nearest even)."""
         params, masters = self.model_params(), self.master_params()
         if params:
             torch._foreach_copy_([p.data for p in params], masters)

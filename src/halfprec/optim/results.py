@@ -1,10 +1,4 @@
-"""What a step leaves behind, for every strategy: the step record, the grad marks, the skip log and the guard
-against grads that were not loss-scaled.
-
-``StepState`` holds everything a step changes in one object, so wrappers that copy an optimizer's ``__dict__``
-(Lightning's, Fabric's) update the real optimizer. The fused strategy's record (results in device memory, read
-on demand) has the same attribute names, so the contract's properties read ``_s`` alike on every strategy.
-"""
+"""What a step leaves behind, for every strategy: the step record, the grad marks, the skip log, the scale guard."""
 
 from __future__ import annotations
 
@@ -63,7 +57,9 @@ class GradMarks:
 
 @dataclass
 class StepState:
-    """The last step's results and the order guards' state (see the module docstring)."""
+    """The last step's results and the order guards' state, in one object so that wrappers that copy an
+    optimizer's ``__dict__`` (Lightning's, Fabric's) update the real optimizer. The fused strategy's record has
+    the same attribute names."""
 
     unscaled: bool = False  # unscale_() ran and step() has not consumed its grads yet
     grads: list[torch.Tensor] = field(default_factory=list)  # exact strategy: the unscaled master grads
@@ -84,7 +80,6 @@ class SkipLog:
     def report(
         self, *, before: float, after: float, skipped_so_far: int, at_min_scale: bool, where: str = ""
     ) -> None:
-        """Log a skipped step; ``at_min_scale``: a dynamic scaler was at its minimum scale when it overflowed."""
         logger.warning(
             "halfprec: step skipped, non-finite gradients or gradient norm%s (loss scale %g -> %g, %d skipped so far)",
             where,
@@ -115,8 +110,7 @@ class ScaleGuard:
         self.scaled = True
 
     def check(self, params, loss_scaler) -> None:
-        """At a step: warn once when grads exist, the scale is not 1 and no loss was scaled since the last step.
-        ``params``: returns the params whose grads to look at (called only then, off the usual path)."""
+        """``params()``: the params whose grads to look at, called only off the usual path."""
         scaled, self.scaled = self.scaled, False
         if scaled or self.warned or loss_scaler.is_unit or all(p.grad is None for p in params()):
             return

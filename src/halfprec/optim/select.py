@@ -1,7 +1,6 @@
-"""The ``impl=`` policy: how ``MixedPrecisionOptimizer(optimizer, impl=...)``, the engine and the sharded optimizer
-choose between the exact torch path and the fused Triton path.
+"""The ``impl=`` policy of ``MixedPrecisionOptimizer``, the engine and the sharded optimizer.
 
-``impl="auto"`` (the policy, written here once) takes the fused path when the wrapped optimizer is exactly torch
+``impl="auto"`` takes the fused path when the wrapped optimizer is exactly torch
 ``Adam``, ``AdamW``, ``SGD`` or ``Adagrad``, every trainable param is on CUDA, Triton imports, the inner
 ``foreach``/``fused`` flags are left at None (an explicit flag asks for that torch implementation) and no flag the
 kernels lack (``amsgrad``, ``maximize``, ``capturable``, ``differentiable``) is on; else the torch path.
@@ -22,7 +21,7 @@ _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
 def unsupported_flag(groups: list[dict]) -> str | None:
-    """The first group flag the fused kernels lack (``amsgrad``, ``maximize``, ...), as a reason, or None."""
+    """The first group flag the fused kernels lack, as a reason, or None."""
     for i, group in enumerate(groups):
         for flag in _UNSUPPORTED_FLAGS:
             if group.get(flag, False):
@@ -34,7 +33,6 @@ _IMPLS = ("auto", "torch", "triton")
 
 
 def fused_class(optimizer: torch.optim.Optimizer):
-    """The fused optimizer class for a torch optimizer's type, or None."""
     from .fused import FusedAdagrad, FusedAdam, FusedAdamW, FusedSGD
 
     return {
@@ -75,7 +73,7 @@ def fused_unsupported_reason(optimizer: torch.optim.Optimizer, *, explicit: bool
 
 
 def select_impl(optimizer: torch.optim.Optimizer, impl: str) -> str:
-    """Resolve ``impl`` ("auto" | "torch" | "triton") to "torch" or "triton" for ``optimizer`` (see the policy)."""
+    """``impl`` resolved to "torch" or "triton" for ``optimizer``."""
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if impl == "torch":

@@ -9,9 +9,6 @@ One policy for every strategy (design invariant 5):
   is upcast;
 * every other value (fp32 tensors, integer counters, bool masks, non-tensors) is kept as it is;
 * a constructor that cannot be re-run falls back to upcasting, with one warning.
-
-A target may hold a whole param (the exact strategy's master, same shape) or a piece of it (the sharded
-strategy: elements ``[lo, hi)`` of the flattened param, 1-D): elementwise state is then sliced to the piece.
 """
 
 from __future__ import annotations
@@ -38,7 +35,8 @@ def is_elementwise(key: str, value: torch.Tensor, shape: torch.Size) -> bool:
 
 
 class Target(NamedTuple):
-    """Where a param's state goes: ``tensor`` (an fp32 master or piece) holds elements ``[lo, hi)`` of it."""
+    """Where a param's state goes: ``tensor`` holds elements ``[lo, hi)`` of it, the whole param (a master, same
+    shape) or a 1-D piece (sharded: elementwise state is sliced to it)."""
 
     tensor: torch.Tensor
     lo: int
@@ -118,9 +116,8 @@ def move_state(optimizer: torch.optim.Optimizer, targets: dict) -> None:
 
 
 def restore_state_dtypes(optimizer: torch.optim.Optimizer, saved_state: dict, params: list) -> None:
-    """Undo ``Optimizer.load_state_dict``'s cast of every state tensor to the param's dtype: counters and masks
-    come back in their saved dtype, non-tensors as saved (torch's cast turns a string into a generator).
-    ``saved_state``: the loaded ``"state"`` (int index -> dict); ``params``: the optimizer's, in index order."""
+    """Undo ``Optimizer.load_state_dict``'s cast of every state tensor to the param's dtype (non-tensors too:
+    torch's cast turns a string into a generator); ``params``: the optimizer's, in ``saved_state``'s index order."""
     for index, saved in saved_state.items():
         live = optimizer.state.get(params[index])
         if live is None:
@@ -131,8 +128,7 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, saved_state: dict, pa
                 live[key] = value
             elif not torch.is_tensor(current):
                 continue
-            elif not (value.is_floating_point() or value.is_complex()):
-                # counters and masks: torch's load cast them to the param's dtype and device; keep the saved ones
+            elif not (value.is_floating_point() or value.is_complex()):  # counters and masks
                 if current.dtype != value.dtype or current.device != value.device:
                     live[key] = value.clone()
             elif current.dtype != value.dtype:
@@ -140,8 +136,8 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, saved_state: dict, pa
 
 
 def adopt_views(state: dict, names: Iterable[str], view: Callable[[str], torch.Tensor]) -> None:
-    """Copy ``state``'s elementwise tensors ``names`` (absent or None ones skipped) into ``view(name)``, a view of
-    a flat fp32 buffer, and put the view in their place: one launch then updates them all."""
+    """Copy ``state``'s tensors ``names`` (where present) into ``view(name)``, a view of a flat fp32 buffer, and
+    put the view in their place: one launch then updates them all."""
     for name in names:
         value = state.get(name)
         if value is None:
