@@ -13,7 +13,7 @@ the step into its fp32 view, adds later ones (one fp32 rounding each, in micro-b
 
 A chunk's flat grad buffer lives from the first grad of a step (or the step, for a chunk that got none) to
 ``zero_grad(set_to_none=True)``, which frees it with every view, so the next forward runs without it (2 B/param,
-4 with fp32 accumulation). ``zero_grad(set_to_none=False)`` keeps it, zeroed; a step keeps it, with ``.grad``, until
+4 with fp32 accumulation). ``zero_grad(set_to_none=False)`` keeps it, zeroed; a step keeps it (and ``.grad``) until
 then; ``model.zero_grad()`` cannot reach it, so it stays and the next backward reuses it. Once a step was captured
 in a CUDA graph the buffers stay for good: the graph reads their addresses.
 """
@@ -112,11 +112,12 @@ class GradViews:
             for chunk in chunks:
                 self.views(chunk)
             return
-        if any(chunk.grad is None for chunk in chunks):
+        missing = [str(chunk.dtype) for chunk in chunks if chunk.grad is None]
+        if missing:
             raise RuntimeError(
-                "step() is being captured in a CUDA graph, but zero_grad(set_to_none=True) freed the flat grad "
-                "buffers since the last backward and a step cannot make them during capture; run a backward "
-                "(or assign the grads) before capturing step(), or call zero_grad(set_to_none=False) instead"
+                f"step() is being captured in a CUDA graph, but the flat grad buffer of the {', '.join(missing)} "
+                "params was freed by zero_grad(set_to_none=True) and no grad came since, and a captured step "
+                "cannot make it; run the backward before capturing step(), or call zero_grad(set_to_none=False)"
             )
         self.pinned = True
 
