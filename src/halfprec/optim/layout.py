@@ -95,6 +95,11 @@ class Chunk:
         self.grad = torch.zeros(self.numel, dtype=dtype, device=self.device)
         self.grad_views = self.views(self.grad)
 
+    def free_grad(self) -> None:
+        """Drop the grad buffer and its views (its memory goes with the last view held elsewhere)."""
+        self.grad = None
+        self.grad_views = []
+
     def add_state(self, name: str) -> None:
         if name not in self.state:
             self.state[name] = torch.zeros(self.numel, dtype=torch.float32, device=self.device)

@@ -278,9 +278,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             check_dtypes(self._trainable, self._dtypes)
             self._reporter.drain()
             self._grads.adopt(type(self).__name__)
-            for chunk in self._chunks:
-                self._grads.views(chunk)
             self._ensure_state()
+        self._grads.ready(self._chunks, capturing=capturing)
         self._upload_hyper(capturing)
         scale = self.loss_scaler.scale
         flags = self._grads.flags

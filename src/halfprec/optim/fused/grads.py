@@ -10,6 +10,12 @@ With ``accum_dtype=torch.float32`` a 16-bit chunk's grad buffer is fp32: the hoo
 the step into its fp32 view, adds later ones (one fp32 rounding each, in micro-batch order) and releases the
 16-bit ``.grad``; the view becomes the ``.grad`` of the param's master. The marks are the accumulation: a step or
 ``zero_grad`` clears them, so the next grad starts a new sum whoever clears ``.grad``.
+
+A chunk's flat grad buffer lives from the first grad of a step (or the step, for a chunk that got none) to
+``zero_grad(set_to_none=True)``, which frees it with every view, so the next forward runs without it (2 B/param,
+4 with fp32 accumulation). ``zero_grad(set_to_none=False)`` keeps it, zeroed; a step keeps it (and ``.grad``) until
+then; ``model.zero_grad()`` cannot reach it, so it stays and the next backward reuses it. Once a step was captured
+in a CUDA graph the buffers stay for good: the graph reads their addresses.
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ from ..layout import Chunk
 from ..results import weak_hook
 
 __all__ = ["GradViews"]
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class GradViews:
@@ -42,12 +52,14 @@ class GradViews:
         # adopt(), which is host time on a skipped step
         self._view_ptrs: list[int | None] = [None] * len(self.params)
         self._param_ptrs = [p.data_ptr() for p in self.params]  # the params are views of the flat buffers
+        self.pinned = False  # a CUDA graph holds the grad buffers' addresses: zero_grad no longer frees them
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(weak_hook(self.mark, i))
 
     def views(self, chunk: Chunk) -> list[torch.Tensor]:
-        """The chunk's grad views, its flat grad buffer made at the first grad it gets (not at construction)."""
+        """The chunk's grad views, its flat grad buffer made at the first grad it gets in a step."""
         if chunk.grad is None:
+            self.pinned = self.pinned or _capturing()  # made in a captured backward: the graph writes it
             chunk.make_grad(self.accum_dtype or chunk.dtype)
             for i, (c, local) in enumerate(self.where):
                 if c is chunk:
@@ -93,6 +105,22 @@ class GradViews:
             elif g is not None and g.data_ptr() != self._view_ptrs[i]:
                 self.mark(i)
 
+    def ready(self, chunks: Sequence[Chunk], *, capturing: bool) -> None:
+        """Before a step's kernels: every chunk has its grad buffer (zero where no grad came). A captured step
+        cannot make one (the graph would zero it at every replay) and pins them."""
+        if not capturing:
+            for chunk in chunks:
+                self.views(chunk)
+            return
+        missing = [str(chunk.dtype) for chunk in chunks if chunk.grad is None]
+        if missing:
+            raise RuntimeError(
+                f"step() is being captured in a CUDA graph, but the flat grad buffer of the {', '.join(missing)} "
+                "params was freed by zero_grad(set_to_none=True) and no grad came since, and a captured step "
+                "cannot make it; run the backward before capturing step(), or call zero_grad(set_to_none=False)"
+            )
+        self.pinned = True
+
     def consumed(self) -> None:
         """A step read the marks (the finalize program cleared ``flags``)."""
         self._marked = [False] * len(self.params)
@@ -101,8 +129,9 @@ class GradViews:
                 chunk.master_views[local].grad = None
 
     def clear(self, chunks: Sequence[Chunk], set_to_none: bool) -> None:
-        """``zero_grad``: ``.grad`` to None, or the flat buffers zeroed with ``.grad`` kept as views (None when
-        the view is wider than the param: fp32 accumulation)."""
+        """``zero_grad``: ``.grad`` to None and the flat buffers freed (kept when pinned or during capture), or
+        the buffers zeroed with ``.grad`` kept as views (None when the view is wider than the param: fp32
+        accumulation)."""
         if set_to_none:
             for p in self.params:
                 p.grad = None
@@ -113,4 +142,8 @@ class GradViews:
                 for p, view in zip(chunk.params, views, strict=True):
                     p.grad = view if view.dtype == p.dtype else None
         self.flags.zero_()
-        self.consumed()
+        self.consumed()  # the masters' .grad (fp32 accumulation) let go of their views
+        if set_to_none and not (self.pinned or _capturing()):
+            for chunk in chunks:
+                chunk.free_grad()
+            self._view_ptrs = [None] * len(self.params)
