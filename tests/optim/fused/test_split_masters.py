@@ -94,7 +94,8 @@ def assert_split_matches(split, ref) -> int:
     exactly at the ties when one is split and the other not); returns how many params differ."""
     differ = 0
     modes = {getattr(opt, "masters", "fp32") for opt in (split, ref)}
-    for m, r, p, q in zip(split.master_params(), ref.master_params(), split.model_params(), ref.model_params()):
+    pairs = zip(split.master_params(), ref.master_params(), split.model_params(), ref.model_params(), strict=True)
+    for m, r, p, q in pairs:
         assert torch.equal(_bits(m), _bits(r)), p.shape
         if p.dtype == torch.bfloat16:
             assert torch.equal(_bits(p), _bits(_rounded(split, r)).view(p.shape)), p.shape
