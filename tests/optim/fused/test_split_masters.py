@@ -51,7 +51,7 @@ def _pair(cls, hp, sources, *, groups=None):
     runs = []
     for masters in ("split", "fp32"):
         params = [torch.nn.Parameter(s.clone()) for s in sources]
-        held = params if groups is None else [{"params": [params[i] for i in idx], **kw} for idx, kw in groups]
+        held = [{"params": [params[i] for i in idx], **kw} for idx, kw in groups] if groups else params
         runs.append((cls(held, **hp, param_dtype=torch.bfloat16, masters=masters), params))
     (split, a), (ref, b) = runs
     return split, ref, a, b
@@ -94,14 +94,15 @@ def assert_split_matches(split, ref) -> int:
     exactly at the ties when one is split and the other not); returns how many params differ."""
     differ = 0
     modes = {getattr(opt, "masters", "fp32") for opt in (split, ref)}
-    pairs = zip(split.master_params(), ref.master_params(), split.model_params(), ref.model_params(), strict=True)
-    for m, r, p, q in pairs:
+    masters = zip(split.master_params(), ref.master_params(), strict=True)
+    for (m, r), p, q in zip(masters, split.model_params(), ref.model_params(), strict=True):
         assert torch.equal(_bits(m), _bits(r)), p.shape
         if p.dtype == torch.bfloat16:
             assert torch.equal(_bits(p), _bits(_rounded(split, r)).view(p.shape)), p.shape
             assert torch.equal(_bits(q), _bits(_rounded(ref, r)).view(p.shape)), p.shape
             where = _bits(p) != _bits(q)
-            assert torch.equal(where, _ties(r).view(where.shape) if len(modes) == 2 else torch.zeros_like(where))
+            ties = _ties(r).view(where.shape) if len(modes) == 2 else torch.zeros_like(where)
+            assert torch.equal(where, ties), p.shape
             differ += int(where.sum())
         else:
             assert torch.equal(_bits(p), _bits(q))
@@ -143,12 +144,13 @@ def test_adamw_holds_14_bytes_per_param_with_split_masters(masters, per_param):
     opt = FusedAdamW(params, param_dtype=torch.bfloat16, masters=masters)
     chunk = opt._where[0][0]
     assert (chunk.data is None) == (masters == "split")
-    assert _bytes(chunk) == (2 + (2 if masters == "split" else 4)) * chunk.numel  # construction: param + master
+    # construction: param and master; after a step the grad and the moments too
+    assert _bytes(chunk) == (2 + (2 if masters == "split" else 4)) * chunk.numel
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
     assert chunk.numel == sum(aligned(n) for n in sizes)
-    assert _bytes(chunk) == per_param * chunk.numel  # model 2 + grad 2 + master (2 or 4) + moments 8
+    assert _bytes(chunk) == per_param * chunk.numel
 
 
 def test_fp32_params_stay_their_own_masters():
@@ -256,22 +258,23 @@ def test_refresh_masters_takes_the_bf16_weights_exactly():
 
 
 # --- the engine ---------------------------------------------------------------------------------------------------
-@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU params), as test_engine_fused.py")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU params)")
 def test_engine_builds_split_masters_and_resumes_bit_exactly(tmp_path):
     engine = build("bf16", impl="triton", masters="split")
     assert isinstance(engine.optimizer, FusedAdamW) and engine.optimizer.masters == "split"
     reference = build("bf16", impl="triton")
     train(engine, 3)
     train(reference, 3)
-    assert assert_split_matches(engine.optimizer, reference.optimizer) == 0  # no tie: the runs saw equal weights
+    assert assert_split_matches(engine.optimizer, reference.optimizer) == 0  # no tie: equal weights all along
     engine.save_checkpoint(tmp_path)
     train(engine, 2)
     resumed = build("bf16", seed=9, impl="triton", masters="split")
     resumed.load_checkpoint(tmp_path)
     train(resumed, 2)
     assert_split_matches(resumed.optimizer, engine.optimizer)
-    for (k, v), w in zip(resumed.module.state_dict().items(), engine.module.state_dict().values(), strict=True):
-        assert torch.equal(v, w), k
+    weights = engine.module.state_dict()
+    for k, v in resumed.module.state_dict().items():
+        assert torch.equal(v, weights[k]), k
 
 
 CONFIG_ERRORS = [
@@ -288,7 +291,7 @@ def test_config_errors(fields, match):
         halfprec.Config(**fields)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU params: the fused path is refused under impl='auto'")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU params: impl='auto' refuses the fused path")
 def test_initialize_names_why_the_fused_path_cannot_run():
     with pytest.raises(ValueError, match=r"masters='split' runs on the fused path, which cannot take.*CUDA"):
         build("bf16", masters="split")
