@@ -152,9 +152,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         # frozen when built: never trained
         self._frozen = [p for p in self._model_params if p not in self._index]
         sources = [originals.get(p, p.data) for p in trainable]
-        placed = chunk_params(
-            trainable, sources, flat_params=True, masters=self.masters
-        )  # one chunk per dtype
+        # one chunk per dtype
+        placed = chunk_params(trainable, sources, flat_params=True, masters=self.masters)
         self._chunks: list[Chunk] = [chunk for chunk, _ in placed]
         # per chunk: the rows of the norm and update kernels (layout.build_table)
         self._norm_tables = [chunk.table(idx, cfg.norm_block) for chunk, idx in placed]
