@@ -7,6 +7,7 @@ the compiled kernels' (``pytest.mark.gpu``)."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -311,3 +312,25 @@ def test_cuda_50_steps_match_the_fp32_master_optimizer(cls, hp):
     ties = assert_split_matches(split, ref)
     assert ties > 0
     print(f"{cls.__name__}: {ties} ties rounded away instead of to even")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("masters", "per_param"), [("split", 14), ("fp32", 16)])
+def test_cuda_allocated_bytes_per_param_after_the_first_step(masters, per_param):
+    gc.collect()  # earlier tests' garbage freed now, not during the measurement
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    params = [
+        torch.nn.Parameter(torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)) for _ in range(8)
+    ]
+    n = sum(p.numel() for p in params)
+    opt = FusedAdamW(params, lr=1e-3, masters=masters)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # the grads stay views of the flat grad buffer
+    torch.cuda.synchronize()
+    got = (torch.cuda.memory_allocated() - base) / n
+    print(f"masters={masters}: {got:.4f} allocated bytes per param")
+    # model 2 + grad 2 + master (2 or 4) + moments 8; the tables and scalars are a few bytes per 1,000 params
+    assert per_param <= got < per_param + 0.05
