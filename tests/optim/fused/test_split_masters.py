@@ -121,16 +121,18 @@ def assert_split_matches(split, ref) -> int:
 # --- construction, memory, errors ------------------------------------------------------------------------------
 def test_construction_splits_the_fp32_sources_exactly():
     source = _patterns()
-    params = [torch.nn.Parameter(source.clone()), torch.nn.Parameter(torch.randn(9).to(torch.bfloat16))]
+    plain = torch.randn(9).to(DEVICE, torch.bfloat16)  # no fp32 original
+    params = [torch.nn.Parameter(source.clone()), torch.nn.Parameter(plain.clone())]
     opt = FusedAdamW(params, param_dtype=torch.bfloat16, masters="split")
-    master, plain = opt.master_params()
+    master, joined = opt.master_params()
     assert torch.equal(_bits(master), _bits(source))
     assert torch.equal(_bits(params[0]), _bits(split_master(source.cpu())[0]))
     assert int(_ties(source).sum()) > 0  # the patterns hold ties, where the cast to bf16 rounded to even
     rne = source.to(torch.bfloat16)
     assert torch.equal(_bits(params[0]) != _bits(rne), _ties(source))
     # a bf16 param without an fp32 original is its own master exactly (low half 0)
-    assert torch.equal(_bits(plain), _bits(params[1].float()))
+    assert torch.equal(_bits(joined), _bits(plain.float()))
+    assert torch.equal(_bits(params[1]), _bits(plain))
 
 
 def _bytes(chunk: Chunk) -> int:
@@ -155,8 +157,8 @@ def test_adamw_holds_14_bytes_per_param_with_split_masters(masters, per_param):
 
 
 def test_fp32_params_stay_their_own_masters():
-    bf16 = torch.nn.Parameter(torch.randn(41).to(torch.bfloat16))
-    fp32 = torch.nn.Parameter(torch.randn(9))
+    bf16 = torch.nn.Parameter(torch.randn(41).to(DEVICE, torch.bfloat16))
+    fp32 = torch.nn.Parameter(torch.randn(9).to(DEVICE))
     opt = FusedSGD([bf16, fp32], lr=0.1, masters="split")
     chunks = {chunk.dtype: chunk for chunk, _ in opt._where}
     assert chunks[torch.float32].low is None and chunks[torch.float32].data is not None
@@ -174,7 +176,7 @@ ERRORS = [
 
 @pytest.mark.parametrize(("kwargs", "dtype", "match"), ERRORS)
 def test_errors(kwargs, dtype, match):
-    p = torch.nn.Parameter(torch.randn(9).to(dtype))
+    p = torch.nn.Parameter(torch.randn(9).to(DEVICE, dtype))
     with pytest.raises(ValueError, match=match):
         FusedAdamW([p], **kwargs)
     assert p.dtype == dtype  # refused before any param was cast
