@@ -1,0 +1,284 @@
+"""End-to-end training benchmark: a transformers Llama (~271M params, seq 1024) under torch autocast, halfprec and
+DeepSpeed ZeRO-0, in interleaved rounds.
+
+    python benchmarks/bench_train.py [--rounds 3] [--steps 40] [--systems autocast,halfprec,deepspeed]
+
+Every (round, system, dtype) runs in its own process (peak memory is per process; nothing is shared between
+systems), rounds interleaved because the device's speed drifts. Each run builds the same model from the same seed,
+trains it with AdamW (lr 3e-4, weight decay 0.1, clipping at 1.0) on the same token batches, and reports the median
+ms/step after the warm-up steps (CUDA events), tokens/s, the peak memory allocated during training and the loss
+of the last step. ``--trace`` adds every step's loss, loss scale and grad norm to the JSON.
+
+Systems:
+  autocast   fp32 model under ``torch.autocast``, ``torch.optim.AdamW(fused=True)``; fp16 with ``GradScaler``
+  halfprec   ``halfprec.initialize`` (16-bit model, fused optimizer on CUDA)
+  deepspeed  DeepSpeed ZeRO-0 with its FusedAdam (``gradient_clipping: 1.0``), when it is installed
+  deepspeed-reset  the same, with the Adam state DeepSpeed's fp16 wrapper creates at construction (a step on zero
+             grads) reset before training: a diagnostic of that construction step (fp16 only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+SYSTEMS = ("autocast", "halfprec", "deepspeed", "deepspeed-reset")
+LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
+
+
+def llama(seed: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, max_position_embeddings=1024, tie_word_embeddings=False,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        return LlamaForCausalLM(config)
+
+
+def batches(batch: int, seq: int, count: int = 4):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return [torch.randint(0, 32000, (batch, seq), device="cuda", generator=g) for _ in range(count)]
+
+
+def autocast_runner(model, dtype):
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+
+    def step(x):
+        with torch.autocast("cuda", dtype=dtype):
+            loss = model(input_ids=x, labels=x).loss
+        if scaler is None:
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+        last[:] = [norm]
+        return loss.detach()
+
+    last = [None]
+    return step, lambda: (last[0], scaler.get_scale() if scaler is not None else None)
+
+
+def halfprec_runner(model, dtype):
+    import torch
+
+    import halfprec
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    engine = halfprec.initialize(model, opt, precision=precision, max_grad_norm=CLIP)
+
+    def step(x):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        return loss.detach()
+
+    return step, lambda: (engine.optimizer.grad_norm, engine.optimizer.step_loss_scale)
+
+
+def deepspeed_runner(model, dtype, *, reset: bool):
+    import deepspeed
+    import torch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+        "steps_per_print": 10**9,
+        ("fp16" if dtype == torch.float16 else "bf16"): {"enabled": True},
+    }
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    inner = opt.optimizer  # the FusedAdam under DeepSpeed's fp16/bf16 wrapper
+    steps_at_start = sorted({int(s["step"]) for s in inner.state.values() if "step" in s})
+    info = {"inner_state_steps_after_initialize": steps_at_start}
+    if reset:
+        inner.state.clear()  # what a lazily initialising wrapper would hold: no state before the first update
+        for group in inner.param_groups:
+            group.pop("step", None)
+        info["reset"] = True
+
+    def step(x):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    step.info = info
+    step.skipped = lambda: engine.skipped_steps
+    return step, lambda: (engine.get_global_grad_norm(), getattr(opt, "cur_scale", None))
+
+
+def child(system: str, dtype_name: str, args) -> dict:
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    model = llama(args.seed)
+    if system == "autocast":
+        step, probe = autocast_runner(model, dtype)
+    elif system == "halfprec":
+        step, probe = halfprec_runner(model, dtype)
+    else:
+        step, probe = deepspeed_runner(model, dtype, reset=system == "deepspeed-reset")
+    data = batches(args.batch, args.seq)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    total = args.warmup + args.steps
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(total)
+    ]
+    losses, probes = [], []  # probe() syncs: only with --trace, which is not for timing
+    for i in range(total):
+        events[i][0].record()
+        losses.append(step(data[i % len(data)]))
+        events[i][1].record()
+        if args.trace:
+            probes.append(probe())
+    torch.cuda.synchronize()
+    ms = [a.elapsed_time(b) for a, b in events[args.warmup :]]
+
+    def num(v):
+        return None if v is None else float(v)
+
+    median = statistics.median(ms)
+    result = {
+        "system": system,
+        "dtype": dtype_name,
+        "ms_per_step": median,
+        "tokens_per_s": args.batch * args.seq / (median * 1e-3),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "final_loss": float(losses[-1]),
+        "params": sum(p.numel() for p in model.parameters()),
+        "torch": torch.__version__,
+        **getattr(step, "info", {}),
+    }
+    if hasattr(step, "skipped"):
+        result["skipped_steps"] = int(step.skipped())
+    if args.trace:
+        result["trace"] = [
+            {"loss": float(lo), "grad_norm": num(n), "scale": num(s)}
+            for lo, (n, s) in zip(losses, probes, strict=True)
+        ]
+    return result
+
+
+def available(system: str) -> bool:
+    if not system.startswith("deepspeed"):
+        return True
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| round | system | dtype | ms/step | tokens/s | peak GiB | loss after N steps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.get('round', 'best')} | {r['system']} | {r['dtype']} | {r['ms_per_step']:.1f} | "
+            f"{r['tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | {r['final_loss']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--systems", default="autocast,halfprec,deepspeed")
+    parser.add_argument("--dtypes", default="bf16,fp16")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trace", action="store_true", help="every step's loss, scale and grad norm in the JSON"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write every run's result here")
+    parser.add_argument("--child", nargs=2, metavar=("SYSTEM", "DTYPE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(*args.child, args)), flush=True)
+        return
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            parser.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    missing = [s for s in systems if not available(s)]
+    if missing:
+        print(f"skipping {', '.join(missing)}: deepspeed is not installed", file=sys.stderr)
+    systems = [s for s in systems if s not in missing]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    rows, failures = [], []
+    passthrough = [f"--{k}={getattr(args, k)}" for k in ("steps", "warmup", "batch", "seq", "seed")]
+    for rnd in range(1, args.rounds + 1):
+        for system in systems:
+            for dtype in dtypes:
+                if system == "deepspeed-reset" and dtype != "fp16":
+                    continue
+                cmd = [sys.executable, __file__, "--child", system, dtype, *passthrough]
+                cmd += ["--trace"] if args.trace else []
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                if proc.returncode != 0 or line is None:
+                    failures.append((rnd, system, dtype, proc.stderr[-2000:]))
+                    print(f"round {rnd} {system} {dtype}: FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
+                    continue
+                row = json.loads(line[len("RESULT ") :]) | {"round": rnd}
+                rows.append(row)
+                print(table([row]).splitlines()[-1], flush=True)
+    best = {}
+    for r in rows:
+        key = (r["system"], r["dtype"])
+        if key not in best or r["ms_per_step"] < best[key]["ms_per_step"]:
+            best[key] = r
+    print("\nEvery round:\n" + table(rows))
+    print(
+        "\nBest round of each:\n"
+        + table([{k: v for k, v in r.items() if k != "round"} for r in best.values()])
+    )
+    if args.json:
+        args.json.write_text(json.dumps({"runs": rows, "failures": failures}, indent=1))
+    if failures:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
