@@ -38,9 +38,8 @@ def llama(seed: int):
 
     config = LlamaConfig(
         vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=16, max_position_embeddings=1024, tie_word_embeddings=False,
+        num_key_value_heads=16, max_position_embeddings=1024, tie_word_embeddings=False, attn_implementation="sdpa",
     )  # fmt: skip
-    config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     with torch.device("cuda"):
         return LlamaForCausalLM(config)
@@ -93,14 +92,13 @@ def halfprec_runner(model, dtype):
     def step(x):
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
+        engine.step()  # also clears the grads
         return loss.detach()
 
     return step, lambda: (engine.optimizer.grad_norm, engine.optimizer.step_loss_scale)
 
 
-def deepspeed_runner(model, dtype, *, reset: bool):
+def deepspeed_runner(model, dtype, batch: int, *, reset: bool):
     import deepspeed
     import torch
 
@@ -111,7 +109,7 @@ def deepspeed_runner(model, dtype, *, reset: bool):
         RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     config = {
-        "train_micro_batch_size_per_gpu": 8,
+        "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": 0},
@@ -150,7 +148,7 @@ def child(system: str, dtype_name: str, args) -> dict:
     elif system == "halfprec":
         step, probe = halfprec_runner(model, dtype)
     else:
-        step, probe = deepspeed_runner(model, dtype, reset=system == "deepspeed-reset")
+        step, probe = deepspeed_runner(model, dtype, args.batch, reset=system == "deepspeed-reset")
     data = batches(args.batch, args.seq)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

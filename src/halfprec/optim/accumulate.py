@@ -9,13 +9,10 @@ hooks would find the grads released; the fp32 all-reduce is a later part of issu
 
 from __future__ import annotations
 
-import functools
-import weakref
-
 import torch
 
 from .layout import MasterStore
-from .results import StepState
+from .results import StepState, weak_hook
 
 __all__ = ["GradAccumulator"]
 
@@ -33,20 +30,19 @@ class GradAccumulator:
 
     def hook_new_chunks(self) -> None:
         """Hook the params of the store's chunks made since the last call."""
-        ref = weakref.ref(self)  # the hooks live on the params: they must not keep the optimizer alive
         for c in range(self.hooked, len(self.store.chunks)):
             for k, p in enumerate(self.store.chunks[c].params):
-                p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref, c, k))
+                p.register_post_accumulate_grad_hook(weak_hook(self.on_grad, c, k))
         self.hooked = len(self.store.chunks)
 
-    def on_grad(self, c: int, k: int, param: torch.Tensor) -> None:
+    def on_grad(self, c: int, k: int) -> None:
         """Param ``k`` of chunk ``c`` got a grad: add it into its master grad and release it."""
         if self.state.unscaled:
             raise RuntimeError(
                 "a backward ran after unscale_() and before step(): its grads would be added, still loss-scaled, "
                 "to unscaled ones. Call unscale_() after the last backward() of the step."
             )
-        self.take(c, k, param)
+        self.take(c, k, self.store.chunks[c].params[k])
 
     def collect(self) -> list[torch.Tensor]:
         """At the step: take the model grads assigned by hand (no hook ran for them), end the accumulation (the
@@ -67,9 +63,3 @@ class GradAccumulator:
             self.consumed = False
         self.store.add_grad(c, k, param.grad)
         param.grad = None
-
-
-def _on_grad(ref: weakref.ref, c: int, k: int, param: torch.Tensor) -> None:
-    accumulator = ref()
-    if accumulator is not None:
-        accumulator.on_grad(c, k, param)

@@ -8,6 +8,7 @@ on demand) has the same attribute names, so the contract's properties read ``_s`
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["GradMarks", "ScaleGuard", "SkipLog", "StepState", "warn_caller"]
+__all__ = ["GradMarks", "ScaleGuard", "SkipLog", "StepState", "warn_caller", "weak_hook"]
 
 logger = logging.getLogger("halfprec")
 # frames of halfprec and of torch (its optimizer-step and no_grad wrappers) are not the user's line
@@ -31,6 +32,18 @@ def warn_caller(message: str, category: type[Warning]) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level + 1)
+
+
+def weak_hook(method, *args):
+    """A post-accumulate-grad hook that calls ``method(*args)`` while ``method``'s object lives. The hook lives on
+    the param, which autograd's C++ side also holds: a strong reference would keep the optimizer alive."""
+    return functools.partial(_call_weak, weakref.WeakMethod(method), args)
+
+
+def _call_weak(ref: weakref.WeakMethod, args: tuple, param: torch.Tensor) -> None:
+    bound = ref()
+    if bound is not None:
+        bound(*args)
 
 
 class GradMarks:

@@ -14,27 +14,14 @@ the step into its fp32 view, adds later ones (one fp32 rounding each, in micro-b
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import Sequence
 
 import torch
 
 from ..layout import Chunk
+from ..results import weak_hook
 
-__all__ = ["GradViews", "weak_hook"]
-
-
-def weak_hook(method, *args):
-    """A post-accumulate-grad hook that calls ``method(*args)`` while ``method``'s object lives. The hook lives on
-    the param, which autograd's C++ side also holds: a strong reference would keep the optimizer alive."""
-    return functools.partial(_call_weak, weakref.WeakMethod(method), args)
-
-
-def _call_weak(ref: weakref.WeakMethod, args: tuple, param: torch.Tensor) -> None:
-    bound = ref()
-    if bound is not None:
-        bound(*args)
+__all__ = ["GradViews"]
 
 
 class GradViews:

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from ..fused.grads import weak_hook
 from ..layout import Layout
+from ..results import weak_hook
 
 __all__ = ["GradReducer"]
 
