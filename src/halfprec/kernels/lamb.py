@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .settings import settings
+from .settings import NO_FMA, settings
 from .slots import ADAM_PSCAL
 from .update import _adam_moments, _grad_and_master, _load_master, _pscal_row, _row, _store, param_arg
 
@@ -117,12 +117,12 @@ def lamb_update(
     p, code = param_arg(param, master)
     _lamb_stage_kernel[(n,)](
         p, grad, master, exp_avg, exp_avg_sq, table, pscal, scalars, partials,
-        S=ADAM_PSCAL, PARAM=code, BLOCK=cfg.update_block, num_warps=cfg.update_warps,
+        S=ADAM_PSCAL, PARAM=code, BLOCK=cfg.update_block, num_warps=cfg.update_warps, **NO_FMA,
     )  # fmt: skip
     _lamb_trust_kernel[(trust_rows.shape[0],)](
         partials, trust_rows, pscal, S=ADAM_PSCAL, BLOCK=cfg.final_block, num_warps=cfg.final_warps
     )
     _lamb_apply_kernel[(n,)](
         p, master, exp_avg, exp_avg_sq, table, pscal,
-        S=ADAM_PSCAL, PARAM=code, BLOCK=cfg.update_block, num_warps=cfg.update_warps,
+        S=ADAM_PSCAL, PARAM=code, BLOCK=cfg.update_block, num_warps=cfg.update_warps, **NO_FMA,
     )  # fmt: skip

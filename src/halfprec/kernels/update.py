@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .settings import settings
+from .settings import NO_FMA, settings
 from .slots import ALIGN, PSCAL_SLOTS, PSCAL_WIDTH, Kind
 from .split import join, split
 
@@ -218,5 +218,5 @@ def update(
     _update_kernel[(n,)](
         p, grad, master, a, b, table, pscal, scalars,
         S=PSCAL_SLOTS[kind], KIND=int(kind), PARAM=code, ALIGNED=aligned, BLOCK=cfg.update_block,
-        num_warps=cfg.update_warps,
+        num_warps=cfg.update_warps, **NO_FMA,
     )  # fmt: skip

@@ -314,7 +314,12 @@ GPU_SIZES = [9, 41, 341, 4231, 1, 127, 4097, 2**16 + 3, (1024, 1031)]
 def test_cuda_50_steps_match_the_fp32_master_optimizer(cls, hp):
     # per-group scalars; the patterns' group (lr 0) keeps its ties through the kernel's join and split
     groups = [([0, 1, 2, 3, 4], {}), ([5, 6, 7, 8], {"lr": hp["lr"] / 3}), ([9], {"lr": 0.0})]
-    split, ref, a, b = _pair(cls, hp, _sources(GPU_SIZES, device="cuda") + [_patterns("cuda")], groups=groups)
+    patterns = _patterns("cuda")
+    if (
+        cls is FusedLamb
+    ):  # beyond these, |p|^2 overflows: trust ratio inf, NaN masters (payloads: optim/split.py)
+        patterns = patterns[:1000]
+    split, ref, a, b = _pair(cls, hp, _sources(GPU_SIZES, device="cuda") + [patterns], groups=groups)
     _step_both(split, ref, a, b, 50)
     ties = assert_split_matches(split, ref)
     assert ties > 0
