@@ -19,6 +19,7 @@ from . import checkpoint as ckpt
 from ._checks import is_int
 from .config import Config, check_fields
 from .optim.base import MixedPrecisionOptimizer
+from .optim.select import fused_from_torch, fused_unsupported_reason
 from .precision import DTYPES
 from .resume import keep_scaler_settings, scaler_kind_error
 
@@ -102,6 +103,14 @@ def initialize(
             reduce_dtype=config.reduce_dtype,
             **options,
         )
+    elif config.masters == "split":  # the fused path only (Config checked the rest)
+        reason = fused_unsupported_reason(optimizer, explicit=config.impl == "triton")
+        if reason is not None:
+            raise ValueError(
+                f"masters='split' runs on the fused path, which cannot take this optimizer: {reason}"
+            )
+        options.pop("impl")
+        mp = fused_from_torch(optimizer, masters="split", **options)
     else:
         mp = MixedPrecisionOptimizer(optimizer, **options)
     if dtype != torch.float32:

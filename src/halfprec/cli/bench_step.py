@@ -30,6 +30,9 @@ __all__ = [
 # Bytes per param: AdamW reads the grads twice (norm, update), reads and writes master, m, v and writes the
 # 16-bit param; SGD with momentum and Adagrad: 22; LAMB: its three passes (norm 2 + stage 22 + apply 18).
 FLOOR_BYTES = {"adamw": 30, "sgd": 22, "adagrad": 22, "lamb": 42}
+# impl "split" (fused, masters="split", bf16): the master read and write become P and L (4 + 4 B) and the separate
+# param write goes: 2 B/param less
+SPLIT_SAVES = 2
 # name -> list of param shapes (268M: 16 weights of 4096x4096 and 16 biases of 4096)
 WORKLOADS = {
     "268M": [(4096, 4096)] * 16 + [(4096,)] * 16,
@@ -105,11 +108,11 @@ def _torch_opt(name, params, *, fused=None):
     return cls(params, **hyper, fused=fused)
 
 
-def bench_fused_optimizer(name, params):
+def bench_fused_optimizer(name, params, masters="fp32"):
     """The fused optimizer ``name`` over ``params`` as the bench times it (clipping at 1.0; fp16 scaled)."""
     _, cls, hyper = _OPTIMIZERS[name]
     scaler = halfprec.DynamicLossScaler() if params[0].dtype == torch.float16 else None
-    return cls(params, **hyper, loss_scaler=scaler, max_grad_norm=1.0)
+    return cls(params, **hyper, loss_scaler=scaler, max_grad_norm=1.0, masters=masters)
 
 
 class _PlainPipeline:
@@ -167,8 +170,8 @@ def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) ->
     """One impl's measured ``BenchRow`` fields (fused: also the skipped-step and CUDA-graph times)."""
     params = bench_params(shapes, dtype)
     row = {"n_params": sum(p.numel() for p in params)}
-    if impl == "fused":
-        opt = bench_fused_optimizer(name, params)
+    if impl in ("fused", "split"):
+        opt = bench_fused_optimizer(name, params, masters="split" if impl == "split" else "fp32")
         mark = opt.mark_grads  # what backward's hooks do
     elif impl == "torch":
         opt = halfprec.MixedPrecisionOptimizer(_torch_opt(name, params), max_grad_norm=1.0, impl="torch")
@@ -182,7 +185,7 @@ def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) ->
         opt, mark = _PlainPipeline(name, params), None
     row["ms"] = _time(opt.step, mark, warmup=warmup, iters=iters)
     row["extra_mib"] = _extra_mib(opt.step, mark)
-    if impl == "fused":
+    if impl in ("fused", "split"):
         grad = params[0].grad.view(-1)  # a view of the optimizer's flat grad buffer since its first step
 
         def overflowing(step) -> float:
@@ -227,9 +230,11 @@ def run_bench(
     shapes = WORKLOADS[workload]
     for name, dtype_name in itertools.product(optimizers, dtypes):
         dtype, results = getattr(torch, dtype_name), {}
-        for impl in ("plain", "torch", "fused"):
-            if impl not in impls or (name == "lamb" and impl != "fused"):
+        for impl in ("plain", "torch", "fused", "split"):
+            if impl not in impls or (name == "lamb" and impl not in ("fused", "split")):
                 continue
+            if impl == "split" and dtype != torch.bfloat16:
+                continue  # split masters are for bf16 params
             try:
                 with warnings.catch_warnings():
                     # loss-scaled grads written by hand would trigger the unscaled-backward warning
@@ -240,8 +245,9 @@ def run_bench(
                 torch.cuda.empty_cache()
         plain_ms = results.get("plain", {}).get("ms")
         for impl, m in results.items():
-            x_floor = m["ms"] / (FLOOR_BYTES[name] * m["n_params"] / (bw * 1e9) * 1e3)
-            gbps = FLOOR_BYTES[name] * m["n_params"] / (m["ms"] * 1e-3) / 1e9
+            floor = FLOOR_BYTES[name] - (SPLIT_SAVES if impl == "split" else 0)
+            x_floor = m["ms"] / (floor * m["n_params"] / (bw * 1e9) * 1e3)
+            gbps = floor * m["n_params"] / (m["ms"] * 1e-3) / 1e9
             vs_plain = None if plain_ms is None else plain_ms / m["ms"]
             rates = dict(gbps=gbps, pct_copy_bw=100 * gbps / bw, x_floor=x_floor, vs_plain=vs_plain)
             rows.append(BenchRow(impl=impl, optimizer=name, dtype=dtype_name, **rates, **m))

@@ -10,6 +10,9 @@ After the shared norm and finalize passes (``Kind.LAMB`` writes the ``AdamScalar
 3. ``_lamb_apply_kernel`` (per block): recomputes ``u`` from the stored moments and writes
    ``p - lr * trust * u`` to the master and the 16-bit param.
 
+Split masters (``PARAM`` 3, ``update.py``): both the stage and the apply pass join the master from the param and
+its low half; only the apply pass writes them.
+
 42 B/param in all (2 norm + 22 stage + 18 apply) against Adam's 30.
 """
 
@@ -19,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .settings import settings
+from .settings import NO_FMA, settings
 from .slots import ADAM_PSCAL
-from .update import _adam_moments, _grad_and_master, _pscal_row, _row, _store, param_arg
+from .update import _adam_moments, _grad_and_master, _load_master, _pscal_row, _row, _store, param_arg
 
 __all__ = ["lamb_update", "trust_table"]
 
@@ -35,8 +38,8 @@ def _lamb_u(m, v, p, inv_bc1_ptr, bc2_sqrt_ptr, eps_ptr, wd_ptr):
 
 @triton.jit
 def _lamb_stage_kernel(
-    grad_ptr, master_ptr, m_ptr, v_ptr, table_ptr, pscal_ptr, scalars_ptr, part_ptr,
-    S: tl.constexpr, BLOCK: tl.constexpr,
+    param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, table_ptr, pscal_ptr, scalars_ptr, part_ptr,
+    S: tl.constexpr, PARAM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     start, end, ps = _row(table_ptr, pscal_ptr, pid, True)
@@ -45,7 +48,9 @@ def _lamb_stage_kernel(
         omb1 = tl.load(ps + S.OMB1)
         b2 = tl.load(ps + S.BETA2)
         omb2 = tl.load(ps + S.OMB2)
-        offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
+        offs, mask, g, p = _grad_and_master(
+            grad_ptr, param_ptr, master_ptr, scalars_ptr, start, end, PARAM, BLOCK
+        )
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
         m, v = _adam_moments(m, v, g, omb1, b2, omb2)
@@ -86,7 +91,7 @@ def _lamb_apply_kernel(
     if tl.load(ps + S.ACTIVE) != 0.0:
         offs = start + tl.arange(0, BLOCK)
         mask = offs < end
-        p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+        p = _load_master(param_ptr, master_ptr, offs, mask, PARAM)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
         u = _lamb_u(m, v, p, ps + S.STEP_SIZE, ps + S.BC2_SQRT, ps + S.EPS, ps + S.WD_RAW)
@@ -111,13 +116,13 @@ def lamb_update(
     cfg = settings()
     p, code = param_arg(param, master)
     _lamb_stage_kernel[(n,)](
-        grad, master, exp_avg, exp_avg_sq, table, pscal, scalars, partials,
-        S=ADAM_PSCAL, BLOCK=cfg.update_block, num_warps=cfg.update_warps,
+        p, grad, master, exp_avg, exp_avg_sq, table, pscal, scalars, partials,
+        S=ADAM_PSCAL, PARAM=code, BLOCK=cfg.update_block, num_warps=cfg.update_warps, **NO_FMA,
     )  # fmt: skip
     _lamb_trust_kernel[(trust_rows.shape[0],)](
         partials, trust_rows, pscal, S=ADAM_PSCAL, BLOCK=cfg.final_block, num_warps=cfg.final_warps
     )
     _lamb_apply_kernel[(n,)](
         p, master, exp_avg, exp_avg_sq, table, pscal,
-        S=ADAM_PSCAL, PARAM=code, BLOCK=cfg.update_block, num_warps=cfg.update_warps,
+        S=ADAM_PSCAL, PARAM=code, BLOCK=cfg.update_block, num_warps=cfg.update_warps, **NO_FMA,
     )  # fmt: skip

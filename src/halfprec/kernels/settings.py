@@ -1,12 +1,13 @@
 """Launch settings of every fused-step kernel, in one place.
 
-Why these values: the update kernels stream 28-30 B per element; 4096 elements per program with 8 warps (16
+Why these values: the update kernels stream 28-30 B per element; 2048 elements per program with 4 warps (16
 elements, i.e. 64 B of fp32 per thread per stream) keeps enough loads in flight to reach ~95 % of copy bandwidth on
-an H200 while wasting at most one partial block per parameter. The norm pass reads only 2 B per element, so its
-programs take 16x more elements with 16 warps (measured at 268M fp16 on an H200, 2026-12-02: 162 us with 16384/8,
+an H200 while wasting at most one partial block per parameter. Measured at 268M bf16 AdamW on an H200 with FMA
+contraction off (2026-12-03, fp32 / split masters): 2048/4 1.967 / 1.808 ms, 2048/8 2.065 / 1.818, 4096/8 2.316 /
+1.905, 4096/16 2.262 / 1.868, 8192/8 2.593 / 2.575 (with contraction on, 4096/8 took 2.008 / 1.847). The norm pass
+reads only 2 B per element, so its programs take 32x more elements with 16 warps (2026-12-02: 162 us with 16384/8,
 156 us with 32768/16, 130 us with 65536/16), which also keeps the partial-sum vector short for the single-program
-finalize pass. Update blocks of 2048/4 warps timed the same as 4096/8 (1.83 vs 1.84 ms), 8192/16 slower (2.50 ms).
-The interpreter runs one program at a time (~1 ms each), so tests use bigger blocks there.
+finalize pass. The interpreter runs one program at a time (~1 ms each), so tests use bigger blocks there.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["LaunchSettings", "settings"]
+__all__ = ["NO_FMA", "LaunchSettings", "settings"]
+
+# The kernels that update masters compile without FMA contraction: which multiply-add the compiler fuses depends on
+# the code around it, so two branches with the same arithmetic rounded differently (on the H200, the split-master and
+# fp32-master AdamW updates put 1,523 of 1.19M masters 1 ulp apart after two steps; with contraction off, none over
+# 30 steps). Without it every multiply and add rounds once, as the interpreter and torch's eager ops do.
+NO_FMA = {"enable_fp_fusion": False}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +37,7 @@ class LaunchSettings:
 
 
 _GPU = LaunchSettings(
-    update_block=4096, update_warps=8, norm_block=65536, norm_warps=16, final_block=2048, final_warps=8
+    update_block=2048, update_warps=4, norm_block=65536, norm_warps=16, final_block=2048, final_warps=8
 )
 _INTERPRETER = LaunchSettings(
     update_block=4096, update_warps=4, norm_block=16384, norm_warps=4, final_block=1024, final_warps=4

@@ -7,7 +7,9 @@ the program touches no memory. Otherwise it reads the 16-bit grad, multiplies it
 generic path's unscale-then-clip), updates the fp32 master and state in fp32, and writes the 16-bit param
 rounded to nearest even (fp16 by the hardware conversion; bf16 by integer rounding of the fp32 bits, which
 gives the same bits in the interpreter and on the GPU). ``PARAM`` = 0 for fp32 params that are their own
-masters, 1 for fp16, 2 for bf16 (passed as an int16 view). ``ALIGNED``: every row starts and ends at a
+masters, 1 for fp16, 2 for bf16 (passed as an int16 view), 3 for bf16 with split masters (``optim/split.py``:
+the master buffer is the int16 low half; the fp32 master is joined from the param and the low half in registers
+and split back into both, never stored). ``ALIGNED``: every row starts and ends at a
 multiple of ``ALIGN`` elements (the fused optimizers' padded layout), which lets Triton vectorise; the sharded
 optimizer's pieces cut params anywhere, so their unaligned head and tail rows run with ``ALIGNED=False``.
 ``KIND`` picks the algorithm (``slots.Kind``) and ``S`` is its table of ``pscal`` slots (``slots.py``); each
@@ -23,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .settings import settings
+from .settings import NO_FMA, settings
 from .slots import ALIGN, PSCAL_SLOTS, PSCAL_WIDTH, Kind
+from .split import join, split
 
 __all__ = ["param_arg", "update"]
 
@@ -35,8 +38,18 @@ _ADAM, _SGD = tl.constexpr(int(Kind.ADAM)), tl.constexpr(int(Kind.SGD))
 
 
 @triton.jit
+def _store_master(master_ptr, offs, p, mask, PARAM: tl.constexpr):
+    # the new fp32 master, or (PARAM 3) its low half
+    if PARAM == 3:
+        high, low = split(p)
+        tl.store(master_ptr + offs, low.to(tl.int16), mask=mask)
+    else:
+        tl.store(master_ptr + offs, p, mask=mask)
+
+
+@triton.jit
 def _store_param(param_ptr, offs, p, mask, PARAM: tl.constexpr):
-    # the 16-bit param rounded to nearest even (PARAM 0: the master is the param, nothing to store)
+    # the 16-bit param rounded to nearest even, or (PARAM 3) ties away (PARAM 0: the master is the param)
     if PARAM == 1:
         tl.store(param_ptr + offs, p.to(tl.float16), mask=mask)
     elif PARAM == 2:
@@ -44,12 +57,15 @@ def _store_param(param_ptr, offs, p, mask, PARAM: tl.constexpr):
         r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
         r = tl.where(p != p, (b >> 16) | 0x40, r)
         tl.store(param_ptr + offs, r.to(tl.int16), mask=mask)
+    elif PARAM == 3:
+        high, low = split(p)
+        tl.store(param_ptr + offs, high.to(tl.int16), mask=mask)
 
 
 @triton.jit
 def _store(master_ptr, param_ptr, offs, p, mask, PARAM: tl.constexpr):
     # the new fp32 master, then the 16-bit param
-    tl.store(master_ptr + offs, p, mask=mask)
+    _store_master(master_ptr, offs, p, mask, PARAM)
     _store_param(param_ptr, offs, p, mask, PARAM)
 
 
@@ -69,13 +85,27 @@ def _row(table_ptr, pscal_ptr, pid, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK: tl.constexpr):
+def _grad_and_master(
+    grad_ptr, param_ptr, master_ptr, scalars_ptr, start, end, PARAM: tl.constexpr, BLOCK: tl.constexpr
+):
     coef = tl.load(scalars_ptr + 2)
     offs = start + tl.arange(0, BLOCK)
     mask = offs < end
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * coef
-    p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    p = _load_master(param_ptr, master_ptr, offs, mask, PARAM)
     return offs, mask, g, p
+
+
+@triton.jit
+def _load_master(param_ptr, master_ptr, offs, mask, PARAM: tl.constexpr):
+    # the fp32 master, or (PARAM 3) joined from the param's and the low half's patterns
+    if PARAM == 3:
+        p = join(
+            tl.load(param_ptr + offs, mask=mask, other=0), tl.load(master_ptr + offs, mask=mask, other=0)
+        )
+    else:
+        p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    return p
 
 
 @triton.jit
@@ -114,7 +144,9 @@ def _update_kernel(
             bc2_sqrt = tl.load(ps + S.BC2_SQRT)
             eps = tl.load(ps + S.EPS)
             step_size = tl.load(ps + S.STEP_SIZE)
-            offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
+            offs, mask, g, p = _grad_and_master(
+                grad_ptr, param_ptr, master_ptr, scalars_ptr, start, end, PARAM, BLOCK
+            )
             m = tl.load(a_ptr + offs, mask=mask, other=0.0)
             v = tl.load(b_ptr + offs, mask=mask, other=0.0)
             p = p * decay  # decoupled decay (AdamW): 1 - lr * wd, else 1
@@ -122,7 +154,7 @@ def _update_kernel(
             m, v = _adam_moments(m, v, g, omb1, b2, omb2)
             denom = tl.sqrt(v) / bc2_sqrt + eps
             p = p - step_size * (m / denom)
-            tl.store(master_ptr + offs, p, mask=mask)
+            _store_master(master_ptr, offs, p, mask, PARAM)
             tl.store(a_ptr + offs, m, mask=mask)
             tl.store(b_ptr + offs, v, mask=mask)
             _store_param(param_ptr, offs, p, mask, PARAM)
@@ -134,7 +166,9 @@ def _update_kernel(
             nesterov = tl.load(ps + S.NESTEROV)
             wd = tl.load(ps + S.WD)
             has_mom = tl.load(ps + S.HAS_MOMENTUM)
-            offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
+            offs, mask, g, p = _grad_and_master(
+                grad_ptr, param_ptr, master_ptr, scalars_ptr, start, end, PARAM, BLOCK
+            )
             g = g + p * wd
             if has_mom != 0.0:
                 buf = tl.load(a_ptr + offs, mask=mask, other=0.0)
@@ -147,7 +181,9 @@ def _update_kernel(
             clr = tl.load(ps + S.CLR)
             eps = tl.load(ps + S.EPS)
             wd = tl.load(ps + S.WD)
-            offs, mask, g, p = _grad_and_master(grad_ptr, master_ptr, scalars_ptr, start, end, BLOCK)
+            offs, mask, g, p = _grad_and_master(
+                grad_ptr, param_ptr, master_ptr, scalars_ptr, start, end, PARAM, BLOCK
+            )
             g = g + p * wd
             s = tl.load(a_ptr + offs, mask=mask, other=0.0) + g * g
             tl.store(a_ptr + offs, s, mask=mask)
@@ -156,9 +192,12 @@ def _update_kernel(
 
 
 def param_arg(param: torch.Tensor, master: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The param buffer as the kernels take it, and its ``PARAM`` code (fp32 params: the master itself)."""
+    """The param buffer as the kernels take it, and its ``PARAM`` code (fp32 params: the master itself; an int16
+    ``master`` is a split master's low half)."""
     if param.dtype == torch.float32:
         return master, 0
+    if master.dtype == torch.int16:
+        return param.view(torch.int16), 3
     if param.dtype == torch.bfloat16:
         return param.view(torch.int16), 2
     return param, 1
@@ -179,5 +218,5 @@ def update(
     _update_kernel[(n,)](
         p, grad, master, a, b, table, pscal, scalars,
         S=PSCAL_SLOTS[kind], KIND=int(kind), PARAM=code, ALIGNED=aligned, BLOCK=cfg.update_block,
-        num_warps=cfg.update_warps,
+        num_warps=cfg.update_warps, **NO_FMA,
     )  # fmt: skip

@@ -13,17 +13,20 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..kernels.slots import ALIGN
 from ..precision import LOW_PRECISION
+from .split import join_master, split_master
 
 __all__ = [
-    "ALIGN", "LOW_PRECISION", "PAD", "aligned", "build_table", "chunk_params",
+    "ALIGN", "LOW_PRECISION", "MASTERS", "PAD", "aligned", "build_table", "check_masters", "chunk_params",
     "Chunk", "MasterStore", "Bucket", "Piece", "Layout",
 ]  # fmt: skip
 
+MASTERS = ("fp32", "split")  # master storages: fp32 buffers, or split (bf16 param + low 16 bits)
 PAD = ALIGN  # elements per rank a sharded bucket is padded to (64 bytes of fp32 per shard boundary)
 
 
@@ -53,36 +56,84 @@ class Chunk:
     ``param``: with ``flat_params``, the 16-bit buffer the params' ``.data`` become views of (fp32 params, their
     own masters, become views of ``data``); ``grad`` (``make_grad``) and ``state`` (``add_state``): made at the
     first grad and update. Padding is zero in every buffer and an update keeps it zero.
+
+    ``masters="split"`` (bf16 params with ``flat_params``; ``optim/split.py``): no ``data``; the master is ``param``
+    (its value rounded to nearest, ties away) plus ``low``, its low 16 bits (int16): 2 bytes per param instead of 4.
+    ``master``/``load_master``/``reset_masters`` read and write either storage.
     """
 
     def __init__(
         self, params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor], *,
-        flat_params: bool = False,
+        flat_params: bool = False, masters: str = "fp32",
     ) -> None:  # fmt: skip
         self.params = list(params)
         self.device = self.params[0].device
         self.dtype = self.params[0].dtype
         self.offsets = list(itertools.accumulate((aligned(p.numel()) for p in self.params), initial=0))
         self.numel = self.offsets.pop()  # the total padded size
-        self.data = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        self.master_views = self.views(self.data)
+        split = _split_storage(masters, self.dtype, flat_params)
+        self.data = None if split else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        self.low = torch.zeros(self.numel, dtype=torch.int16, device=self.device) if split else None
+        self.master_views = [] if self.data is None else self.views(self.data)
         self.param: torch.Tensor | None = None
         self.grad: torch.Tensor | None = None
         self.grad_views: list[torch.Tensor] = []
         self.state: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for m, src in zip(self.master_views, sources, strict=True):
-                m.copy_(src)
+            if not split:
+                for m, src in zip(self.master_views, sources, strict=True):
+                    m.copy_(src)
             if not flat_params:
                 return
             if self.dtype != torch.float32:
                 self.param = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-                for p, v in zip(self.params, self.views(self.param), strict=True):
-                    v.copy_(p.data)
+                for k, (p, src) in enumerate(zip(self.params, sources, strict=True)):
+                    if split:
+                        self.load_master(k, src)  # the param becomes its master rounded ties away
+                    else:
+                        self.view(self.param, k).copy_(p.data)
             for p, v in zip(
                 self.params, self.views(self.data if self.param is None else self.param), strict=True
             ):
                 p.data = v
+
+    def kernel_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(param, master) as the update kernels take them: fp32 chunks are their own params; split chunks pass
+        ``low`` as the master (``kernels.update.param_arg`` reads the storage from its dtype)."""
+        master = self.data if self.low is None else self.low
+        return (master if self.param is None else self.param), master
+
+    def master(self, k: int) -> torch.Tensor:
+        """Param ``k``'s fp32 master: a view of ``data``, or for split masters a joined copy (writing to it
+        changes nothing: use ``load_master``)."""
+        if self.low is None:
+            return self.master_views[k]
+        return join_master(self.view(self.param, k), self.view(self.low, k))
+
+    def load_master(self, k: int, value: torch.Tensor) -> None:
+        """Set param ``k``'s master to ``value`` exactly (split: its param and low half; else ``data`` only, the
+        param is rounded by ``round_params``)."""
+        if self.low is None:
+            self.master_views[k].copy_(value)
+            return
+        dst_param, dst_low = self.view(self.param, k), self.view(self.low, k)
+        param, low = split_master(
+            value.detach().to(device=self.device, dtype=torch.float32).reshape(dst_low.shape)
+        )
+        dst_param.copy_(param)
+        dst_low.copy_(low)
+
+    def round_params(self) -> None:
+        """Round the fp32 masters into the 16-bit params (to nearest even); split params already are theirs."""
+        if self.param is not None and self.data is not None:
+            self.param.copy_(self.data)
+
+    def reset_masters(self) -> None:
+        """The masters become the current 16-bit params exactly (after an external weights-only load)."""
+        if self.low is not None:
+            self.low.zero_()
+        elif self.param is not None:
+            self.data.copy_(self.param)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [self.view(flat, k) for k in range(len(self.params))]
@@ -110,16 +161,42 @@ class Chunk:
 
 
 def chunk_params(
-    params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor], *, flat_params: bool = False
-) -> list[tuple[Chunk, list[int]]]:
+    params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor], *, flat_params: bool = False,
+    masters: str = "fp32",
+) -> list[tuple[Chunk, list[int]]]:  # fmt: skip
     """One ``Chunk`` per (device, dtype) in first-seen order, each with the indices in ``params`` of its params."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault((p.device, p.dtype), []).append(i)
     return [
-        (Chunk([params[i] for i in idx], [sources[i] for i in idx], flat_params=flat_params), idx)
+        (
+            Chunk(
+                [params[i] for i in idx], [sources[i] for i in idx], flat_params=flat_params, masters=masters
+            ),
+            idx,
+        )
         for idx in groups.values()
     ]
+
+
+def check_masters(masters: Any, dtypes: Iterable[torch.dtype | None] = ()) -> None:
+    """ValueError unless ``masters`` is a master storage (``MASTERS``) that params of ``dtypes`` can use."""
+    if masters not in MASTERS:
+        raise ValueError(f"masters must be one of {MASTERS}, got {masters!r}")
+    if masters == "split" and torch.float16 in set(dtypes):
+        raise ValueError(
+            "masters='split' keeps exact fp32 masters only for bf16 params, got torch.float16 params: fp16's "
+            "exponent range is narrower than fp32's, so its split is not exact; use masters='fp32' (or bf16)"
+        )
+
+
+def _split_storage(masters: str, dtype: torch.dtype, flat_params: bool) -> bool:
+    """Whether a chunk of ``dtype`` keeps split masters (fp32 params are their own masters)."""
+    check_masters(masters, [dtype])
+    if masters == "fp32" or dtype == torch.float32:
+        return False
+    assert flat_params, "split masters live beside the flat 16-bit param buffer"
+    return True
 
 
 class MasterStore:

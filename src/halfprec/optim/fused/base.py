@@ -15,6 +15,10 @@ hold, and its value at a param's first update).
 
 Checkpoints are in the exact path's format, so they move between the paths; ``load_state_dict()`` also takes a
 plain torch optimizer state dict.
+
+``masters="split"``: bf16 params keep their exact fp32 masters as the param plus its low 16 bits (``Chunk``,
+``optim/split.py``), 2 bytes per param instead of 4; every master read or write goes through the chunk
+(``master_params`` returns joined copies), and checkpoints hold the fp32 values, so they load under either storage.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from ...kernels.slots import PSCAL_WIDTH, HyperTable, Kind
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_options, check_unfrozen, tell_schedulers
-from ..layout import Chunk, chunk_params
+from ..layout import Chunk, check_masters, chunk_params
 from ..state import adopt_views
 from .grads import GradViews
 from .results import DeviceResults, SkipReporter
@@ -53,7 +57,9 @@ def check_number(name: str, value: Any, lo: float, hi: float | None, index: int)
 class FusedOptimizer(MixedPrecisionOptimizer):
     """The fused strategy of ``MixedPrecisionOptimizer``: it owns its param groups (``optimizer`` is None) and
     holds its state in flat buffers, allocated at the first update. Every subclass takes, after its
-    hyper-parameters, the keyword-only options of ``MixedPrecisionOptimizer``.
+    hyper-parameters, the keyword-only options of ``MixedPrecisionOptimizer`` and ``masters``: ``"fp32"``
+    (default) or ``"split"``, exact fp32 masters of bf16 params in 2 bytes per param (the module docstring;
+    ValueError for fp16 params).
     """
 
     impl = "triton"
@@ -75,6 +81,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         skip_nonfinite: bool = True,
         param_dtype: torch.dtype | None = None,
         grad_accum_dtype: torch.dtype | None = None,
+        masters: str = "fp32",
     ) -> None:
         check_grad_accum_dtype(grad_accum_dtype, strategy="fused")
         ok, why = triton_status()
@@ -89,6 +96,14 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._init_options(**options)
         self.grad_accum_dtype = grad_accum_dtype
         torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})  # owns its groups
+        trained = [p.dtype for g in self.param_groups for p in g["params"] if p.requires_grad]
+        check_masters(masters, [param_dtype, *trained])  # before any param is cast
+        if masters == "split" and grad_accum_dtype is not None:
+            raise ValueError(
+                f"masters='split' with grad_accum_dtype={grad_accum_dtype}: fp32 gradient accumulation does not "
+                "compose with split masters yet; use masters='fp32' or grad_accum_dtype=None"
+            )
+        self.masters = masters
         self._build()
         self._built = True
         self._init_scaler(loss_scaler, dtypes={c.dtype for c in self._chunks}, device=self._device)
@@ -143,7 +158,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         # frozen when built: never trained
         self._frozen = [p for p in self._model_params if p not in self._index]
         sources = [originals.get(p, p.data) for p in trainable]
-        placed = chunk_params(trainable, sources, flat_params=True)  # one chunk per dtype
+        # one chunk per dtype
+        placed = chunk_params(trainable, sources, flat_params=True, masters=self.masters)
         self._chunks: list[Chunk] = [chunk for chunk, _ in placed]
         # per chunk: the rows of the norm and update kernels (layout.build_table)
         self._norm_tables = [chunk.table(idx, cfg.norm_block) for chunk, idx in placed]
@@ -209,8 +225,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
 
         chunk, table = self._chunks[k], self._update_tables[k]
         state = [chunk.state[name] for name in self.STATE_NAMES if name in chunk.state]
-        param = chunk.data if chunk.param is None else chunk.param
-        update(self.KIND, param, chunk.grad, chunk.data, state, table, self._pscal, self._scalars)
+        param, master = chunk.kernel_buffers()
+        update(self.KIND, param, chunk.grad, master, state, table, self._pscal, self._scalars)
 
     def _state_view(self, name: str, i: int) -> torch.Tensor:
         chunk, local = self._where[i]
@@ -317,15 +333,16 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         return self._scalars[0]
 
     def master_params(self) -> list[torch.Tensor]:
-        """Views of the fp32 masters, in param order (fp32 params are their own masters)."""
-        return [chunk.master_views[local] for chunk, local in self._where]
+        """The fp32 masters, in param order (fp32 params are their own masters): views, or with
+        ``masters="split"`` joined copies of the bf16 params' masters (writing to those changes nothing)."""
+        return [chunk.master(local) for chunk, local in self._where]
 
     def refresh_masters(self) -> None:
-        """Copy the model's current weights into the masters (after an external weights-only load)."""
+        """Copy the model's current weights into the masters (after an external weights-only load; split
+        masters: the low halves become zero)."""
         with torch.no_grad():
             for chunk in self._chunks:
-                if chunk.param is not None:
-                    chunk.data.copy_(chunk.param)
+                chunk.reset_masters()
 
     def flush_reports(self) -> None:
         """Wait for and log the skip reports of all steps so far (syncs)."""
@@ -339,7 +356,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._reporter.drain(wait=True)
         self._ensure_state()
         steps = self._steps.cpu().tolist()
-        views = self.master_params()
         state: dict[int, dict[str, Any]] = {}
         masters: dict[int, torch.Tensor] = {}
         for k, p in enumerate(self._model_params):  # the state dict's param indices
@@ -347,7 +363,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             if i is not None and (exported := self._export_state(i, steps[i])):
                 state[k] = exported
             if i is not None and p.dtype != torch.float32:
-                masters[k] = views[i].clone()
+                chunk, local = self._where[i]
+                masters[k] = chunk.master(local).clone()
         groups, k = [], 0
         for group in self.param_groups:
             saved = {key: v for key, v in group.items() if key != "params"}
@@ -405,11 +422,10 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                     steps[i] = self._import_state(i, saved_state[k])
             self._steps.copy_(torch.tensor(steps or [0.0], dtype=torch.float32))
             if state_dict is not None:
-                masters = self.master_params()
                 for k, value in state_dict["masters"].items():
-                    masters[self._index[self._model_params[int(k)]]].copy_(value)
+                    chunk, local = self._where[self._index[self._model_params[int(k)]]]
+                    chunk.load_master(local, value)
                 for chunk in self._chunks:
-                    if chunk.param is not None:
-                        chunk.param.copy_(chunk.data)  # round to nearest even
+                    chunk.round_params()
                 self.loss_scaler.load_state_dict(state_dict["scaler"])
                 self._scalars[3].fill_(float(state_dict["skipped_steps"]))

@@ -45,8 +45,8 @@ class FusedLamb(FusedAdam):
         from ...kernels.lamb import lamb_update
 
         chunk = self._chunks[k]
+        param, master = chunk.kernel_buffers()
         lamb_update(
-            chunk.data if chunk.param is None else chunk.param, chunk.grad, chunk.data,
-            chunk.state["exp_avg"], chunk.state["exp_avg_sq"], self._update_tables[k], self._trust_rows[k],
-            self._lamb_partials[k], self._pscal, self._scalars,
+            param, chunk.grad, master, chunk.state["exp_avg"], chunk.state["exp_avg_sq"], self._update_tables[k],
+            self._trust_rows[k], self._lamb_partials[k], self._pscal, self._scalars,
         )  # fmt: skip
