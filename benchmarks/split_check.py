@@ -125,13 +125,14 @@ def train(cfg, corpus, args, masters: str, seed: int, *, nudge: int = 0, away: b
 def curves(cfg, corpus, args) -> None:
     torch.use_deterministic_algorithms(True)  # CUBLAS_WORKSPACE_CONFIG=:4096:8 is set by main()
     for seed in range(args.seeds):
-        runs = {
-            "fp32": train(cfg, corpus, args, "fp32", seed),
-            "fp32 again": train(cfg, corpus, args, "fp32", seed),
-            "split": train(cfg, corpus, args, "split", seed),
-            "fp32, params ties-away": train(cfg, corpus, args, "fp32", seed, away=True),
-            f"fp32, {args.nudge} weights nudged": train(cfg, corpus, args, "fp32", seed, nudge=args.nudge),
+        recipes = {
+            "fp32": dict(masters="fp32"),
+            "fp32-again": dict(masters="fp32"),
+            "split": dict(masters="split"),
+            "fp32-ties-away": dict(masters="fp32", away=True),
+            "fp32-nudged": dict(masters="fp32", nudge=args.nudge),
         }
+        runs = {name: train(cfg, corpus, args, seed=seed, **recipes[name]) for name in args.runs.split(",")}
         names = list(runs)
         print(f"seed {seed}: mean train loss over each window of steps")
         print("| steps | " + " | ".join(names) + " |")
@@ -139,7 +140,9 @@ def curves(cfg, corpus, args) -> None:
         for end in range(args.every, args.steps + 1, args.every):
             row = [sum(runs[m][end - args.every : end]) / args.every for m in names]
             print(f"| {end - args.every + 1}-{end} | " + " | ".join(f"{v:.4f}" for v in row) + " |")
-        for a, b in (("fp32", "fp32 again"), ("split", "fp32, params ties-away"), ("fp32", "split")):
+        for a, b in (("fp32", "fp32-again"), ("split", "fp32-ties-away"), ("fp32", "split")):
+            if a not in runs or b not in runs:
+                continue
             equal = sum(x == y for x, y in zip(runs[a], runs[b], strict=True))
             print(f"seed {seed}: {b} vs {a}: loss bit-equal at {equal} of {args.steps} steps")
 
@@ -155,6 +158,12 @@ def main() -> None:
     parser.add_argument("--nudge", type=int, default=200, help="weights nudged in the control run")
     parser.add_argument("--parts", default="same,curves")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--runs",
+        default="fp32,fp32-again,split,fp32-ties-away,fp32-nudged",
+        help="fp32-ties-away: fp32 masters whose params are rounded as split masters round them; fp32-nudged: "
+        "--nudge weights one bf16 ulp off at the start",
+    )
     args = parser.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     cfg = GPTConfig(seq_len=256, n_layer=8, n_head=8, n_embd=512)
