@@ -21,7 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--optimizers", default="adamw", help="comma list of adamw, sgd, adagrad, lamb (lamb: fused only)")
     add("--dtypes", default="float16", help="comma list of float16, bfloat16")
-    add("--impls", default="fused,torch,plain", help="comma list of fused, split (bf16), torch, plain")
+    add(
+        "--impls",
+        default="fused,torch,plain",
+        help="comma list of fused, fused32 (fp32 grads), split (bf16), torch, plain",
+    )
     add("--warmup", type=int, default=5, help="untimed steps first, for compilation and caches (default 5)")
     add("--iters", type=int, default=20, help="timed steps; the table gives their median (default 20)")
     add(

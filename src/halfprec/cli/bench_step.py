@@ -33,6 +33,8 @@ FLOOR_BYTES = {"adamw": 30, "sgd": 22, "adagrad": 22, "lamb": 42}
 # impl "split" (fused, masters="split", bf16): the master read and write become P and L (4 + 4 B) and the separate
 # param write goes: 2 B/param less
 SPLIT_SAVES = 2
+# impl "fused32" (fused, grad_accum_dtype=torch.float32): the norm and the update passes read 4-byte grads
+FP32_GRADS_ADD = 4
 # name -> list of param shapes (268M: 16 weights of 4096x4096 and 16 biases of 4096)
 WORKLOADS = {
     "268M": [(4096, 4096)] * 16 + [(4096,)] * 16,
@@ -108,11 +110,18 @@ def _torch_opt(name, params, *, fused=None):
     return cls(params, **hyper, fused=fused)
 
 
-def bench_fused_optimizer(name, params, masters="fp32"):
+def bench_fused_optimizer(name, params, masters="fp32", grad_accum_dtype=None):
     """The fused optimizer ``name`` over ``params`` as the bench times it (clipping at 1.0; fp16 scaled)."""
     _, cls, hyper = _OPTIMIZERS[name]
     scaler = halfprec.DynamicLossScaler() if params[0].dtype == torch.float16 else None
-    return cls(params, **hyper, loss_scaler=scaler, max_grad_norm=1.0, masters=masters)
+    return cls(
+        params,
+        **hyper,
+        loss_scaler=scaler,
+        max_grad_norm=1.0,
+        masters=masters,
+        grad_accum_dtype=grad_accum_dtype,
+    )
 
 
 class _PlainPipeline:
@@ -170,9 +179,19 @@ def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) ->
     """One impl's measured ``BenchRow`` fields (fused: also the skipped-step and CUDA-graph times)."""
     params = bench_params(shapes, dtype)
     row = {"n_params": sum(p.numel() for p in params)}
+    sources = [p.grad for p in params]  # the 16-bit grads (fused32 adds them into its fp32 buffer)
     if impl in ("fused", "split"):
         opt = bench_fused_optimizer(name, params, masters="split" if impl == "split" else "fp32")
         mark = opt.mark_grads  # what backward's hooks do
+    elif impl == "fused32":
+        opt = bench_fused_optimizer(name, params, grad_accum_dtype=torch.float32)
+
+        def mark(params=params) -> None:
+            # backward's hooks: each 16-bit grad copied into the fp32 buffer and released
+            for p, g in zip(params, sources, strict=True):
+                p.grad = g
+            opt.mark_grads()
+
     elif impl == "torch":
         opt = halfprec.MixedPrecisionOptimizer(_torch_opt(name, params), max_grad_norm=1.0, impl="torch")
 
@@ -185,8 +204,9 @@ def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) ->
         opt, mark = _PlainPipeline(name, params), None
     row["ms"] = _time(opt.step, mark, warmup=warmup, iters=iters)
     row["extra_mib"] = _extra_mib(opt.step, mark)
-    if impl in ("fused", "split"):
-        grad = params[0].grad.view(-1)  # a view of the optimizer's flat grad buffer since its first step
+    if impl in ("fused", "split", "fused32"):
+        # fused32: the 16-bit grad mark() copies in; else a view of the flat grad buffer since the first step
+        grad = (sources[0] if impl == "fused32" else params[0].grad).view(-1)
 
         def overflowing(step) -> float:
             grad[0] = float("inf")
@@ -230,8 +250,8 @@ def run_bench(
     shapes = WORKLOADS[workload]
     for name, dtype_name in itertools.product(optimizers, dtypes):
         dtype, results = getattr(torch, dtype_name), {}
-        for impl in ("plain", "torch", "fused", "split"):
-            if impl not in impls or (name == "lamb" and impl not in ("fused", "split")):
+        for impl in ("plain", "torch", "fused", "fused32", "split"):
+            if impl not in impls or (name == "lamb" and impl in ("plain", "torch")):
                 continue
             if impl == "split" and dtype != torch.bfloat16:
                 continue  # split masters are for bf16 params
@@ -245,7 +265,11 @@ def run_bench(
                 torch.cuda.empty_cache()
         plain_ms = results.get("plain", {}).get("ms")
         for impl, m in results.items():
-            floor = FLOOR_BYTES[name] - (SPLIT_SAVES if impl == "split" else 0)
+            floor = (
+                FLOOR_BYTES[name]
+                - (SPLIT_SAVES if impl == "split" else 0)
+                + (FP32_GRADS_ADD if impl == "fused32" else 0)
+            )
             x_floor = m["ms"] / (floor * m["n_params"] / (bw * 1e9) * 1e3)
             gbps = floor * m["n_params"] / (m["ms"] * 1e-3) / 1e9
             vs_plain = None if plain_ms is None else plain_ms / m["ms"]
