@@ -98,11 +98,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})  # owns its groups
         trained = [p.dtype for g in self.param_groups for p in g["params"] if p.requires_grad]
         check_masters(masters, [param_dtype, *trained])  # before any param is cast
-        if masters == "split" and grad_accum_dtype is not None:
-            raise ValueError(
-                f"masters='split' with grad_accum_dtype={grad_accum_dtype}: fp32 gradient accumulation does not "
-                "compose with split masters yet; use masters='fp32' or grad_accum_dtype=None"
-            )
         self.masters = masters
         self._build()
         self._built = True
@@ -250,8 +245,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
 
     # --- grads ---------------------------------------------------------------------------------------
     def _backward_params(self) -> list[torch.Tensor]:
-        """The params whose ``.grad`` a backward fills; with fp32 accumulation the masters too (``grads.py``)."""
-        return self._model_params + (self.master_params() if self.grad_accum_dtype is not None else [])
+        """The params whose ``.grad`` a backward fills; with fp32 accumulation the fp32 masters too (``grads.py``)."""
+        held = self.grad_accum_dtype is not None and self.masters == "fp32"
+        return self._model_params + (self.master_params() if held else [])
 
     def mark_grads(self) -> None:
         """Count every trainable param's ``.grad`` as this step's (what backward's hooks do per param): for callers

@@ -8,7 +8,8 @@ marks live in ``flags`` (int32 per param, on the device), which the finalize pro
 
 With ``accum_dtype=torch.float32`` a 16-bit chunk's grad buffer is fp32: the hook copies a param's first grad of
 the step into its fp32 view, adds later ones (one fp32 rounding each, in micro-batch order) and releases the
-16-bit ``.grad``; the view becomes the ``.grad`` of the param's master. The marks are the accumulation: a step or
+16-bit ``.grad``; the view becomes the ``.grad`` of the param's fp32 master (split masters have none: the buffer
+alone holds the sum). The marks are the accumulation: a step or
 ``zero_grad`` clears them, so the next grad starts a new sum whoever clears ``.grad``.
 
 A chunk's flat grad buffer lives from the first grad of a step (or the step, for a chunk that got none) to
@@ -79,7 +80,8 @@ class GradViews:
             with torch.no_grad():
                 view.add_(g) if self._marked[i] else view.copy_(g)
             p.grad = None
-            chunk.master_views[local].grad = view
+            if chunk.master_views:  # split masters have no fp32 master tensor to hold it
+                chunk.master_views[local].grad = view
         elif g is not None and g.data_ptr() != view.data_ptr():
             with torch.no_grad():
                 view.copy_(g)
@@ -125,7 +127,7 @@ class GradViews:
         """A step read the marks (the finalize program cleared ``flags``)."""
         self._marked = [False] * len(self.params)
         for (chunk, local), accumulates in zip(self.where, self._accumulates, strict=True):
-            if accumulates:
+            if accumulates and chunk.master_views:
                 chunk.master_views[local].grad = None
 
     def clear(self, chunks: Sequence[Chunk], set_to_none: bool) -> None:
