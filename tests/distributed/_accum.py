@@ -13,6 +13,8 @@ import contextlib
 import torch
 from _worker import DTYPES, RANK, WORLD, Net, build_sharded, loss_of, make_model, make_optimizer, pieces
 
+from halfprec import MixedPrecisionOptimizer
+
 
 def _rank_sums(model: torch.nn.Module, step: int, cfg: dict, scale: float) -> list[dict]:
     """Per rank ``{name: (fp32 sum, 16-bit sum)}`` of the micro-batch grads of ``model``'s current weights."""
@@ -28,7 +30,9 @@ def _rank_sums(model: torch.nn.Module, step: int, cfg: dict, scale: float) -> li
             for n, p in ref.named_parameters():
                 if p.grad is not None:
                     f32, low = sums.get(n, (None, None))
-                    sums[n] = (p.grad.float(), p.grad) if f32 is None else (f32 + p.grad.float(), low + p.grad)
+                    sums[n] = (
+                        (p.grad.float(), p.grad) if f32 is None else (f32 + p.grad.float(), low + p.grad)
+                    )
         out.append(sums)
     return out
 
@@ -90,5 +94,18 @@ def _run(cfg: dict, impl: str) -> dict:
     }
 
 
+def _unsharded_refusal() -> str:
+    """What the unsharded optimizer says to fp32 accumulation in a process group of 2 (DDP would all-reduce
+    the 16-bit grads the hooks release)."""
+    model = make_model(torch.bfloat16)
+    try:
+        MixedPrecisionOptimizer(make_optimizer(model, "adamw"), grad_accum_dtype=torch.float32)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def scenario_accum(out: str, configs: list) -> dict:
-    return {i: {impl: _run(cfg, impl) for impl in ("torch", "triton")} for i, cfg in enumerate(configs)}
+    res: dict = {i: {impl: _run(cfg, impl) for impl in ("torch", "triton")} for i, cfg in enumerate(configs)}
+    res["unsharded"] = _unsharded_refusal()
+    return res

@@ -21,7 +21,12 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter t
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CONFIGS = [
     {
-        "dtype": dtype, "opt": "adamw", "stage": stage, "reduce": "fp32", "micro": k, "steps": 3,
+        "dtype": dtype,
+        "opt": "adamw",
+        "stage": stage,
+        "reduce": "fp32",
+        "micro": k,
+        "steps": 3,
         # stage 2 without no_sync() reduces after every backward: each reduction overwrites the shard
         "no_sync": stage == 1 or k == 16,
         "zero_grad": k != 4,  # k = 4: no zero_grad(), the step ends the accumulation by itself
@@ -56,7 +61,9 @@ def test_step_reads_the_fp32_sum_of_the_ranks_fp32_sums(ranks, i, impl):
             if poisoned:
                 continue
             got = {n: v for n, (_lo, _hi, v) in s["shard"].items() if n != "unused"}
-            want = {n: s["oracle"][n].reshape(-1)[lo:hi] for n, (lo, hi, _v) in s["shard"].items() if n in got}
+            want = {
+                n: s["oracle"][n].reshape(-1)[lo:hi] for n, (lo, hi, _v) in s["shard"].items() if n in got
+            }
             assert_equal(got, want, where)
             if "unused" in s["shard"]:  # no rank ever gives it a grad: zeros, and it is not stepped
                 assert not s["shard"]["unused"][2].any(), where
@@ -67,7 +74,9 @@ def test_step_reads_the_fp32_sum_of_the_ranks_fp32_sums(ranks, i, impl):
 def test_local_step_applies_those_grads(ranks, i, impl):
     masters, _ = stitch([r[i][impl]["pieces"] for r in ranks])
     reference = ranks[0][i][impl]["reference"]
-    bound = {"rtol": 0.0, "atol": 0.0} if impl == "torch" else tol("fused_master", DTYPES[CONFIGS[i]["dtype"]])
+    bound = (
+        {"rtol": 0.0, "atol": 0.0} if impl == "torch" else tol("fused_master", DTYPES[CONFIGS[i]["dtype"]])
+    )
     for name, m in masters.items():
         torch.testing.assert_close(m, reference[name].reshape(-1), **bound, msg=lambda t, n=name: f"{n}: {t}")
 
@@ -77,3 +86,12 @@ def test_the_oracle_is_not_16_bit_accumulation(ranks):
     for i, cfg in enumerate(CONFIGS):
         if cfg["micro"] == 16 and cfg["dtype"] == "bf16":
             assert any(s["differs"] for s in ranks[0][i]["torch"]["steps"]), IDS[i]
+
+
+def test_unsharded_optimizer_refuses_fp32_accumulation_with_two_ranks(ranks):
+    for r in ranks:
+        assert r["unsharded"].startswith("grad_accum_dtype=torch.float32 with a process group of 2 ranks")
+        assert (
+            "ShardedMixedPrecisionOptimizer(..., stage=1 or 2, grad_accum_dtype=torch.float32)"
+            in r["unsharded"]
+        )

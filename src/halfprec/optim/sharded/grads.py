@@ -55,7 +55,8 @@ class GradReducer:
         self.comm_dtype = torch.float32 if reduce_dtype == "fp32" else self.dtype
         self.device = params[0].device if params else torch.device("cpu")
         self.accumulate = accumulate  # fp32 accumulation: flat_grad is fp32 and p.grad is released
-        self.whole_grads = stage == 1 or accumulate  # flat_grad holds this rank's whole grads; no_sync() works
+        # flat_grad holds this rank's whole grads (16-bit at stage 1, else fp32); no_sync() defers their reduction
+        self.whole_grads = stage == 1 or accumulate
         self.flat_grad: torch.Tensor | None = None  # whole grads only, allocated by the first backward
         self.grad_shard: torch.Tensor | None = None  # fp32, local coordinates; allocated on first use
         self.used = [False] * len(params)  # got a grad on this rank since zero_grad
@@ -64,7 +65,7 @@ class GradReducer:
         self._sync = True
         self.frozen = False  # set between unscale_() and step(): a new grad then would be silently lost
         self.applied = False  # step() applied grad_shard and no grad came since: applying it again is refused
-        self.consumed = False  # stage 2 or fp32: step() consumed grad_shard in place; until zero_grad() or a grad
+        self.consumed = False  # stage 2 or fp32: step() consumed grad_shard in place (until zero_grad)
         self._expected = [sum(1 for i in b.params if layout.numels[i] > 0) for b in layout.buckets]
         self._reset_pass()
         for i, p in enumerate(params):
