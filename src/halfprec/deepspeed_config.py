@@ -62,6 +62,7 @@ _INIT_SCALE = "initial_scale"
 _PERF = "performance knob without effect in halfprec"
 _Z3 = "ZeRO-3 only: no effect at stage 0-2"
 _NO_OFFLOAD = "halfprec does not offload"
+_DTYPES = "('fp32' -> 'fp32'; the 16-bit precision -> 'param')"
 _K = DeepSpeedKey
 
 
@@ -87,16 +88,8 @@ _Z3_ONLY = """stage3_gather_fp16_weights_on_model_save memory_efficient_linear p
 DEEPSPEED_KEYS: tuple[DeepSpeedKey, ...] = (
     _K("gradient_clipping", "mapped", "max_grad_norm (0 = no clipping = None)"),
     _K("gradient_accumulation_steps", "mapped", "gradient_accumulation_steps"),
-    _K(
-        "communication_data_type",
-        "mapped",
-        "reduce_dtype ('fp32' -> 'fp32'; the 16-bit precision -> 'param')",
-    ),
-    _K(
-        "data_types.grad_accum_dtype",
-        "mapped",
-        "grad_accum_dtype ('fp32' -> 'fp32'; the 16-bit precision -> 'param')",
-    ),
+    _K("communication_data_type", "mapped", f"reduce_dtype {_DTYPES}"),
+    _K("data_types.grad_accum_dtype", "mapped", f"grad_accum_dtype {_DTYPES}"),
     _K("fp16.enabled", "mapped", "precision='fp16'"),
     _K("fp16.loss_scale", "mapped", "static_loss_scale (0 = dynamic = None; else a power of two)"),
     _K("fp16.initial_scale_power", "mapped", f"{_INIT_SCALE} = 2**p"),

@@ -8,8 +8,9 @@ optimizers, the only ones accepted.
 
 A step (every rank takes the same decisions, made from all-reduced values):
 
-1. ``unscale_()``: finish the gradient reduce-scatter (``grads.py``), take the mean over ranks and multiply by
-   the reciprocal of the loss scale, on the fp32 grad shard.
+1. ``unscale_()``: finish the gradient reduce-scatter (``grads.py``; with ``grad_accum_dtype=torch.float32``
+   the reduce-scatter of each rank's fp32 sum of its micro-batch grads), take the mean over ranks and multiply
+   by the reciprocal of the loss scale, on the fp32 grad shard.
 2. One all-reduce (SUM, fp64) of ``[||local grad shard||^2, used flags of every param]``: the global L2 norm
    (non-finite iff some grad on some rank is) and which params got a grad on any rank.
 3. The scaler updates on the device; one host sync reads the overflow flag and the used flags.
