@@ -21,6 +21,8 @@ VALID = [
     {"zero_stage": 2, "reduce_dtype": "param", "impl": "triton", "skip_nonfinite": False},
     {"precision": "fp16", "grad_accum_dtype": "fp32", "impl": "triton"},  # fp32 accumulation, fused path
     {"precision": "bf16", "grad_accum_dtype": "fp32"},  # impl="auto": either path
+    {"precision": "bf16", "grad_accum_dtype": "fp32", "zero_stage": 2},  # fp32 buffer, fp32 reduce-scatter
+    {"grad_accum_dtype": "fp32", "reduce_dtype": "param"},  # stage 0: reduce_dtype is not used
 ]
 
 
@@ -61,7 +63,10 @@ INVALID = [
     ({"zero_stage": True}, r"zero_stage must be one of 0, 1, 2, got True"),
     ({"reduce_dtype": "bf16"}, r"reduce_dtype must be one of 'fp32', 'param', got 'bf16'"),
     ({"impl": "cuda"}, r"impl must be one of 'auto', 'torch', 'triton', got 'cuda'"),
-    ({"grad_accum_dtype": "fp32", "zero_stage": 2}, r"zero_stage=2: fp32 gradient .*sharded.*zero_stage=0"),
+    (
+        {"grad_accum_dtype": "fp32", "zero_stage": 2, "reduce_dtype": "param"},
+        r"grad_accum_dtype='fp32' with reduce_dtype='param' at zero_stage=2: .*use reduce_dtype='fp32'",
+    ),
 ]
 
 

@@ -184,6 +184,17 @@ MAPPED = [
     ({"zero_optimization": {"stage": 0}}, {"zero_stage": 0}),
     ({"bf16": {"enabled": True}, "communication_data_type": "bf16"}, {"reduce_dtype": "param"}),
     ({"bf16": {"enabled": True}, "communication_data_type": "fp32"}, {"reduce_dtype": "fp32"}),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, {"grad_accum_dtype": "fp32"}),
+    ({"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}}, {"grad_accum_dtype": "param"}),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": None}}, {"grad_accum_dtype": "param"}),
+    (
+        {
+            "bf16": {"enabled": True},
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "zero_optimization": {"stage": 2},
+        },
+        {"grad_accum_dtype": "fp32", "zero_stage": 2, "reduce_dtype": "fp32"},
+    ),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}}, {"zero_stage": 1}),
     ({"fp16": {"enabled": True, "auto_cast": False, "consecutive_hysteresis": False}}, {"precision": "fp16"}),
     ({"fp16": {"enabled": True, "auto_cast": True}}, {"precision": "fp16"}),
@@ -314,6 +325,33 @@ DS_ERRORS = [
         {"fp16": {"enabled": True}, "communication_data_type": "bf16"},
         r"communication_data_type='bf16'.*'fp32' or 'fp16'",
     ),
+    (
+        {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}},
+        r"data_types\.grad_accum_dtype='fp16' with precision='bf16': .*use 'fp32' or 'bf16'",
+    ),
+    (
+        {"data_types": {"grad_accum_dtype": "float16"}},
+        r"data_types\.grad_accum_dtype='float16' with precision='fp32'.*use 'fp32'$",
+    ),
+    (
+        {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": 32}},
+        r"data_types\.grad_accum_dtype=32 with precision='bf16'",
+    ),
+    (
+        {
+            "bf16": {"enabled": True},
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "communication_data_type": "bf16",
+            "zero_optimization": {"stage": 1},
+        },
+        r"grad_accum_dtype='fp32' with reduce_dtype='param' at zero_stage=1.*\(from DeepSpeed .*"
+        r"data_types\.grad_accum_dtype",
+    ),
+    (
+        {"data_types": {"grad_acum_dtype": "fp32"}},
+        r"data_types\.grad_acum_dtype \(did you mean 'data_types\.grad_accum_dtype'",
+    ),
+    ({"data_types": "fp32"}, r"DeepSpeed 'data_types' must be a dict, got 'fp32'"),
     ({"fp16": True}, r"DeepSpeed 'fp16' must be a dict, got True"),
     ([("fp16", {})], r"a DeepSpeed config is a dict"),
 ]
@@ -356,6 +394,7 @@ def test_key_table_is_well_formed():
             "gradient_clipping",
             "gradient_accumulation_steps",
             "communication_data_type",
+            "data_types",
         )
         if row.action == "error":
             assert row.quiet is not None and row.quiet_text, row.key  # an error row says how to satisfy it

@@ -95,12 +95,13 @@ class Config:
     """0: one process or DDP; 1/2: sharded optimizer state (and gradients) across data-parallel ranks."""
 
     reduce_dtype: Literal["fp32", "param"] = "fp32"
-    """Sharded stages: dtype of the gradient reduce-scatter (fp32, or the params' 16-bit dtype)."""
+    """Sharded stages: dtype of the gradient reduce-scatter (fp32, or the params' 16-bit dtype; ``"param"`` does
+    not combine with ``grad_accum_dtype="fp32"``)."""
 
     grad_accum_dtype: Literal["param", "fp32"] = "param"
-    """Where micro-batch grads accumulate: the params' 16-bit ``.grad`` (``"param"``), or the fp32 master grads
-    (``"fp32"``: ``grad_accum_dtype=torch.float32`` of ``MixedPrecisionOptimizer``; the exact and fused paths, ZeRO
-    stage 0 without DDP, for now)."""
+    """Where micro-batch grads accumulate: the params' 16-bit ``.grad`` (``"param"``), or fp32 (``"fp32"``:
+    ``grad_accum_dtype=torch.float32`` of the optimizers: the master grads at stage 0 in one process, an fp32
+    grad buffer reduce-scattered in fp32 at stages 1/2; not with DDP)."""
 
     masters: Literal["fp32", "split"] = "fp32"
     """How the fused optimizers store the fp32 masters of bf16 params: fp32 buffers, or ``"split"``: the bf16 param
@@ -147,10 +148,11 @@ class Config:
                 f"{self.precision!r}: split masters are the fused path's (impl='auto' or 'triton', zero_stage=0) "
                 "for bf16 models; the exact path, ZeRO-1/2 and fp16 keep fp32 masters: use masters='fp32'"
             )
-        if self.grad_accum_dtype == "fp32" and self.zero_stage != 0:
+        if self.grad_accum_dtype == "fp32" and self.reduce_dtype == "param" and self.zero_stage != 0:
             raise ValueError(
-                f"grad_accum_dtype='fp32' with zero_stage={self.zero_stage!r}: fp32 gradient accumulation is not yet "
-                "supported on the sharded path; use zero_stage=0, or grad_accum_dtype='param'"
+                f"grad_accum_dtype='fp32' with reduce_dtype='param' at zero_stage={self.zero_stage!r}: the fp32 sums "
+                "would be rounded to 16 bits for the reduction; fp32 accumulation reduces in fp32: use "
+                "reduce_dtype='fp32' (the default), or grad_accum_dtype='param'"
             )
 
     def _dynamic_settings(self) -> dict[str, Any]:

@@ -62,6 +62,7 @@ _INIT_SCALE = "initial_scale"
 _PERF = "performance knob without effect in halfprec"
 _Z3 = "ZeRO-3 only: no effect at stage 0-2"
 _NO_OFFLOAD = "halfprec does not offload"
+_DTYPES = "('fp32' -> 'fp32'; the 16-bit precision -> 'param')"
 _K = DeepSpeedKey
 
 
@@ -87,11 +88,8 @@ _Z3_ONLY = """stage3_gather_fp16_weights_on_model_save memory_efficient_linear p
 DEEPSPEED_KEYS: tuple[DeepSpeedKey, ...] = (
     _K("gradient_clipping", "mapped", "max_grad_norm (0 = no clipping = None)"),
     _K("gradient_accumulation_steps", "mapped", "gradient_accumulation_steps"),
-    _K(
-        "communication_data_type",
-        "mapped",
-        "reduce_dtype ('fp32' -> 'fp32'; the 16-bit precision -> 'param')",
-    ),
+    _K("communication_data_type", "mapped", f"reduce_dtype {_DTYPES}"),
+    _K("data_types.grad_accum_dtype", "mapped", f"grad_accum_dtype {_DTYPES}"),
     _K("fp16.enabled", "mapped", "precision='fp16'"),
     _K("fp16.loss_scale", "mapped", "static_loss_scale (0 = dynamic = None; else a power of two)"),
     _K("fp16.initial_scale_power", "mapped", f"{_INIT_SCALE} = 2**p"),
@@ -146,7 +144,8 @@ def render_deepspeed_table() -> str:
 
 _ROWS = {row.key: row for row in DEEPSPEED_KEYS}
 _TOP_KEYS = ("gradient_clipping", "gradient_accumulation_steps", "communication_data_type")
-_OWNED_TOP = ("fp16", "bf16", "bfloat16", "zero_optimization", *_TOP_KEYS)
+_BLOCKS = ("fp16", "bf16", "bfloat16", "zero_optimization", "data_types")
+_OWNED_TOP = (*_BLOCKS, *_TOP_KEYS)
 _C = TypeVar("_C")
 
 
@@ -164,7 +163,7 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
             "the DeepSpeed config has both 'bf16' and its legacy name 'bfloat16'; keep only 'bf16'"
         )
     flat: dict[str, Any] = {}  # dotted key -> value, for every key inside the blocks halfprec owns
-    for name in ("fp16", "bf16", "bfloat16", "zero_optimization"):
+    for name in _BLOCKS:
         if name not in cfg:
             continue
         block = cfg[name]
@@ -296,15 +295,27 @@ def _precision(flat: dict[str, Any], notes: list[str]) -> str:
     return "bf16"
 
 
-def _reduce_dtype(value: Any, precision: str, notes: list[str]) -> str:
-    if value in ("fp32", "float32", None):
+def _dtype_choice(key: str, what: str, value: Any, precision: str) -> str:
+    """A DeepSpeed dtype name -> ``"fp32"`` or ``"param"`` (the configured 16-bit precision)."""
+    if value in ("fp32", "float32"):
         return "fp32"
     if value in ("fp16", "bf16") and value == precision:
         return "param"
     raise ValueError(
-        f"communication_data_type={value!r} with precision={precision!r}: halfprec reduces in fp32 or in the "
-        "params' dtype; use 'fp32'" + (f" or {precision!r}" if precision != "fp32" else "")
+        f"{key}={value!r} with precision={precision!r}: halfprec {what} in fp32 or in the params' dtype; use "
+        "'fp32'" + (f" or {precision!r}" if precision != "fp32" else "")
     )
+
+
+def _reduce_dtype(value: Any, precision: str, notes: list[str]) -> str:
+    return "fp32" if value is None else _dtype_choice("communication_data_type", "reduces", value, precision)
+
+
+def _grad_accum_dtype(value: Any, precision: str, notes: list[str]) -> str:
+    # null is DeepSpeed's "not set": halfprec's default
+    if value is None:
+        return "param"
+    return _dtype_choice("data_types.grad_accum_dtype", "accumulates micro-batch grads", value, precision)
 
 
 # The mapped keys other than fp16/bf16.enabled: (DeepSpeed key, Config field, converter taking the value, the
@@ -320,4 +331,5 @@ _MAPPED: tuple[tuple[str, str, Callable[[Any, str, list[str]], Any] | None], ...
     ("gradient_accumulation_steps", "gradient_accumulation_steps", None),
     ("zero_optimization.stage", "zero_stage", None),
     ("communication_data_type", "reduce_dtype", _reduce_dtype),
+    ("data_types.grad_accum_dtype", "grad_accum_dtype", _grad_accum_dtype),
 )

@@ -212,8 +212,10 @@ class Engine:
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         last = (self.micro_step + 1) % self.gradient_accumulation_steps == 0
-        if self.config.zero_stage == 1 and not last:
-            # stage 1 keeps whole grads: reduce-scatter only the last micro-batch's (stage 2 must reduce each)
+        whole_grads = self.config.zero_stage == 1 or self.config.grad_accum_dtype == "fp32"
+        if self._sharded and whole_grads and not last:
+            # whole grads kept (stage 1, or fp32 accumulation): reduce only the last micro-batch's sum (stage 2
+            # with 16-bit grads must reduce each)
             with self.optimizer.no_sync():
                 self.optimizer.backward(loss, **kwargs)
         else:

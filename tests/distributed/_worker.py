@@ -847,6 +847,13 @@ def _fused_edges() -> dict:
     return res
 
 
+def scenario_accum(out: str, configs: list) -> dict:
+    """fp32 gradient accumulation against its oracle, both local steps (``_accum.py``)."""
+    from _accum import scenario_accum as run
+
+    return run(out, configs)
+
+
 def scenario_multi(out: str, parts: list) -> dict:
     """Several scenarios in one process group: ``parts`` is ``[[name, kwargs], ...]``."""
     return {name: globals()[f"scenario_{name}"](out=out, **kwargs) for name, kwargs in parts}

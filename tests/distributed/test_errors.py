@@ -39,6 +39,25 @@ CASES = [
         ValueError,
         "reduce_dtype must be",
     ),
+    (
+        lambda m: torch.optim.AdamW(m.parameters()),
+        {"grad_accum_dtype": torch.float32, "reduce_dtype": "param"},
+        ValueError,
+        "grad_accum_dtype=torch.float32 with reduce_dtype='param'.*pass reduce_dtype='fp32'",
+    ),
+    (
+        lambda m: torch.optim.AdamW(m.parameters()),
+        {"grad_accum_dtype": torch.bfloat16},
+        ValueError,
+        "grad_accum_dtype must be None .* or torch.float32",
+    ),
+    (
+        # fp32 accumulation passes the option checks: refused only for the missing process group
+        lambda m: torch.optim.AdamW(m.parameters()),
+        {"grad_accum_dtype": torch.float32, "stage": 2},
+        RuntimeError,
+        "needs an initialized process group",
+    ),
     (lambda m: torch.optim.AdamW(m.parameters()), {"max_grad_norm": -1.0}, ValueError, "max_grad_norm"),
     (lambda m: torch.optim.AdamW(m.parameters()), {"param_dtype": torch.float64}, ValueError, "param_dtype"),
     (lambda m: torch.optim.AdamW(m.parameters()), {}, RuntimeError, "needs an initialized process group"),

@@ -268,20 +268,13 @@ def test_bad_options(kwargs, regex):
         halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), **kwargs)
 
 
-def test_sharded_refuses_fp32_accumulation():
-    from halfprec.optim.sharded import ShardedMixedPrecisionOptimizer
-
-    model = make_model(torch.bfloat16)
-    with pytest.raises(ValueError, match="not yet supported on the sharded path"):
-        ShardedMixedPrecisionOptimizer(
-            torch.optim.AdamW(model.parameters()), named_parameters=model, grad_accum_dtype=FP32
-        )
-
-
 @pytest.mark.parametrize(
     ("kwargs", "regex"),
     [
-        (dict(grad_accum_dtype="fp32", zero_stage=1), "zero_stage=1: .* not yet supported on the sharded"),
+        (
+            dict(grad_accum_dtype="fp32", zero_stage=1, reduce_dtype="param"),
+            "reduce_dtype='param' at zero_stage=1: .* reduces in fp32",
+        ),
         (
             dict(grad_accum_dtype=torch.float32),
             "grad_accum_dtype must be one of 'param', 'fp32'.*torch.float32",

@@ -3,8 +3,13 @@
 A post-accumulate-grad hook on every 16-bit trained param adds the grad backward just produced into the param's
 fp32 master grad (``MasterStore.add_grad``: the buffer the 16-bit path copies into at the step, so no memory is
 added) and releases the 16-bit ``.grad``: k micro-batches round once each in fp32 instead of in 16 bits. fp32
-params are their own masters and accumulate in their ``.grad`` as usual. Not yet with data parallelism (DDP's
-hooks would find the grads released; the fp32 all-reduce is a later part of issue 19).
+params are their own masters and accumulate in their ``.grad`` as usual.
+
+Not with DDP: its reducer all-reduces the 16-bit ``.grad`` (in the grad dtype, in buckets it owns) before any
+hook of ours could see the sum, and a comm hook receives that 16-bit bucket, not our fp32 buffer, so it cannot
+keep the cross-rank sum in fp32. Data-parallel fp32 accumulation is the sharded optimizer's reducer
+(``sharded/grads.py``: fp32 buffer, fp32 reduce-scatter); its stage 0 (every rank owning the whole layout, an
+all-reduce instead of the reduce-scatter, no all-gather) is the planned ZeRO-0 form.
 """
 
 from __future__ import annotations

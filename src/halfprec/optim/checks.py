@@ -34,9 +34,10 @@ def check_options(
 
 
 def check_grad_accum_dtype(value: Any, *, strategy: str = "torch") -> None:
-    """Raise ValueError unless ``value`` is None or ``torch.float32`` and ``strategy`` (``"torch"``, ``"fused"``,
-    ``"sharded"``) has fp32 accumulation (not the sharded one, nor data parallelism, for now: no silent fallback
-    to 16-bit)."""
+    """Raise ValueError unless ``value`` is None or ``torch.float32``, and, for the unsharded strategies
+    (``"torch"``, ``"fused"``), unless the default process group has one rank: DDP all-reduces the 16-bit
+    ``.grad`` that fp32 accumulation releases (no silent fallback to 16-bit). ``"sharded"`` reduces the fp32
+    sums itself."""
     if value is None:
         return
     if value is not torch.float32:
@@ -44,18 +45,13 @@ def check_grad_accum_dtype(value: Any, *, strategy: str = "torch") -> None:
             f"grad_accum_dtype must be None (accumulate in the params' 16-bit .grad) or torch.float32 (in the fp32 "
             f"master grads), got {value!r}"
         )
-    if strategy == "sharded":
-        raise ValueError(
-            f"grad_accum_dtype={value} is not yet supported on the sharded path (ZeRO stages 1/2): use "
-            "halfprec.MixedPrecisionOptimizer(torch_optimizer, grad_accum_dtype=torch.float32) in one process, or "
-            "grad_accum_dtype=None"
-        )
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if strategy != "sharded" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError(
             f"grad_accum_dtype=torch.float32 with a process group of {dist.get_world_size()} ranks: DDP's all-reduce "
-            "reads the 16-bit .grad that fp32 accumulation releases, so it is not supported with data parallelism "
-            "yet; use grad_accum_dtype=None"
+            "reads the 16-bit .grad that fp32 accumulation releases; data-parallel fp32 accumulation is "
+            "halfprec.distributed.ShardedMixedPrecisionOptimizer(..., stage=1 or 2, grad_accum_dtype=torch.float32), "
+            "or use grad_accum_dtype=None"
         )
 
 

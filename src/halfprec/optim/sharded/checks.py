@@ -11,7 +11,7 @@ from torch.optim import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_options, check_torch_optimizer
 
-__all__ = ["ELEMENTWISE", "check_optimizer", "named_trainable"]
+__all__ = ["ELEMENTWISE", "check_optimizer", "check_reduce_dtype", "named_trainable"]
 
 # Optimizers whose update of an element depends only on that element's grad, state and the group's scalars:
 # stepping a piece of a param is then exactly stepping the param. LAMB, LARS, Adafactor, Muon, Shampoo and
@@ -33,6 +33,20 @@ def check_optimizer(optimizer: Any, loss_scaler: Any, max_grad_norm: Any, param_
         )
     check_torch_optimizer(optimizer)  # a torch optimizer, floating params listed once, differentiable=False
     check_options(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype)
+
+
+def check_reduce_dtype(reduce_dtype: Any, grad_accum_dtype: torch.dtype | None) -> None:
+    """Raise ValueError for a ``reduce_dtype`` other than ``"fp32"``/``"param"``, and for fp32 accumulation with
+    ``"param"``: the fp32 sums would be rounded to 16 bits before the ranks' sum, the very rounding fp32
+    accumulation is there to avoid (Megatron ties the two: ``accumulate_allreduce_grads_in_fp32``)."""
+    if reduce_dtype not in ("fp32", "param"):
+        raise ValueError(f"reduce_dtype must be 'fp32' or 'param', got {reduce_dtype!r}")
+    if grad_accum_dtype is not None and reduce_dtype == "param":
+        raise ValueError(
+            "grad_accum_dtype=torch.float32 with reduce_dtype='param': the fp32 sums of the micro-batch grads would "
+            "be rounded to the params' 16-bit dtype for the reduction; fp32 accumulation reduces in fp32: pass "
+            "reduce_dtype='fp32' (the default), or grad_accum_dtype=None"
+        )
 
 
 def named_trainable(

@@ -11,9 +11,17 @@ in place); a bucket is reduced when backward completes it outside ``no_sync()``,
 the rank's fp32 grad shard. Stage 2 keeps no whole grads: a param's grad is copied into its bucket's staging
 buffer and freed, every backward reduces every bucket, and the results are added into the fp32 grad shard.
 
-Communication dtype: ``"fp32"`` upcasts the bucket and sums in fp32 (the mean is taken later, on the shard);
-``"param"`` divides the 16-bit bucket by the world size first (as DDP does, so the sum cannot overflow) and
-sums in the 16-bit dtype.
+FP32 accumulation (``accumulate=True``, both stages): the whole buffer is fp32 and is the reduction's input; a
+hook adds the 16-bit grad backward produced into its fp32 view (micro-batch order, one fp32 rounding each) and
+releases it, so 16-bit grads are transient. Reduction is then stage 1's: outside ``no_sync()`` (allowed at both
+stages) buckets are reduce-scattered in fp32 as backward completes them, overwriting the shard with the sum of
+the ranks' fp32 sums; a step ends the accumulation (the next grad starts a new one, as on the exact path).
+Memory: 4 B/param of whole grads on every rank at either stage (Megatron's distributed optimizer keeps the same
+fp32 buffer), plus the 4/world B/param shard.
+
+Communication dtype: ``"fp32"`` upcasts the bucket (or, accumulating in fp32, reads the buffer as it is) and
+sums in fp32 (the mean is taken later, on the shard); ``"param"`` divides the 16-bit bucket by the world size
+first (as DDP does, so the sum cannot overflow) and sums in the 16-bit dtype.
 """
 
 from __future__ import annotations
@@ -36,8 +44,9 @@ _MAX_IN_FLIGHT = 2
 
 class GradReducer:
     def __init__(
-        self, params: list[torch.nn.Parameter], layout: Layout, *, stage: int, reduce_dtype: str, group
-    ) -> None:
+        self, params: list[torch.nn.Parameter], layout: Layout, *, stage: int, reduce_dtype: str, group,
+        accumulate: bool = False,
+    ) -> None:  # fmt: skip
         self.params = params
         self.layout = layout
         self.stage = stage
@@ -45,7 +54,10 @@ class GradReducer:
         self.dtype = params[0].dtype if params else torch.float32
         self.comm_dtype = torch.float32 if reduce_dtype == "fp32" else self.dtype
         self.device = params[0].device if params else torch.device("cpu")
-        self.flat_grad: torch.Tensor | None = None  # stage 1 only, allocated by the first backward
+        self.accumulate = accumulate  # fp32 accumulation: flat_grad is fp32 and p.grad is released
+        # flat_grad holds this rank's whole grads (16-bit at stage 1, else fp32); no_sync() defers their reduction
+        self.whole_grads = stage == 1 or accumulate
+        self.flat_grad: torch.Tensor | None = None  # whole grads only, allocated by the first backward
         self.grad_shard: torch.Tensor | None = None  # fp32, local coordinates; allocated on first use
         self.used = [False] * len(params)  # got a grad on this rank since zero_grad
         self.up_to_date = False  # grad_shard holds the reduction of every grad produced so far
@@ -53,7 +65,7 @@ class GradReducer:
         self._sync = True
         self.frozen = False  # set between unscale_() and step(): a new grad then would be silently lost
         self.applied = False  # step() applied grad_shard and no grad came since: applying it again is refused
-        self.consumed = False  # stage 2: step() consumed grad_shard in place; set until zero_grad()
+        self.consumed = False  # stage 2 or fp32: step() consumed grad_shard in place (until zero_grad)
         self._expected = [sum(1 for i in b.params if layout.numels[i] > 0) for b in layout.buckets]
         self._reset_pass()
         for i, p in enumerate(params):
@@ -75,7 +87,8 @@ class GradReducer:
 
     def _ensure_flat_grad(self) -> torch.Tensor:
         if self.flat_grad is None:
-            self.flat_grad = torch.zeros(self.layout.total, dtype=self.dtype, device=self.device)
+            dtype = torch.float32 if self.accumulate else self.dtype
+            self.flat_grad = torch.zeros(self.layout.total, dtype=dtype, device=self.device)
         return self.flat_grad
 
     def grad_view(self, i: int) -> torch.Tensor:
@@ -90,6 +103,8 @@ class GradReducer:
                 "a backward ran after unscale_() and before step(): its grads would not reach this step. Call "
                 "unscale_() after the last backward() of the step."
             )
+        if self.consumed and self.accumulate:
+            self._restart()
         if self.stage == 2 and self.consumed:
             raise RuntimeError(
                 "ZeRO-2 reduces grads into a shard that step() consumed; call zero_grad() after step() before "
@@ -101,7 +116,12 @@ class GradReducer:
         self.up_to_date = False
         layout = self.layout
         b = layout.bucket_of[i]
-        if self.stage == 1:
+        if self.accumulate:
+            self.grad_view(i).add_(param.grad)  # fp32 += 16-bit: the exact upcast, one fp32 rounding
+            param.grad = None
+            if not self._sync:
+                return
+        elif self.stage == 1:
             view = self.grad_view(i)
             if param.grad.data_ptr() != view.data_ptr():
                 # p.grad was None (or replaced): autograd made a fresh tensor holding this backward's grad
@@ -140,14 +160,14 @@ class GradReducer:
     # --- collectives -----------------------------------------------------------------------------------
     def _bucket_input(self, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
-        if self.stage == 1:
+        if self.whole_grads:
             grads = self._ensure_flat_grad()[bucket.start : bucket.start + bucket.numel]
         else:
             grads = self._staging.pop(b, None)
             if grads is None:
                 grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
         if self.comm_dtype == torch.float32:
-            return grads.float()
+            return grads.float()  # the fp32 accumulation buffer itself: collectives only read their input
         world = self.layout.world_size
         if world == 1:
             return grads
@@ -157,13 +177,13 @@ class GradReducer:
         bucket = self.layout.buckets[b]
         shard = self._ensure_shard()[bucket.local : bucket.local + bucket.shard]
         data = self._bucket_input(b)
-        if self.stage == 1 and self.comm_dtype == torch.float32:
+        if self.whole_grads and self.comm_dtype == torch.float32:
             out = shard  # overwrite: the whole accumulated grad is reduced at once
         else:
             out = torch.empty(bucket.shard, dtype=self.comm_dtype, device=self.device)
         work = _reduce_scatter(out, data, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._pending.append((work, out, shard, data))
-        if self.stage == 2:
+        if not self.whole_grads:
             while len(self._pending) > _MAX_IN_FLIGHT:
                 self._complete(self._pending.pop(0))
 
@@ -172,7 +192,7 @@ class GradReducer:
         work.wait()
         if out is shard:
             return
-        if self.stage == 1:
+        if self.whole_grads:
             shard.copy_(out)
         else:
             shard.add_(out)
@@ -180,7 +200,7 @@ class GradReducer:
     @torch.no_grad()
     def finish(self) -> torch.Tensor:
         """Make the fp32 grad shard hold the (summed) reduction of every grad since ``zero_grad``."""
-        if self.stage == 1 and not self.up_to_date:
+        if self.whole_grads and not self.up_to_date:
             self._next = 0
             self._end_of_backward()
         return self._ensure_shard()
@@ -188,10 +208,11 @@ class GradReducer:
     # --- accumulation control ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        if self.stage != 1:
+        if not self.whole_grads:
             raise RuntimeError(
-                "no_sync() is only meaningful at stage 1: stage 2 keeps no whole gradients, so it reduces every "
-                "micro-batch as backward produces it; call backward() for each micro-batch without no_sync()"
+                "no_sync() is only meaningful at stage 1 or with grad_accum_dtype=torch.float32: stage 2 keeps no "
+                "whole 16-bit gradients, so it reduces every micro-batch as backward produces it; call backward() "
+                "for each micro-batch without no_sync()"
             )
         old, self._sync = self._sync, False
         try:
@@ -206,7 +227,7 @@ class GradReducer:
         if self.flat_grad is not None:
             self.flat_grad.zero_()
             for i, p in enumerate(self.params):
-                p.grad = self.grad_view(i)
+                p.grad = None if self.accumulate else self.grad_view(i)
         if self.stage == 2:
             for p in self.params:
                 p.grad = None
@@ -217,4 +238,16 @@ class GradReducer:
         self.up_to_date = False
         self.frozen = False
         self.applied = False
+        self.consumed = False
+
+    def mark_applied(self) -> None:
+        """A step read (and unscaled and clipped in place) the grad shard: applying it again is refused, and at
+        stage 2 or with fp32 accumulation the next grad cannot be added to it (fp32: it starts a new sum)."""
+        self.applied = True
+        self.consumed = self.stage == 2 or self.accumulate
+
+    def _restart(self) -> None:
+        """The first grad after a step that consumed an fp32 accumulation: start a new one from zero."""
+        self._ensure_flat_grad().zero_()
+        self.used = [False] * len(self.params)
         self.consumed = False

@@ -8,8 +8,9 @@ optimizers, the only ones accepted.
 
 A step (every rank takes the same decisions, made from all-reduced values):
 
-1. ``unscale_()``: finish the gradient reduce-scatter (``grads.py``), take the mean over ranks and multiply by
-   the reciprocal of the loss scale, on the fp32 grad shard.
+1. ``unscale_()``: finish the gradient reduce-scatter (``grads.py``; with ``grad_accum_dtype=torch.float32``
+   the reduce-scatter of each rank's fp32 sum of its micro-batch grads), take the mean over ranks and multiply
+   by the reciprocal of the loss scale, on the fp32 grad shard.
 2. One all-reduce (SUM, fp64) of ``[||local grad shard||^2, used flags of every param]``: the global L2 norm
    (non-finite iff some grad on some rank is) and which params got a grad on any rank.
 3. The scaler updates on the device; one host sync reads the overflow flag and the used flags.
@@ -38,7 +39,7 @@ from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear
 from ..layout import Layout
 from ..select import select_impl
 from ..state import Target, move_state, restore_state_dtypes
-from .checks import check_optimizer, named_trainable
+from .checks import check_optimizer, check_reduce_dtype, named_trainable
 from .fused_step import FusedLocalStep
 from .grads import GradReducer
 
@@ -66,8 +67,10 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             ``"triton"``, the fused update kernel over the flat local buffers (torch Adam, AdamW, SGD and
             Adagrad; the fused path's tolerance), raising when it cannot run; ``"auto"``, ``"triton"`` when
             ``halfprec.optim.select.select_impl`` picks it.
-        grad_accum_dtype: ``None`` only, for now (``torch.float32``, fp32 accumulation as on the exact path,
-            raises ValueError).
+        grad_accum_dtype: ``None`` accumulates micro-batch grads in 16 bits (stage 1: the whole 16-bit grads;
+            stage 2: each micro-batch is reduced, and the results added in fp32); ``torch.float32`` adds each
+            16-bit grad into a whole fp32 grad buffer as backward produces it and reduce-scatters the fp32 sums
+            (``grads.py``; needs ``reduce_dtype="fp32"``; ``no_sync()`` then works at both stages).
     """
 
     def __init__(
@@ -91,8 +94,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self.impl = select_impl(optimizer, impl)
         if stage not in (1, 2) or isinstance(stage, bool):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}; stage 0 is MixedPrecisionOptimizer + DDP")
-        if reduce_dtype not in ("fp32", "param"):
-            raise ValueError(f"reduce_dtype must be 'fp32' or 'param', got {reduce_dtype!r}")
+        check_reduce_dtype(reduce_dtype, grad_accum_dtype)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "ShardedMixedPrecisionOptimizer needs an initialized process group: call "
@@ -103,6 +105,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype
         )
         self.reduce_dtype = reduce_dtype
+        self.grad_accum_dtype = grad_accum_dtype
         self.process_group = process_group
         self._init_wrapping(optimizer)
         # params of the groups left out for being frozen now: refused if unfrozen later, grads cleared
@@ -122,8 +125,9 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             self._fused = FusedLocalStep(self.optimizer, self.layout, self._piece_params, self.flat_master)
         self._init_scaler(loss_scaler, dtypes={self.dtype} if self._params else set(), device=self.device)
         self._reducer = GradReducer(
-            self._params, self.layout, stage=stage, reduce_dtype=reduce_dtype, group=process_group
-        )
+            self._params, self.layout, stage=stage, reduce_dtype=reduce_dtype, group=process_group,
+            accumulate=grad_accum_dtype is not None,
+        )  # fmt: skip
 
     def _backward_params(self) -> list[torch.nn.Parameter]:
         return self._params  # the reducer's hooks may have consumed their grads already (stage 2)
@@ -212,7 +216,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         return self._piece_params.get(index)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        """Stage 1: accumulate grads locally (no communication) for the micro-batches run inside."""
+        """Stage 1, or fp32 accumulation: accumulate grads locally (no communication) for the micro-batches run
+        inside."""
         return self._reducer.no_sync()
 
     # --- the step ------------------------------------------------------------------------------------
@@ -253,9 +258,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         head = self.loss_scaler.step_update(found_inf).double().to(self.device)
         values = torch.cat([head, norm.double().reshape(1), stats[1:]]).tolist()  # the one host sync
         self._record_step(values[:4], values[4], where=" on some rank", log=self.rank == 0)
-        # the shard is unscaled (and clipped) in place: it cannot be applied again nor added to (stage 2)
-        self._reducer.applied = True
-        self._reducer.consumed = self.stage == 2
+        # the shard is unscaled (and clipped) in place: it cannot be applied again nor added to
+        self._reducer.mark_applied()
         if self._s.step_was_skipped:
             return
         used_anywhere = values[5:]
