@@ -23,9 +23,11 @@ from ..tolerances import approx
 from ._oracle import (  # noqa: E402
     CLIP,
     DTYPES,
+    FUSED_PATHS,
     LR,
     InfInjector,
     assert_same_weights,
+    fused_oracle,
     loss_fn,
     make_batches,
     make_loader,
@@ -72,13 +74,13 @@ class LitRegression(L.LightningModule):
         self.scales.append(mp.loss_scale)
 
 
-def _fit(name, batches, *, epochs=1, seed=0, inf_at=(), ckpt_path=None, **kw):
+def _fit(name, batches, *, epochs=1, seed=0, inf_at=(), ckpt_path=None, device="cpu", impl="auto", **kw):
     model = LitRegression(seed, inf_at)
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=device,
         devices=1,
         max_epochs=epochs,
-        plugins=[HalfprecPrecision(name, loss_scaler=make_scaler(DTYPES[name]))],
+        plugins=[HalfprecPrecision(name, loss_scaler=make_scaler(DTYPES[name]), impl=impl)],
         gradient_clip_val=CLIP,
         accumulate_grad_batches=2,
         logger=False,
@@ -144,6 +146,24 @@ def test_resume_from_ckpt_bit_exact(name, tmp_path):
 
     trainer2, model2 = _fit(name, batches, epochs=2, seed=123, ckpt_path=str(path))
     _check_same(model2, trainer2, ref_model, ref_mp, ref, first=2)
+
+
+@pytest.mark.parametrize(("device", "impl"), FUSED_PATHS)
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_fused_path_clips_in_the_kernel(name, device, impl):
+    # gradient_clip_val clips in the fused optimizer's norm pass: the logged norm, skips and schedule match the
+    # plain fused loop bit for bit, and that loop matches the exact path within the fused tolerances.
+    dtype, batches = DTYPES[name], make_batches(6)
+    inf_at = (2, 3)  # both micro-batches of optimizer step 1
+    ref_model, ref_mp, _, ref = fused_oracle(dtype, batches, device=device, impl=impl, inf_at=inf_at, cast_targets=True)
+    trainer, model = _fit(name, batches, inf_at=inf_at, device=device, impl=impl)
+    assert trainer.optimizers[0].impl == "triton" and model.skipped == [False, True, False]
+    _check_same(model, trainer, ref_model, ref_mp, ref)
+
+
+def test_fused_path_refuses_clipping_by_value():
+    with pytest.raises(ValueError, match=r"gradient_clip_algorithm='value'.*impl='torch'"):
+        _fit("fp16", make_batches(2), impl="triton", gradient_clip_algorithm="value")
 
 
 def test_gradient_clip_by_value_clamps_masters():
