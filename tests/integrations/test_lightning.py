@@ -161,6 +161,34 @@ def test_fused_path_clips_in_the_kernel(name, device, impl):
     _check_same(model, trainer, ref_model, ref_mp, ref)
 
 
+class LitReadsGrads(LitRegression):
+    """A hook that reads unscaled grads on the fused path: ``unscaled_grads()``, fp32 copies made on demand."""
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [g for g in optimizer.unscaled_grads() if g is not None]
+        self.hook_norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+
+def test_fused_path_hooks_read_unscaled_grads_on_demand():
+    model = LitReadsGrads()
+    model.hook_norms = []
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        plugins=[HalfprecPrecision("fp16", loss_scaler=make_scaler(torch.float16), impl="triton")],
+        gradient_clip_val=CLIP,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, make_loader(make_batches(4)))
+    # the hook's norm (torch's, of the unscaled copies) is the one the kernel clipped with, pre-clip
+    assert model.hook_norms == approx(model.grad_norms, "grad_norm") and len(model.hook_norms) == 2
+    assert all(n > CLIP for n in model.hook_norms)
+
+
 def test_fused_path_refuses_clipping_by_value():
     with pytest.raises(ValueError, match=r"gradient_clip_algorithm='value'.*impl='torch'"):
         _fit("fp16", make_batches(2), impl="triton", gradient_clip_algorithm="value")
