@@ -74,7 +74,9 @@ def make_scaler(dtype: torch.dtype):
     return None
 
 
-def make_optimizer(model: nn.Module, dtype: torch.dtype, max_grad_norm: float | None = CLIP, impl: str = "torch"):
+def make_optimizer(
+    model: nn.Module, dtype: torch.dtype, max_grad_norm: float | None = CLIP, impl: str = "torch"
+):
     inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     return halfprec.MixedPrecisionOptimizer(
         inner, loss_scaler=make_scaler(dtype), max_grad_norm=max_grad_norm, param_dtype=dtype, impl=impl

@@ -155,7 +155,9 @@ def test_fused_path_clips_in_the_kernel(name, device, impl):
     # plain fused loop bit for bit, and that loop matches the exact path within the fused tolerances.
     dtype, batches = DTYPES[name], make_batches(6)
     inf_at = (2, 3)  # both micro-batches of optimizer step 1
-    ref_model, ref_mp, _, ref = fused_oracle(dtype, batches, device=device, impl=impl, inf_at=inf_at, cast_targets=True)
+    ref_model, ref_mp, _, ref = fused_oracle(
+        dtype, batches, device=device, impl=impl, inf_at=inf_at, cast_targets=True
+    )
     trainer, model = _fit(name, batches, inf_at=inf_at, device=device, impl=impl)
     assert trainer.optimizers[0].impl == "triton" and model.skipped == [False, True, False]
     _check_same(model, trainer, ref_model, ref_mp, ref)
