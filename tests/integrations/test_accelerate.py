@@ -18,13 +18,12 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from halfprec.integrations import accelerate as hp_accelerate  # noqa: E402
 
 from ..tolerances import approx  # noqa: E402
+from . import _oracle  # noqa: E402
 from ._oracle import (  # noqa: E402
     DTYPES,
-    FUSED_PATHS,
     InfInjector,
     Record,
     assert_same_weights,
-    fused_oracle,
     loss_fn,
     make_batches,
     make_loader,
@@ -113,14 +112,14 @@ def test_overflow_skip_holds_schedule(name, recwarn, caplog):
     assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "halfprec" in str(w.message)]
 
 
-@pytest.mark.parametrize(("device", "impl"), FUSED_PATHS)
+@pytest.mark.parametrize(("device", "impl"), _oracle.FUSED_PATHS)
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_fused_path_clips_in_the_kernel(name, device, impl):
     # The optimizer's max_grad_norm clips in the fused norm pass; skips reach Accelerate and hold its scheduler:
     # bit for bit the plain fused loop, which matches the exact path within the fused tolerances.
     dtype, batches = DTYPES[name], make_batches(6)
     inf_at = (2, 3)  # both micro-batches of optimizer step 1
-    ref_model, ref_mp, _, ref = fused_oracle(dtype, batches, device=device, impl=impl, inf_at=inf_at)
+    ref_model, ref_mp, _, ref = _oracle.fused_oracle(dtype, batches, device=device, impl=impl, inf_at=inf_at)
     accelerator, model, mp, opt, loader, sched = _setup(dtype, batches, 2, device=device, impl=impl)
     rec, seen = Record(), []
     _train(accelerator, model, mp, opt, loader, sched, dtype, rec, inf_at=inf_at, skip_seen=seen)

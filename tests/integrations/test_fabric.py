@@ -16,15 +16,14 @@ from lightning.fabric import Fabric  # noqa: E402
 
 from halfprec.integrations.lightning import HalfprecFabricPrecision, setup_fabric  # noqa: E402
 
+from . import _oracle  # noqa: E402
 from ._oracle import (  # noqa: E402
     CLIP,
     DTYPES,
-    FUSED_PATHS,
     LR,
     InfInjector,
     Record,
     assert_same_weights,
-    fused_oracle,
     loss_fn,
     make_batches,
     make_model,
@@ -129,13 +128,13 @@ def test_fabric_clip_gradients_sees_unscaled_masters():
     assert not opt.step_was_skipped
 
 
-@pytest.mark.parametrize(("device", "impl"), FUSED_PATHS)
+@pytest.mark.parametrize(("device", "impl"), _oracle.FUSED_PATHS)
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_fused_path_clips_in_the_kernel(name, device, impl):
     # setup_fabric's max_grad_norm clips in the fused optimizer's norm pass: bit for bit the plain fused loop,
     # which matches the exact path within the fused tolerances.
     dtype, batches = DTYPES[name], make_batches(6)
-    ref_model, ref_mp, _, ref = fused_oracle(dtype, batches, device=device, impl=impl, inf_at=(2, 3))
+    ref_model, ref_mp, _, ref = _oracle.fused_oracle(dtype, batches, device=device, impl=impl, inf_at=(2, 3))
     fabric, model, opt, sched = _setup(name, device=device, impl=impl)
     rec = Record()
     _train(fabric, model, opt, sched, batches, rec, inf_at=(2, 3))

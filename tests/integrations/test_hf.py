@@ -23,14 +23,13 @@ import halfprec  # noqa: E402
 from halfprec.integrations.hf import HalfprecTrainer, HalfprecTrainerMixin  # noqa: E402
 
 from ..tolerances import approx  # noqa: E402
+from . import _oracle  # noqa: E402
 from ._oracle import (  # noqa: E402
     CLIP,
     DTYPES,
-    FUSED_PATHS,
     LR,
     InfInjector,
     assert_same_weights,
-    fused_oracle,
     loss_fn,
     make_batches,
     make_model,
@@ -171,7 +170,7 @@ def test_overflow_skip_holds_schedule(name, tmp_path, recwarn):
     assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "halfprec" in str(w.message)]
 
 
-@pytest.mark.parametrize(("device", "impl"), FUSED_PATHS)
+@pytest.mark.parametrize(("device", "impl"), _oracle.FUSED_PATHS)
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_fused_path_clips_in_the_kernel(name, device, impl, tmp_path):
     # The mixin wraps a plain torch optimizer on the fused path; max_grad_norm clips in its norm pass and the
@@ -179,7 +178,7 @@ def test_fused_path_clips_in_the_kernel(name, device, impl, tmp_path):
     # path within the fused tolerances.
     dtype, batches = DTYPES[name], make_batches(6)
     inf_at = (2, 3)  # both micro-batches of optimizer step 1
-    ref_model, ref_mp, _, ref = fused_oracle(dtype, batches, device=device, impl=impl, inf_at=inf_at)
+    ref_model, ref_mp, _, ref = _oracle.fused_oracle(dtype, batches, device=device, impl=impl, inf_at=inf_at)
     model = RegressionModel().to(device)
     inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     steps = _Steps()

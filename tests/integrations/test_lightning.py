@@ -20,14 +20,13 @@ import lightning.pytorch as L  # noqa: E402
 from halfprec.integrations.lightning import HalfprecPrecision  # noqa: E402
 
 from ..tolerances import approx
+from . import _oracle  # noqa: E402
 from ._oracle import (  # noqa: E402
     CLIP,
     DTYPES,
-    FUSED_PATHS,
     LR,
     InfInjector,
     assert_same_weights,
-    fused_oracle,
     loss_fn,
     make_batches,
     make_loader,
@@ -74,8 +73,10 @@ class LitRegression(L.LightningModule):
         self.scales.append(mp.loss_scale)
 
 
-def _fit(name, batches, *, epochs=1, seed=0, inf_at=(), ckpt_path=None, device="cpu", impl="auto", **kw):
-    model = LitRegression(seed, inf_at)
+def _fit(
+    name, batches, *, epochs=1, seed=0, inf_at=(), ckpt_path=None, device="cpu", impl="auto", model=None, **kw
+):
+    model = LitRegression(seed, inf_at) if model is None else model
     trainer = L.Trainer(
         accelerator=device,
         devices=1,
@@ -148,14 +149,14 @@ def test_resume_from_ckpt_bit_exact(name, tmp_path):
     _check_same(model2, trainer2, ref_model, ref_mp, ref, first=2)
 
 
-@pytest.mark.parametrize(("device", "impl"), FUSED_PATHS)
+@pytest.mark.parametrize(("device", "impl"), _oracle.FUSED_PATHS)
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_fused_path_clips_in_the_kernel(name, device, impl):
     # gradient_clip_val clips in the fused optimizer's norm pass: the logged norm, skips and schedule match the
     # plain fused loop bit for bit, and that loop matches the exact path within the fused tolerances.
     dtype, batches = DTYPES[name], make_batches(6)
     inf_at = (2, 3)  # both micro-batches of optimizer step 1
-    ref_model, ref_mp, _, ref = fused_oracle(
+    ref_model, ref_mp, _, ref = _oracle.fused_oracle(
         dtype, batches, device=device, impl=impl, inf_at=inf_at, cast_targets=True
     )
     trainer, model = _fit(name, batches, inf_at=inf_at, device=device, impl=impl)
@@ -166,6 +167,8 @@ def test_fused_path_clips_in_the_kernel(name, device, impl):
 class LitReadsGrads(LitRegression):
     """A hook that reads unscaled grads on the fused path: ``unscaled_grads()``, fp32 copies made on demand."""
 
+    hook_norms: list[float]
+
     def on_before_optimizer_step(self, optimizer):
         grads = [g for g in optimizer.unscaled_grads() if g is not None]
         self.hook_norms.append(float(torch.nn.utils.get_total_norm(grads)))
@@ -174,18 +177,7 @@ class LitReadsGrads(LitRegression):
 def test_fused_path_hooks_read_unscaled_grads_on_demand():
     model = LitReadsGrads()
     model.hook_norms = []
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        plugins=[HalfprecPrecision("fp16", loss_scaler=make_scaler(torch.float16), impl="triton")],
-        gradient_clip_val=CLIP,
-        accumulate_grad_batches=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, make_loader(make_batches(4)))
+    _fit("fp16", make_batches(4), impl="triton", model=model)
     # the hook's norm (torch's, of the unscaled copies) is the one the kernel clipped with, pre-clip
     assert model.hook_norms == approx(model.grad_norms, "grad_norm") and len(model.hook_norms) == 2
     assert all(n > CLIP for n in model.hook_norms)
