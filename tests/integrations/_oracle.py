@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from torch import nn
 
 import halfprec
 
+from ..tolerances import approx, tol
+
 __all__ = [
     "DTYPES",
+    "FUSED_PATHS",
+    "fused_oracle",
     "InfInjector",
     "Record",
     "assert_same_weights",
@@ -33,10 +38,17 @@ BATCH = 5
 LR = 1e-2
 CLIP = 0.05  # small enough that every step of the run is clipped
 
+# (device, impl) of the fused-path tests: the interpreter (TRITON_INTERPRET=1, tests/conftest.py) runs the kernels
+# on CPU when asked for explicitly; on CUDA "auto" must pick them, as users get them
+FUSED_PATHS = [
+    pytest.param("cpu", "triton", id="interpreter"),
+    pytest.param("cuda", "auto", id="cuda", marks=pytest.mark.gpu),
+]
 
-def make_model(seed: int = 0) -> nn.Module:
+
+def make_model(seed: int = 0, device: str = "cpu") -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3))
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3)).to(device)
 
 
 def make_batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -62,10 +74,12 @@ def make_scaler(dtype: torch.dtype):
     return None
 
 
-def make_optimizer(model: nn.Module, dtype: torch.dtype, max_grad_norm: float | None = CLIP):
+def make_optimizer(
+    model: nn.Module, dtype: torch.dtype, max_grad_norm: float | None = CLIP, impl: str = "torch"
+):
     inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     return halfprec.MixedPrecisionOptimizer(
-        inner, loss_scaler=make_scaler(dtype), max_grad_norm=max_grad_norm, param_dtype=dtype
+        inner, loss_scaler=make_scaler(dtype), max_grad_norm=max_grad_norm, param_dtype=dtype, impl=impl
     )
 
 
@@ -110,18 +124,22 @@ def plain_loop(
     mp=None,
     sched=None,
     cast_targets=False,
+    impl="torch",
+    device="cpu",
 ):
     """The reference: ``mp.backward(loss / accum)`` per micro-batch, ``mp.step()`` at each boundary.
 
     ``cast_targets``: round the targets to ``dtype`` too, as Lightning's ``convert_input`` does to the batch.
     """
     if model is None:
-        model = make_model()
-        mp = make_optimizer(model, dtype, max_grad_norm)
+        model = make_model(device=device)
+        mp = make_optimizer(model, dtype, max_grad_norm, impl)
         sched = make_scheduler(mp)
     injector = InfInjector(model[0].weight, inf_at)
     rec = Record()
+    device = model[0].weight.device
     for i, (x, y) in enumerate(batches):
+        x, y = x.to(device), y.to(device)
         loss = loss_fn(model(x.to(dtype)), y.to(dtype) if cast_targets else y)
         rec.losses.append(loss.item())
         mp.backward(loss / accum)
@@ -179,3 +197,21 @@ def assert_same_weights(model_a, mp_a, model_b, mp_b) -> None:
             torch.testing.assert_close(value, mp_b.state[b][key], rtol=0, atol=0)
     assert mp_a.loss_scale == mp_b.loss_scale
     assert mp_a.skipped_steps == mp_b.skipped_steps
+
+
+def fused_oracle(dtype, batches, *, device, impl, accum=2, inf_at=(), cast_targets=False):
+    """The plain loop on the fused path (``impl`` on ``device``), the oracle of an integration on that path, after
+    checking it against the plain loop on the exact path: the same skips, schedule and loss scales; the reported
+    unscaled pre-clip norms and the masters within the fused path's tolerances (tests/tolerances.py)."""
+    kw = dict(accum=accum, inf_at=inf_at, cast_targets=cast_targets, device=device)
+    fused = plain_loop(dtype, batches, impl=impl, **kw)
+    _, exact_mp, _, exact = plain_loop(dtype, batches, impl="torch", **kw)
+    _, mp, _, rec = fused
+    assert mp.impl == "triton" and exact_mp.impl == "torch"
+    assert (rec.skipped, rec.lrs, rec.scales) == (exact.skipped, exact.lrs, exact.scales)
+    for got, want, skipped in zip(rec.grad_norms, exact.grad_norms, rec.skipped, strict=True):
+        assert skipped or got == approx(want, "grad_norm")
+    assert all(n > CLIP for n, skipped in zip(rec.grad_norms, rec.skipped, strict=True) if not skipped)
+    for got, want in zip(mp.master_params(), exact_mp.master_params(), strict=True):
+        torch.testing.assert_close(got, want, **tol("fused_master", dtype))
+    return fused

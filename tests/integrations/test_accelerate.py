@@ -18,6 +18,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from halfprec.integrations import accelerate as hp_accelerate  # noqa: E402
 
 from ..tolerances import approx  # noqa: E402
+from . import _oracle  # noqa: E402
 from ._oracle import (  # noqa: E402
     DTYPES,
     InfInjector,
@@ -43,10 +44,10 @@ def _fresh_accelerate_state():
     GradientState._reset_state()
 
 
-def _setup(dtype, batches, accum, *, seed=0):
-    accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=accum)
-    model = make_model(seed)
-    mp = make_optimizer(model, dtype)
+def _setup(dtype, batches, accum, *, seed=0, device="cpu", impl="torch"):
+    accelerator = Accelerator(cpu=device == "cpu", mixed_precision="no", gradient_accumulation_steps=accum)
+    model = make_model(seed, device)  # on its device first: the masters are made where the params are
+    mp = make_optimizer(model, dtype, impl=impl)
     sched = make_scheduler(mp)
     model, opt, loader, sched = hp_accelerate.prepare(accelerator, model, mp, make_loader(batches), sched)
     return accelerator, model, mp, opt, loader, sched
@@ -109,6 +110,22 @@ def test_overflow_skip_holds_schedule(name, recwarn, caplog):
     assert_same_weights(model, mp, ref_model, ref_mp)
     assert mp.skipped_steps == 1
     assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "halfprec" in str(w.message)]
+
+
+@pytest.mark.parametrize(("device", "impl"), _oracle.FUSED_PATHS)
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_fused_path_clips_in_the_kernel(name, device, impl):
+    # The optimizer's max_grad_norm clips in the fused norm pass; skips reach Accelerate and hold its scheduler:
+    # bit for bit the plain fused loop, which matches the exact path within the fused tolerances.
+    dtype, batches = DTYPES[name], make_batches(6)
+    inf_at = (2, 3)  # both micro-batches of optimizer step 1
+    ref_model, ref_mp, _, ref = _oracle.fused_oracle(dtype, batches, device=device, impl=impl, inf_at=inf_at)
+    accelerator, model, mp, opt, loader, sched = _setup(dtype, batches, 2, device=device, impl=impl)
+    rec, seen = Record(), []
+    _train(accelerator, model, mp, opt, loader, sched, dtype, rec, inf_at=inf_at, skip_seen=seen)
+    assert mp.impl == "triton" and seen == [False, True, False]
+    assert rec == ref
+    assert_same_weights(model, mp, ref_model, ref_mp)
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])

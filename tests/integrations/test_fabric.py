@@ -16,6 +16,7 @@ from lightning.fabric import Fabric  # noqa: E402
 
 from halfprec.integrations.lightning import HalfprecFabricPrecision, setup_fabric  # noqa: E402
 
+from . import _oracle  # noqa: E402
 from ._oracle import (  # noqa: E402
     CLIP,
     DTYPES,
@@ -32,11 +33,11 @@ from ._oracle import (  # noqa: E402
 )
 
 
-def _setup(name, *, seed=0):
+def _setup(name, *, seed=0, device="cpu", impl="auto"):
     fabric = Fabric(
-        accelerator="cpu",
+        accelerator=device,
         devices=1,
-        plugins=[HalfprecFabricPrecision(name, loss_scaler=make_scaler(DTYPES[name]))],
+        plugins=[HalfprecFabricPrecision(name, loss_scaler=make_scaler(DTYPES[name]), impl=impl)],
     )
     model = make_model(seed)  # fp32; the optimizer is built over it before setup, as Fabric users do
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -48,6 +49,7 @@ def _train(fabric, model, opt, sched, batches, rec, *, accum=2, inf_at=()):
     injector = InfInjector(model.module[0].weight, inf_at)
     for i, (x, y) in enumerate(batches):
         boundary = (i + 1) % accum == 0
+        x, y = x.to(fabric.device), y.to(fabric.device)
         with fabric.no_backward_sync(model, enabled=not boundary):
             loss = loss_fn(model(x), y)
             rec.losses.append(loss.item())
@@ -124,6 +126,26 @@ def test_fabric_clip_gradients_sees_unscaled_masters():
     assert float(norm) < 100  # the unscaled norm, not 65536 times it
     opt.step()
     assert not opt.step_was_skipped
+
+
+@pytest.mark.parametrize(("device", "impl"), _oracle.FUSED_PATHS)
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_fused_path_clips_in_the_kernel(name, device, impl):
+    # setup_fabric's max_grad_norm clips in the fused optimizer's norm pass: bit for bit the plain fused loop,
+    # which matches the exact path within the fused tolerances.
+    dtype, batches = DTYPES[name], make_batches(6)
+    ref_model, ref_mp, _, ref = _oracle.fused_oracle(dtype, batches, device=device, impl=impl, inf_at=(2, 3))
+    fabric, model, opt, sched = _setup(name, device=device, impl=impl)
+    rec = Record()
+    _train(fabric, model, opt, sched, batches, rec, inf_at=(2, 3))
+    assert opt.impl == "triton" and rec.skipped == [False, True, False]
+    assert rec == ref
+    assert_same_weights(model.module, opt.optimizer, ref_model, ref_mp)
+    # fabric.clip_gradients clips main_params' grads with torch, which the fused path never materialises
+    x, y = (t.to(fabric.device) for t in make_batches(1)[0])
+    fabric.backward(loss_fn(model(x), y))
+    with pytest.raises(RuntimeError, match=r"setup_fabric\(\.\.\., max_grad_norm=x\).*impl='torch'"):
+        fabric.clip_gradients(model, opt, max_norm=CLIP)
 
 
 def test_setup_fabric_errors():

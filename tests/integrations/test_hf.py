@@ -23,6 +23,7 @@ import halfprec  # noqa: E402
 from halfprec.integrations.hf import HalfprecTrainer, HalfprecTrainerMixin  # noqa: E402
 
 from ..tolerances import approx  # noqa: E402
+from . import _oracle  # noqa: E402
 from ._oracle import (  # noqa: E402
     CLIP,
     DTYPES,
@@ -33,6 +34,7 @@ from ._oracle import (  # noqa: E402
     make_batches,
     make_model,
     make_optimizer,
+    make_scaler,
     make_scheduler,
     plain_loop,
 )
@@ -166,6 +168,55 @@ def test_overflow_skip_holds_schedule(name, tmp_path, recwarn):
     assert model.losses == ref.losses
     assert_same_weights(model.net, mp, ref_model, ref_mp)
     assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "halfprec" in str(w.message)]
+
+
+@pytest.mark.parametrize(("device", "impl"), _oracle.FUSED_PATHS)
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_fused_path_clips_in_the_kernel(name, device, impl, tmp_path):
+    # The mixin wraps a plain torch optimizer on the fused path; max_grad_norm clips in its norm pass and the
+    # logged grad_norm is its unscaled pre-clip norm: bit for bit the plain fused loop, which matches the exact
+    # path within the fused tolerances.
+    dtype, batches = DTYPES[name], make_batches(6)
+    inf_at = (2, 3)  # both micro-batches of optimizer step 1
+    ref_model, ref_mp, _, ref = _oracle.fused_oracle(dtype, batches, device=device, impl=impl, inf_at=inf_at)
+    model = RegressionModel().to(device)
+    inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    steps = _Steps()
+    trainer = HalfprecTrainer(
+        model=model,
+        args=_args(tmp_path, 3, use_cpu=device == "cpu"),
+        train_dataset=_dataset(batches),
+        optimizers=(inner, make_scheduler(inner)),
+        callbacks=[steps],
+        halfprec_dtype=dtype,
+        loss_scaler=make_scaler(dtype),
+        impl=impl,
+    )
+    injector = InfInjector(model.net[0].weight, inf_at)
+    trainer.train()
+    injector.handle.remove()
+    mp = trainer.halfprec_optimizer
+    assert mp.impl == "triton" and steps.skipped == [False, True, False] == ref.skipped
+    assert model.losses == ref.losses and steps.lrs == ref.lrs
+    assert _logged(trainer, "grad_norm") == ref.grad_norms
+    assert _logged(trainer, "loss_scale") == ref.scales
+    assert_same_weights(model.net, mp, ref_model, ref_mp)
+
+
+@pytest.mark.gpu
+def test_trainer_built_optimizer_takes_the_fused_path_on_cuda(tmp_path):
+    # The Trainer's default optim="adamw_torch_fused" sets fused=True; impl="auto" still takes halfprec's fused
+    # path (the flag names torch's kernel, which halfprec's step replaces), and impl="torch" keeps the exact one.
+    for impl, want in (("auto", "triton"), ("torch", "torch")):
+        trainer = HalfprecTrainer(
+            model=RegressionModel().to("cuda"),
+            args=_args(tmp_path, 1, use_cpu=False),
+            train_dataset=_dataset(make_batches(2)),
+            halfprec_dtype=torch.bfloat16,
+            impl=impl,
+        )
+        trainer.train()
+        assert trainer.halfprec_optimizer.impl == want
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])

@@ -20,6 +20,7 @@ import lightning.pytorch as L  # noqa: E402
 from halfprec.integrations.lightning import HalfprecPrecision  # noqa: E402
 
 from ..tolerances import approx
+from . import _oracle  # noqa: E402
 from ._oracle import (  # noqa: E402
     CLIP,
     DTYPES,
@@ -72,13 +73,15 @@ class LitRegression(L.LightningModule):
         self.scales.append(mp.loss_scale)
 
 
-def _fit(name, batches, *, epochs=1, seed=0, inf_at=(), ckpt_path=None, **kw):
-    model = LitRegression(seed, inf_at)
+def _fit(
+    name, batches, *, epochs=1, seed=0, inf_at=(), ckpt_path=None, device="cpu", impl="auto", model=None, **kw
+):
+    model = LitRegression(seed, inf_at) if model is None else model
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=device,
         devices=1,
         max_epochs=epochs,
-        plugins=[HalfprecPrecision(name, loss_scaler=make_scaler(DTYPES[name]))],
+        plugins=[HalfprecPrecision(name, loss_scaler=make_scaler(DTYPES[name]), impl=impl)],
         gradient_clip_val=CLIP,
         accumulate_grad_batches=2,
         logger=False,
@@ -144,6 +147,45 @@ def test_resume_from_ckpt_bit_exact(name, tmp_path):
 
     trainer2, model2 = _fit(name, batches, epochs=2, seed=123, ckpt_path=str(path))
     _check_same(model2, trainer2, ref_model, ref_mp, ref, first=2)
+
+
+@pytest.mark.parametrize(("device", "impl"), _oracle.FUSED_PATHS)
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_fused_path_clips_in_the_kernel(name, device, impl):
+    # gradient_clip_val clips in the fused optimizer's norm pass: the logged norm, skips and schedule match the
+    # plain fused loop bit for bit, and that loop matches the exact path within the fused tolerances.
+    dtype, batches = DTYPES[name], make_batches(6)
+    inf_at = (2, 3)  # both micro-batches of optimizer step 1
+    ref_model, ref_mp, _, ref = _oracle.fused_oracle(
+        dtype, batches, device=device, impl=impl, inf_at=inf_at, cast_targets=True
+    )
+    trainer, model = _fit(name, batches, inf_at=inf_at, device=device, impl=impl)
+    assert trainer.optimizers[0].impl == "triton" and model.skipped == [False, True, False]
+    _check_same(model, trainer, ref_model, ref_mp, ref)
+
+
+class LitReadsGrads(LitRegression):
+    """A hook that reads unscaled grads on the fused path: ``unscaled_grads()``, fp32 copies made on demand."""
+
+    hook_norms: list[float]
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [g for g in optimizer.unscaled_grads() if g is not None]
+        self.hook_norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+
+def test_fused_path_hooks_read_unscaled_grads_on_demand():
+    model = LitReadsGrads()
+    model.hook_norms = []
+    _fit("fp16", make_batches(4), impl="triton", model=model)
+    # the hook's norm (torch's, of the unscaled copies) is the one the kernel clipped with, pre-clip
+    assert model.hook_norms == approx(model.grad_norms, "grad_norm") and len(model.hook_norms) == 2
+    assert all(n > CLIP for n in model.hook_norms)
+
+
+def test_fused_path_refuses_clipping_by_value():
+    with pytest.raises(ValueError, match=r"gradient_clip_algorithm='value'.*impl='torch'"):
+        _fit("fp16", make_batches(2), impl="triton", gradient_clip_algorithm="value")
 
 
 def test_gradient_clip_by_value_clamps_masters():

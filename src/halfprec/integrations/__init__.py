@@ -5,8 +5,11 @@
 
 import importlib
 from types import ModuleType
+from typing import Any
 
-__all__ = ["require"]
+from ..optim.checks import check_grad_accum_dtype
+
+__all__ = ["check_strategy", "require"]
 
 
 def require(package: str, adapter: str) -> ModuleType:
@@ -18,3 +21,14 @@ def require(package: str, adapter: str) -> ModuleType:
             f"halfprec.integrations.{adapter} needs the {package.partition('.')[0]} package: pip install "
             "'halfprec[integrations]'"
         ) from e
+
+
+def check_strategy(impl: Any, grad_accum_dtype: Any) -> None:
+    """ValueError for an ``impl`` or ``grad_accum_dtype`` that ``MixedPrecisionOptimizer`` would refuse: raised when
+    the adapter is built, not when it first wraps an optimizer inside the tool's loop."""
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(
+            f"impl must be 'auto' (the fused path on CUDA, else the exact one), 'torch' (the exact path) or "
+            f"'triton' (the fused path), got {impl!r}"
+        )
+    check_grad_accum_dtype(grad_accum_dtype)

@@ -2,7 +2,11 @@
 
 Use ``Accelerator(mixed_precision="no")``, build the ``MixedPrecisionOptimizer`` before ``prepare`` and go
 through :func:`prepare` (or call :func:`attach` after your own ``accelerator.prepare``); the scaled entry point
-is ``accelerator.backward(mp.scale_loss(loss))``. Usage, clipping and checkpoints: docs/integrations.md.
+is ``accelerator.backward(mp.scale_loss(loss))``. The optimizer's own ``impl`` picks the path (``"auto"``: the
+fused one on CUDA). Clip with the optimizer's ``max_grad_norm`` (settable before any step; on the fused path
+the kernel's norm pass clips) and read the unscaled pre-clip norm from ``mp.grad_norm`` after the step:
+``accelerator.clip_grad_norm_`` calls ``torch.nn.utils.clip_grad_norm_`` on the params it is given, whose
+grads are still loss-scaled and 16-bit on either path. Usage and checkpoints: docs/integrations.md.
 
 Why the link is needed: with ``mixed_precision="no"`` Accelerate's ``AcceleratedOptimizer.step_was_skipped``
 is always False (it is set only around its own GradScaler), so ``AcceleratedScheduler.step`` and

@@ -1,8 +1,10 @@
 """halfprec under the HuggingFace ``Trainer``: the Trainer keeps its loop, halfprec owns the dtype and the scale.
 
 Usage: docs/integrations.md. Against the stock Trainer: ``create_optimizer`` wraps the optimizer in
-``MixedPrecisionOptimizer(param_dtype=halfprec_dtype)``; ``max_grad_norm`` clips inside ``step()`` (the
-Trainer's own clipping would clip the scaled 16-bit grads); for fp16 a gradient hook on the loss that
+``MixedPrecisionOptimizer(param_dtype=halfprec_dtype, impl=impl)`` (``"auto"``: the fused path on CUDA);
+``max_grad_norm`` clips inside ``step()``, on the fused path in the kernel's norm pass (the Trainer's own
+clipping, ``accelerator.clip_grad_norm_``, would clip the scaled 16-bit grads), and the logged ``grad_norm`` is
+the optimizer's unscaled pre-clip norm; for fp16 a gradient hook on the loss that
 ``compute_loss`` returns multiplies the incoming gradient by the loss scale (exact), so the logged loss stays
 unscaled; ``create_scheduler`` (called right after ``accelerator.prepare``) links halfprec's skipped steps to
 ``accelerator.optimizer_step_was_skipped``, which the Trainer reads to hold the LR schedule.
@@ -18,10 +20,11 @@ from typing import Any
 import torch
 
 from ..optim.base import MixedPrecisionOptimizer
+from ..optim.select import fused_unsupported_reason
 from ..precision import LOW_PRECISION, check_low_precision
 from ..scaler import LossScaler
 from . import accelerate as _hp_accelerate
-from . import require
+from . import check_strategy, require
 
 __all__ = ["HalfprecCallback", "HalfprecTrainer", "HalfprecTrainerMixin", "check_training_args"]
 
@@ -84,6 +87,18 @@ def _unwrap(optimizer: Any) -> MixedPrecisionOptimizer | None:
     return optimizer
 
 
+def _trainer_impl(optimizer: torch.optim.Optimizer, impl: str) -> str:
+    """``impl`` for an optimizer the Trainer built. Its default ``optim="adamw_torch_fused"`` sets ``fused=True``,
+    which ``impl="auto"`` reads as a request for torch's kernel; the Trainer chose that flag, not the user, and
+    halfprec's step replaces torch's, so "auto" takes the fused path on CUDA whatever the flag says."""
+    on_cuda = all(
+        p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"] if p.requires_grad
+    )
+    if impl == "auto" and on_cuda and fused_unsupported_reason(optimizer, explicit=True) is None:
+        return "triton"
+    return impl
+
+
 class HalfprecCallback(transformers.TrainerCallback):
     """Checks, when training starts, that the Trainer really trains through halfprec.
 
@@ -108,6 +123,11 @@ class HalfprecTrainerMixin:
             optimizer is wrapped. ``None`` when the model is already 16-bit (masters then start from the 16-bit
             weights) or when a ``MixedPrecisionOptimizer`` is passed in ``optimizers=``.
         loss_scaler: a halfprec loss scaler; ``None`` = ``DynamicLossScaler()`` for fp16, no scaling for bf16.
+        impl: ``"auto"`` (the fused optimizer on CUDA when it supports the optimizer, else the exact path),
+            ``"torch"`` (the exact path) or ``"triton"``; for an optimizer passed in ``optimizers=``, only when it
+            is a plain torch one.
+        grad_accum_dtype: ``torch.float32`` accumulates ``gradient_accumulation_steps`` micro-batches in fp32
+            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads.
     """
 
     def __init__(
@@ -115,11 +135,16 @@ class HalfprecTrainerMixin:
         *args: Any,
         halfprec_dtype: torch.dtype | None = None,
         loss_scaler: LossScaler | None = None,
+        impl: str = "auto",
+        grad_accum_dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
         # refused before the Trainer builds anything on these arguments
         check_training_args(kwargs.get("args", args[1] if len(args) > 1 else None))
         self.halfprec_dtype = check_low_precision(halfprec_dtype, "halfprec_dtype")
+        check_strategy(impl, grad_accum_dtype)
+        self.halfprec_impl = impl
+        self.halfprec_grad_accum_dtype = grad_accum_dtype
         self._halfprec_loss_scaler = loss_scaler
         self._halfprec_checked: MixedPrecisionOptimizer | None = None  # the optimizer the scale check hooks
         self._halfprec_loss_hooks: list = []  # this training_step's scaling hooks on compute_loss's loss
@@ -147,7 +172,8 @@ class HalfprecTrainerMixin:
         return wanted if wanted is not None else have
 
     def create_optimizer(self, model=None):
-        optimizer = super().create_optimizer(model) if self.optimizer is None else self.optimizer
+        built = self.optimizer is None
+        optimizer = super().create_optimizer(model) if built else self.optimizer
         mp = _unwrap(optimizer)
         if mp is None:
             low = {p.dtype for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
@@ -161,9 +187,8 @@ class HalfprecTrainerMixin:
                 loss_scaler=self._halfprec_loss_scaler,
                 max_grad_norm=self._halfprec_max_grad_norm(None),
                 param_dtype=self.halfprec_dtype,
-                # the exact path: the tool's hooks read the unscaled fp32 master grads (clipping, logging), which
-                # the fused kernels never materialise
-                impl="torch",
+                impl=_trainer_impl(optimizer, self.halfprec_impl) if built else self.halfprec_impl,
+                grad_accum_dtype=self.halfprec_grad_accum_dtype,
             )
         else:
             mp.max_grad_norm = self._halfprec_max_grad_norm(mp)

@@ -8,8 +8,12 @@ the fp32 weights, not from their 16-bit roundings.
 
 Lightning calls ``lr_scheduler_step`` on every step and gives the plugin no hook there, so ``connect``
 replaces each ``interval="step"`` scheduler with a proxy that does not step after a skipped optimizer step.
-``gradient_clip_val`` (norm) is handed to the ``MixedPrecisionOptimizer``, which clips the unscaled master
-grads inside ``step()`` after its overflow check. Usage and caveats: docs/integrations.md.
+``gradient_clip_val`` (norm) becomes the ``MixedPrecisionOptimizer``'s ``max_grad_norm`` for that one step: it
+clips inside ``step()`` after the overflow check, on the fused path in the kernel's own norm pass.
+
+``impl="auto"`` wraps in the fused optimizer on CUDA (``optim/select.py``). Its grads are never unscaled in
+place, so what needs them there is refused with the fix: clipping by value, and ``fabric.clip_gradients``,
+which clips ``main_params`` with torch itself. Usage and caveats: docs/integrations.md.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 from ..optim.base import MixedPrecisionOptimizer
 from ..precision import DTYPES
 from ..scaler import LossScaler
-from . import require
+from . import check_strategy, require
 
 _FabricPrecision = require("lightning.fabric.plugins", "lightning").Precision
 _TrainerPrecision = require("lightning.pytorch.plugins.precision", "lightning").Precision
@@ -47,7 +51,13 @@ class _Common:
     """Dtype handling, wrapping and clipping shared by the Trainer and the Fabric flavours."""
 
     def __init__(
-        self, precision: str, *, loss_scaler: LossScaler | None = None, skip_nonfinite: bool = True
+        self,
+        precision: str,
+        *,
+        loss_scaler: LossScaler | None = None,
+        skip_nonfinite: bool = True,
+        impl: str = "auto",
+        grad_accum_dtype: torch.dtype | None = None,
     ) -> None:
         if precision not in _LIGHTNING_NAME:  # the 16-bit ones: fp32 weights need no plugin
             raise ValueError(
@@ -56,6 +66,9 @@ class _Common:
             )
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise ValueError(f"loss_scaler must be a halfprec loss scaler, got {type(loss_scaler).__name__}")
+        check_strategy(impl, grad_accum_dtype)
+        self.impl = impl
+        self.grad_accum_dtype = grad_accum_dtype
         self.precision = _LIGHTNING_NAME[precision]
         self.dtype = DTYPES[precision]
         self.loss_scaler = loss_scaler
@@ -117,9 +130,8 @@ class _Common:
                 max_grad_norm=max_grad_norm,
                 skip_nonfinite=self.skip_nonfinite,
                 param_dtype=self.dtype,
-                # the exact path: the tool's hooks read the unscaled fp32 master grads (clipping, logging), which
-                # the fused kernels never materialise
-                impl="torch",
+                impl=self.impl,
+                grad_accum_dtype=self.grad_accum_dtype,
             )
         if mp not in self._optimizers:
             self._optimizers.append(mp)
@@ -160,7 +172,16 @@ class _Common:
         return self._mp(optimizer).master_params()
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        self._mp(optimizer).unscale_()
+        mp = self._mp(optimizer)
+        if mp.impl != "torch":
+            raise RuntimeError(
+                f"the {type(mp).__name__} (the fused path) never unscales its grads in place, so Lightning cannot "
+                "clip or read them through main_params (fabric.clip_gradients does): clip with "
+                "setup_fabric(..., max_grad_norm=x), or opt.max_grad_norm = x before opt.step() (in the kernel; "
+                "opt.grad_norm is the pre-clip norm after the step); read them with opt.unscaled_grads(); or build "
+                "the plugin with impl='torch' (the exact path)"
+            )
+        mp.unscale_()
 
 
 def _to_dtype(tensor: torch.Tensor, dst_type: torch.dtype) -> torch.Tensor:
@@ -209,6 +230,15 @@ class _HoldOnSkipScheduler(torch.optim.lr_scheduler.LRScheduler):
         return f"HoldOnSkip({self._scheduler!r})"
 
 
+def _check_value_clipping(mp: MixedPrecisionOptimizer) -> None:
+    if mp.impl != "torch":
+        raise ValueError(
+            f"gradient_clip_algorithm='value' clamps unscaled grads in place, which the {type(mp).__name__} (the "
+            "fused path) never materialises: clip by norm (gradient_clip_algorithm='norm', done in the kernel), "
+            "or build HalfprecPrecision(..., impl='torch') for the exact path"
+        )
+
+
 class HalfprecPrecision(_Common, _TrainerPrecision):
     """``lightning.pytorch.Trainer(plugins=[HalfprecPrecision("bf16" | "fp16")])``: 16-bit weights, fp32 masters.
 
@@ -217,10 +247,16 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         loss_scaler: a halfprec loss scaler (copied per optimizer); ``None`` = ``DynamicLossScaler()`` for
             fp16, no scaling for bf16.
         skip_nonfinite: skip steps with non-finite bf16 grads too (fp16 is always checked).
+        impl: ``"auto"`` (the fused optimizer on CUDA when it supports the optimizer, else the exact path),
+            ``"torch"`` (the exact path: fp32 master grads that hooks and value clipping can edit) or ``"triton"``.
+        grad_accum_dtype: ``torch.float32`` accumulates ``accumulate_grad_batches`` micro-batches in fp32
+            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads.
     """
 
     def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple[Any, list, list]:
-        clip_val = getattr(getattr(model, "_trainer", None), "gradient_clip_val", None)
+        trainer = getattr(model, "_trainer", None)
+        clip_val = getattr(trainer, "gradient_clip_val", None)
+        by_value = clip_val and getattr(trainer, "gradient_clip_algorithm", None) == "value"
         by_id: dict[int, MixedPrecisionOptimizer] = {}
         wrapped = []
         # every fit (and Tuner.lr_find) connects its optimizers anew: only this fit's are the plugin's
@@ -233,8 +269,10 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
                     f"gradient_clip_val={clip_val!r}; set one of them (returning plain optimizers from "
                     "configure_optimizers lets gradient_clip_val decide)"
                 )
+            if by_value:
+                _check_value_clipping(mp)
             self._base_clip[id(mp)] = mp.max_grad_norm
-            by_id[id(_unwrap(optimizer))] = by_id[id(mp)] = by_id[id(getattr(mp, "optimizer", mp))] = mp
+            by_id[id(_unwrap(optimizer))] = by_id[id(mp)] = by_id[id(mp.optimizer or mp)] = mp
             wrapped.append(mp)
         self.release_fp32()
         for config in lr_schedulers:
@@ -254,7 +292,8 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
             closure_result = closure()
             if closure_result is None and getattr(model, "automatic_optimization", False):
                 return closure_result  # training_step returned None: no backward ran, nothing to step
-            mp.unscale_()
+            if mp.impl == "torch":
+                mp.unscale_()  # on_before_optimizer_step sees the unscaled master grads (fused: unscaled_grads())
             self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
             mp.step(**kwargs)
             return closure_result
@@ -264,12 +303,14 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
             mp.max_grad_norm = self._base_clip.get(id(mp))
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        # Deferred into step(): the overflow check runs first and grad_norm stays the pre-clip norm.
+        # Deferred into step(): the overflow check runs first and grad_norm stays the pre-clip norm (the fused
+        # path clips in its finalize program).
         self._mp(optimizer).max_grad_norm = float(clip_val)
 
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         clip_val = float(clip_val)
         mp = self._mp(optimizer)
+        _check_value_clipping(mp)
         mp.unscale_()
         with torch.no_grad():
             for m in mp.master_params():

@@ -13,7 +13,8 @@ import torch
 import halfprec
 from halfprec.optim import FusedAdamW, FusedLamb, FusedSGD
 
-from ..helpers import DEVICE, assert_same_state, pair, random_grads, set_grads
+from ...tolerances import approx
+from ..helpers import DEVICE, assert_same_state, make_params, pair, random_grads, set_grads
 
 SIZES = [9, 41, 127]
 KW = dict(init_scale=2.0**6, growth_interval=3, hysteresis=2, min_scale=2.0**3)
@@ -160,3 +161,59 @@ def test_fused_step_does_not_call_the_torch_update(monkeypatch):
         p.grad = g
         fused.step()
         assert fused.loss_scale == want
+
+
+# --- clipping chosen per step, and unscaled grads on demand (the integrations' interface) -------------------------
+def test_max_grad_norm_set_per_step_clips_that_step_in_the_kernel():
+    # An integration sets max_grad_norm for the coming step only (Lightning's gradient_clip_val, HF's
+    # max_grad_norm): the step clips like the exact path given the same setting, and grad_norm is the unscaled
+    # pre-clip norm of that step.
+    scaler = lambda: halfprec.StaticLossScaler(2.0**10)  # noqa: E731
+    ref, fused, a, b = pair(torch.optim.AdamW, FusedAdamW, SIZES, torch.float16, dict(lr=1e-2), scaler=scaler)
+    for s, clip in enumerate([0.5, None, 2.0, None]):
+        grads = random_grads(a, 300 + s, scale=2.0**10)
+        set_grads(a, grads)
+        set_grads(b, grads)
+        ref.max_grad_norm = fused.max_grad_norm = clip
+        ref.step()
+        fused.step()
+        assert fused.grad_norm == approx(ref.grad_norm, "grad_norm"), s
+        assert clip is None or fused.grad_norm > clip  # so the clipped steps really clipped
+        ref.zero_grad()
+        fused.zero_grad()
+    assert_same_state(ref, fused, torch.float16)
+
+
+@pytest.mark.parametrize("accum", [None, torch.float32])
+def test_unscaled_grads_are_the_exact_paths_master_grads(accum):
+    scaler = lambda: halfprec.StaticLossScaler(2.0**10)  # noqa: E731
+    a, b = make_params(SIZES + [5], torch.float16)
+    b[-1].data = b[-1].data.float()  # an fp32 param: its own master
+    a[-1].data = a[-1].data.float()
+    ref = halfprec.MixedPrecisionOptimizer(
+        torch.optim.AdamW(a, lr=1e-2), loss_scaler=scaler(), impl="torch", grad_accum_dtype=accum
+    )
+    fused = FusedAdamW(b, lr=1e-2, loss_scaler=scaler(), grad_accum_dtype=accum)
+    for micro in range(2):  # two micro-batches: with fp32 accumulation the kernels read their fp32 sum
+        grads = random_grads(a, 400 + micro, scale=2.0**10, none={1})
+        for params in (a, b):
+            for p, g in zip(params, grads, strict=True):
+                if g is not None:
+                    (p * g).sum().backward()  # through autograd, so the accumulation hooks run
+    got = fused.unscaled_grads()
+    ref.unscale_()
+    want = [m.grad for m in ref.master_params()]
+    assert [g is None for g in got] == [g is None for g in want] == [False, True, False, False]
+    for g, w in zip(got, want, strict=True):
+        assert g is None or (g.dtype == torch.float32 and torch.equal(g, w))
+    got[0].fill_(1e6)  # the step reads the 16-bit (or accumulated) grads, not these copies
+    ref.step()
+    fused.step()
+    assert fused.grad_norm == approx(ref.grad_norm, "grad_norm")
+    assert_same_state(ref, fused, torch.float16)
+
+
+def test_unscale_in_place_is_refused_with_the_alternatives():
+    fused = FusedAdamW([torch.nn.Parameter(torch.randn(9).to(DEVICE, torch.float16))])
+    with pytest.raises(RuntimeError, match=r"max_grad_norm.*unscaled_grads\(\).*impl='torch'"):
+        fused.unscale_()

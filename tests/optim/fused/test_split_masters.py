@@ -220,6 +220,10 @@ def test_fp32_grad_accumulation_composes_with_split_masters(cls, hp):
             split.mark_grads()
             ref.mark_grads()
             assert all(p.grad is None for p in a + b)  # added into the fp32 buffers and released
+        for x, y in zip(
+            split.unscaled_grads(), ref.unscaled_grads(), strict=True
+        ):  # the sums, read on demand
+            assert x is not None and torch.equal(_bits(x), _bits(y))
         split.step()
         ref.step()
         split.zero_grad()

@@ -60,6 +60,11 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     hyper-parameters, the keyword-only options of ``MixedPrecisionOptimizer`` and ``masters``: ``"fp32"``
     (default) or ``"split"``, exact fp32 masters of bf16 params in 2 bytes per param (the module docstring;
     ValueError for fp16 params).
+
+    Clipping is the finalize program's: ``max_grad_norm`` is read at every step, so a caller may set it for the
+    coming step only (the integrations do, for ``gradient_clip_val`` and ``max_grad_norm``), and ``grad_norm``
+    reads back that step's unscaled norm before clipping. The grads are never unscaled in place (``unscale_``
+    refuses); ``unscaled_grads()`` returns unscaled fp32 copies for hooks that read them.
     """
 
     impl = "triton"
@@ -265,10 +270,21 @@ class FusedOptimizer(MixedPrecisionOptimizer):
 
     def unscale_(self) -> None:
         raise RuntimeError(
-            f"{type(self).__name__} folds unscaling and clipping into its update kernel, so the "
-            "grads are never unscaled in place; use max_grad_norm for clipping, or the torch path "
-            "(impl='torch') to inspect unscaled grads"
+            f"{type(self).__name__} folds unscaling and clipping into its update kernel, so the grads are never "
+            "unscaled in place: to clip, set max_grad_norm (read at every step, so it may change per step; the "
+            "pre-clip norm is grad_norm after step()); to read unscaled grads, call unscaled_grads() (fp32 copies); "
+            "to edit grads before the step, use the torch path (impl='torch')"
         )
+
+    @torch.no_grad()
+    def unscaled_grads(self) -> list[torch.Tensor | None]:
+        """fp32 copies of the grads the params hold now, divided by the loss scale, in ``master_params()`` order
+        (None where a param has no grad): the values the exact path's ``unscale_()`` puts in the master grads,
+        bit for bit. For hooks that read unscaled grads (logging, norms): 4 bytes per element while the caller
+        keeps them, nothing otherwise. The step does not read them: editing them changes nothing."""
+        inv = self.loss_scaler.inv_scale()
+        held = (self._grads.held(i) for i in range(len(self._trainable)))
+        return [None if g is None else g.to(torch.float32, copy=True).mul_(inv) for g in held]
 
     # --- the step --------------------------------------------------------------------------------------
     def _upload_hyper(self, capturing: bool) -> None:

@@ -89,6 +89,14 @@ class GradViews:
         self.flags[i].fill_(1)
         self._marked[i] = True
 
+    def held(self, i: int) -> torch.Tensor | None:
+        """The grad param ``i`` holds now: its ``.grad``, or with fp32 accumulation its fp32 sum so far."""
+        p = self.params[i]
+        if p.grad is not None or not (self._accumulates[i] and self._marked[i]):
+            return p.grad
+        chunk, local = self.where[i]
+        return chunk.grad_views[local]
+
     def adopt(self, owner: str) -> None:
         """Mark grads assigned by hand and unmark params whose ``.grad`` was set to None (``owner``: the
         optimizer's name, for the error when a param no longer lives in the flat buffer)."""
