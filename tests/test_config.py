@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from halfprec.config import OLD_NAMES, Config, config_name, dynamic_scaling
 
@@ -160,3 +161,37 @@ def test_replace_validates():
 def test_replace_names_unknown_fields_and_close_matches(changes, regex):
     with pytest.raises(TypeError, match=regex):
         Config().replace(**changes)
+
+
+@pytest.mark.parametrize(
+    ("fields", "world", "expected"),
+    [
+        ({"precision": "bf16", "gradient_accumulation_steps": 4}, 1, torch.float32),
+        ({"precision": "bf16", "gradient_accumulation_steps": 1}, 1, None),  # nothing to sum
+        (
+            {"precision": "fp16", "gradient_accumulation_steps": 4},
+            1,
+            None,
+        ),  # the loss scale keeps 16-bit sums close
+        ({"precision": "fp32", "gradient_accumulation_steps": 4}, 1, None),
+        (
+            {"precision": "bf16", "gradient_accumulation_steps": 4},
+            2,
+            None,
+        ),  # DDP: not available across processes
+        ({"precision": "bf16", "gradient_accumulation_steps": 4, "zero_stage": 2}, 2, torch.float32),
+        (
+            {"precision": "bf16", "gradient_accumulation_steps": 4, "zero_stage": 1, "reduce_dtype": "param"},
+            2,
+            None,
+        ),
+        ({"precision": "bf16", "gradient_accumulation_steps": 4, "grad_accum_dtype": "param"}, 1, None),
+        (
+            {"precision": "fp16", "gradient_accumulation_steps": 1, "grad_accum_dtype": "fp32"},
+            1,
+            torch.float32,
+        ),
+    ],
+)
+def test_grad_accum_dtype_auto_resolves_like_megatron_for_bf16(fields, world, expected):
+    assert Config(**fields).accum_dtype(world) is expected

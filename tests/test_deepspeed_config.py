@@ -186,7 +186,7 @@ MAPPED = [
     ({"bf16": {"enabled": True}, "communication_data_type": "fp32"}, {"reduce_dtype": "fp32"}),
     ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, {"grad_accum_dtype": "fp32"}),
     ({"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}}, {"grad_accum_dtype": "param"}),
-    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": None}}, {"grad_accum_dtype": "param"}),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": None}}, {"grad_accum_dtype": "auto"}),
     (
         {
             "bf16": {"enabled": True},

@@ -28,7 +28,9 @@ def test_initialize_casts_and_keeps_fp32_masters():
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_accumulation_equals_the_plain_wrapper_loop(precision):
     engine = build(precision, gas=3)
-    ref = build(precision, gas=1)
+    # grad_accum_dtype "auto": fp32 sums for bf16 with several micro-batches, the 16-bit .grad for fp16
+    assert (engine.optimizer.grad_accum_dtype is torch.float32) == (precision == "bf16")
+    ref = build(precision, gas=1, grad_accum_dtype="fp32" if precision == "bf16" else "param")
     mp = ref.optimizer
     for step in range(4):
         for micro in range(3):
@@ -46,13 +48,15 @@ def test_accumulation_equals_the_plain_wrapper_loop(precision):
         assert torch.equal(a, b)
 
 
-def test_step_and_zero_grad_act_only_at_boundaries():
-    engine = build("bf16", gas=2)
+@pytest.mark.parametrize("accum", ["param", "fp32"])
+def test_step_and_zero_grad_act_only_at_boundaries(accum):
+    engine = build("bf16", gas=2, grad_accum_dtype=accum)
     idx = batch(0, 0)
     loss = engine(idx).float().mean()
     engine.backward(loss)
-    engine.zero_grad()  # mid-accumulation: keeps the grads
-    assert engine.module.mix.weight.grad is not None
+    engine.zero_grad()  # mid-accumulation: keeps the grads (fp32 sums: in the master grads)
+    held = engine.module.mix.weight if accum == "param" else engine.optimizer.master_params()[1]
+    assert held.grad is not None
     assert engine.step() is None and engine.global_step == 0
     engine.backward(engine(idx).float().mean())
     record = engine.step()

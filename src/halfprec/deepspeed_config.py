@@ -314,7 +314,7 @@ def _reduce_dtype(value: Any, precision: str, notes: list[str]) -> str:
 def _grad_accum_dtype(value: Any, precision: str, notes: list[str]) -> str:
     # null is DeepSpeed's "not set": halfprec's default
     if value is None:
-        return "param"
+        return "auto"
     return _dtype_choice("data_types.grad_accum_dtype", "accumulates micro-batch grads", value, precision)
 
 

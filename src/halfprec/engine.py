@@ -19,6 +19,7 @@ from . import checkpoint as ckpt
 from ._checks import is_int
 from .config import Config, check_fields
 from .optim.base import MixedPrecisionOptimizer
+from .optim.checks import world_size
 from .optim.select import fused_from_torch, fused_unsupported_reason
 from .precision import DTYPES
 from .resume import keep_scaler_settings, scaler_kind_error
@@ -91,7 +92,7 @@ def initialize(
         skip_nonfinite=config.skip_nonfinite,
         param_dtype=dtype,  # fp32 too: a model trained in fp32 on purpose (precision="fp32")
         impl=config.impl,
-        grad_accum_dtype=torch.float32 if config.grad_accum_dtype == "fp32" else None,
+        grad_accum_dtype=config.accum_dtype(world_size()),
     )
     if config.zero_stage in (1, 2):
         from .optim.sharded import ShardedMixedPrecisionOptimizer  # noqa: PLC0415 - needs torch.distributed
@@ -212,7 +213,7 @@ class Engine:
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         last = (self.micro_step + 1) % self.gradient_accumulation_steps == 0
-        whole_grads = self.config.zero_stage == 1 or self.config.grad_accum_dtype == "fp32"
+        whole_grads = self.config.zero_stage == 1 or self.optimizer.grad_accum_dtype is not None
         if self._sharded and whole_grads and not last:
             # whole grads kept (stage 1, or fp32 accumulation): reduce only the last micro-batch's sum (stage 2
             # with 16-bit grads must reduce each)

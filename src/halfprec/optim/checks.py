@@ -15,7 +15,7 @@ from ..scaler import LossScaler
 
 __all__ = [
     "check_dtypes", "check_grad_accum_dtype", "check_options", "check_params", "check_torch_optimizer",
-    "check_unfrozen", "clear_grads", "tell_schedulers",
+    "check_unfrozen", "clear_grads", "tell_schedulers", "world_size",
 ]  # fmt: skip
 
 
@@ -33,6 +33,12 @@ def check_options(
     check_low_precision(param_dtype, allow_fp32=True)
 
 
+def world_size() -> int:
+    """Ranks in the default process group; 1 when torch.distributed is not initialised."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def check_grad_accum_dtype(value: Any, *, strategy: str = "torch") -> None:
     """Raise ValueError unless ``value`` is None or ``torch.float32``, and, for the unsharded strategies
     (``"torch"``, ``"fused"``), unless the default process group has one rank: DDP all-reduces the 16-bit
@@ -45,10 +51,9 @@ def check_grad_accum_dtype(value: Any, *, strategy: str = "torch") -> None:
             f"grad_accum_dtype must be None (accumulate in the params' 16-bit .grad) or torch.float32 (in the fp32 "
             f"master grads), got {value!r}"
         )
-    dist = torch.distributed
-    if strategy != "sharded" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if strategy != "sharded" and world_size() > 1:
         raise ValueError(
-            f"grad_accum_dtype=torch.float32 with a process group of {dist.get_world_size()} ranks: DDP's all-reduce "
+            f"grad_accum_dtype=torch.float32 with a process group of {world_size()} ranks: DDP's all-reduce "
             "reads the 16-bit .grad that fp32 accumulation releases; data-parallel fp32 accumulation is "
             "halfprec.distributed.ShardedMixedPrecisionOptimizer(..., stage=1 or 2, grad_accum_dtype=torch.float32), "
             "or use grad_accum_dtype=None"
