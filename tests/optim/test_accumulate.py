@@ -277,7 +277,7 @@ def test_bad_options(kwargs, regex):
         ),
         (
             dict(grad_accum_dtype=torch.float32),
-            "grad_accum_dtype must be one of 'param', 'fp32'.*torch.float32",
+            "grad_accum_dtype must be one of 'auto', 'param', 'fp32'.*torch.float32",
         ),
     ],
 )
