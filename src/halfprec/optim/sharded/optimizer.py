@@ -122,7 +122,9 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._build_pieces()
         self._fused = None
         if self.impl == "triton":
-            self._fused = FusedLocalStep(self.optimizer, self.layout, self._piece_params, self.flat_master)
+            self._fused = FusedLocalStep(
+                self.optimizer, self.layout, self._piece_params, param=self.flat_param, master=self.flat_master
+            )
         self._init_scaler(loss_scaler, dtypes={self.dtype} if self._params else set(), device=self.device)
         self._reducer = GradReducer(
             self._params, self.layout, stage=stage, reduce_dtype=reduce_dtype, group=process_group,
@@ -268,7 +270,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             # the same arithmetic as torch.nn.utils.clip_grads_with_norm_
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(shard.device)
         if self._fused is not None:
-            self._fused.step(shard, used_anywhere, coef)  # applies coef as it reads the grads
+            self._fused.step(shard, used_anywhere, coef)  # applies coef as it reads the grads, writes the params
         else:
             for i, piece_param in self._piece_params.items():
                 pc = self.layout.piece_of[i]
@@ -276,15 +278,18 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             if coef is not None:
                 shard.mul_(coef)
             self.optimizer.step()
-        self._publish()
+        # the fused kernel wrote the 16-bit shards (fp32 params are its masters: they are copied)
+        self._publish(rounded=self._fused is not None and self.dtype != torch.float32)
 
     @torch.no_grad()
-    def _publish(self) -> None:
-        """Round this rank's masters into its shard of the flat params and all-gather every bucket."""
+    def _publish(self, *, rounded: bool = False) -> None:
+        """Round this rank's masters into its shard of the flat params (unless ``rounded``: the shard holds them
+        already) and all-gather every bucket."""
         works = []
         for b in self.layout.buckets:
             lo, hi = b.shard_range(self.rank)
-            self.flat_param[lo:hi].copy_(self.flat_master[b.local : b.local + b.shard])
+            if not rounded:
+                self.flat_param[lo:hi].copy_(self.flat_master[b.local : b.local + b.shard])
             out = self.flat_param[b.start : b.start + b.numel]
             works.append(_all_gather(out, self.flat_param[lo:hi], group=self.process_group, async_op=True))
         for work in works:
