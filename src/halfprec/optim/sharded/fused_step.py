@@ -84,7 +84,7 @@ class FusedLocalStep:
         shifts = [_shift(layout, self.pieces[k].bucket) for rows in (aligned, loose) for _, _, k in rows]
         self.shift = torch.tensor(shifts, dtype=torch.int64).to(dev)
         self.shifts = self.shift[: len(aligned)], self.shift[len(aligned) :]
-        if param.dtype == torch.float32:  # the kernel takes fp32 params as their own masters: the caller copies
+        if param.dtype == torch.float32:  # the kernel takes fp32 params as their own masters: copied after
             self.shifts = None, None
         n = max(len(self.pieces), 1)
         self.steps = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -100,7 +100,7 @@ class FusedLocalStep:
     # --- state ---------------------------------------------------------------------------------------------
     def _view(self, name: str, k: int) -> torch.Tensor:
         if name not in self.buffers:
-            self.buffers[name] = torch.zeros(self.master.numel(), dtype=torch.float32, device=self.master.device)
+            self.buffers[name] = torch.zeros(len(self.master), dtype=torch.float32, device=self.master.device)
         pc = self.pieces[k]
         return self.buffers[name][pc.local : pc.local + pc.numel]
 
@@ -175,8 +175,7 @@ class FusedLocalStep:
         )  # fmt: skip
         self.scalars[2].copy_(self.one if coef is None else coef)
         state = [self.buffers[name] for name in self.fused.STATE_NAMES if name in self.buffers]
-        kind, param, master = self.fused.KIND, self.param, self.master
-        for table, aligned, shift in ((self.aligned, True, self.shifts[0]), (self.loose, False, self.shifts[1])):
-            update(
-                kind, param, grad_shard, master, state, table, self.pscal, self.scalars, aligned=aligned, shift=shift
-            )
+        kind, param, master, grad = self.fused.KIND, self.param, self.master, grad_shard
+        pscal, scalars = self.pscal, self.scalars
+        for table, aligned, shift in zip((self.aligned, self.loose), (True, False), self.shifts, strict=True):
+            update(kind, param, grad, master, state, table, pscal, scalars, aligned=aligned, shift=shift)

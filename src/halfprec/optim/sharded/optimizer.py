@@ -122,9 +122,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._build_pieces()
         self._fused = None
         if self.impl == "triton":
-            self._fused = FusedLocalStep(
-                self.optimizer, self.layout, self._piece_params, param=self.flat_param, master=self.flat_master
-            )
+            pieces, param, master = self._piece_params, self.flat_param, self.flat_master
+            self._fused = FusedLocalStep(self.optimizer, self.layout, pieces, param=param, master=master)
         self._init_scaler(loss_scaler, dtypes={self.dtype} if self._params else set(), device=self.device)
         self._reducer = GradReducer(
             self._params, self.layout, stage=stage, reduce_dtype=reduce_dtype, group=process_group,
@@ -270,7 +269,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             # the same arithmetic as torch.nn.utils.clip_grads_with_norm_
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(shard.device)
         if self._fused is not None:
-            self._fused.step(shard, used_anywhere, coef)  # applies coef as it reads the grads, writes the params
+            # applies coef to the grads as it reads them and writes the 16-bit params
+            self._fused.step(shard, used_anywhere, coef)
         else:
             for i, piece_param in self._piece_params.items():
                 pc = self.layout.piece_of[i]
