@@ -125,9 +125,11 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             pieces, param, master = self._piece_params, self.flat_param, self.flat_master
             self._fused = FusedLocalStep(self.optimizer, self.layout, pieces, param=param, master=master)
         self._init_scaler(loss_scaler, dtypes={self.dtype} if self._params else set(), device=self.device)
+        # the fused kernel reads 16-bit grads as they are (unscaled by its coefficient); torch steps fp32 grads
+        sixteen = self._fused is not None and reduce_dtype == "param" and self.dtype != torch.float32
         self._reducer = GradReducer(
             self._params, self.layout, stage=stage, reduce_dtype=reduce_dtype, group=process_group,
-            accumulate=grad_accum_dtype is not None,
+            accumulate=grad_accum_dtype is not None, shard_dtype=self.dtype if sixteen else torch.float32,
         )  # fmt: skip
 
     def _backward_params(self) -> list[torch.nn.Parameter]:
@@ -224,7 +226,9 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     # --- the step ------------------------------------------------------------------------------------
     @torch.no_grad()
     def unscale_(self) -> None:
-        """Finish the gradient reduction; the fp32 grad shard then holds the unscaled mean grad. Idempotent."""
+        """Finish the gradient reduction; an fp32 grad shard then holds the unscaled mean grad (a 16-bit one, of
+        ``reduce_dtype="param"`` with the fused local step, stays scaled: the kernel unscales as it reads it).
+        Idempotent."""
         if self._s.unscaled:
             return
         check_unfrozen(self._frozen)
@@ -237,7 +241,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         shard = self._reducer.finish()
         if self.reduce_dtype == "fp32" and self.world_size > 1:
             shard.div_(self.world_size)
-        if not self.loss_scaler.is_unit:
+        if not self.loss_scaler.is_unit and shard.dtype == torch.float32:
             shard.mul_(self.loss_scaler.inv_scale())
         self._s.unscaled = True
         self._reducer.frozen = True
@@ -248,7 +252,13 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._s.unscaled = False
         self._reducer.frozen = False
         shard = self._reducer.grad_shard
-        local = torch.linalg.vector_norm(shard).double().square().reshape(1)
+        # a 16-bit shard is still scaled: its norm and the kernel's coefficient take 1/scale (a power of two, so
+        # both equal those of the unscaled fp32 shard, bit for bit)
+        inv = (
+            None if shard.dtype == torch.float32 or self.loss_scaler.is_unit else self.loss_scaler.inv_scale()
+        )
+        local = torch.linalg.vector_norm(shard, dtype=torch.float32)
+        local = (local if inv is None else local * inv.to(local.device)).double().square().reshape(1)
         used = torch.tensor(self._reducer.used, dtype=torch.float64, device=self.device)
         stats = torch.cat([local, used])
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.process_group)
@@ -268,6 +278,9 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if self.max_grad_norm is not None:
             # the same arithmetic as torch.nn.utils.clip_grads_with_norm_
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(shard.device)
+        if inv is not None:
+            inv = inv.to(shard.device)
+            coef = inv if coef is None else inv * coef
         if self._fused is not None:
             # applies coef to the grads as it reads them and writes the 16-bit params
             self._fused.step(shard, used_anywhere, coef)
