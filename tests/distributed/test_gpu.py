@@ -56,14 +56,14 @@ def test_nccl_world_size_one_matches_unsharded_and_checkpoints(tmp_path, monkeyp
 
 
 # (stage, masters, allocated bytes per param after the first step): AdamW, bf16, reduce_dtype="param", N = 1
-ALLOCATED = [(1, "fp32", 16), (2, "fp32", 16)]
+ALLOCATED = [(1, "fp32", 16), (2, "fp32", 16), (1, "split", 14), (2, "split", 14)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("stage", "masters", "per_param"), ALLOCATED)
 def test_allocated_bytes_per_param_at_world_size_one(tmp_path, stage, masters, per_param):
     """The design's 4 + 12/N (stage 1) and 2 + 14/N (stage 2) at N = 1, within 5%: the fused local step reads
-    the 16-bit grad shard and writes the 16-bit params itself."""
+    the 16-bit grad shard and writes the 16-bit params itself; split masters take 2/N less."""
     torch.cuda.set_device(0)
     with one_process_group("nccl", tmp_path / "store"):
         gc.collect()  # earlier tests' garbage freed now, not during the measurement

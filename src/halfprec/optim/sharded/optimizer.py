@@ -20,8 +20,16 @@ A step (every rank takes the same decisions, made from all-reduced values):
    clip coefficient as it reads the grads), round the masters into this rank's shard of the flat params and
    all-gather every bucket.
 
+Split masters (``masters="split"``, bf16 params, the fused local step; ``optim/split.py``): no fp32 masters;
+this rank keeps ``flat_low``, the low 16 bits of its shards' masters, and the high half is the 16-bit param
+itself (rounded ties away), so the kernel reads and writes the param shard and ``flat_low`` and the all-gather
+moves the params as before. The pieces the inner optimizer holds (state keys, param groups) then hold no values
+of their own: ``model_space()`` and ``master_params()`` join the masters into a temporary fp32 buffer they
+view, which a checkpoint reads from or loads into and ``restore_counters`` splits back; the next step,
+``zero_grad()``, ``refresh_masters()`` or load frees it.
+
 ``state_dict()`` is the rank-local state, loaded at the same world size and layout only; checkpoints that
-reshard across world sizes: ``halfprec.distributed.checkpoint``.
+reshard across world sizes: ``halfprec.distributed.checkpoint``. Both hold fp32 masters, split or not.
 """
 
 from __future__ import annotations
@@ -36,8 +44,9 @@ import torch.distributed as dist
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear_grads
-from ..layout import Layout
+from ..layout import Layout, check_masters
 from ..select import select_impl
+from ..split import join_master, split_master
 from ..state import Target, move_state, restore_state_dtypes
 from .checks import check_optimizer, check_reduce_dtype, named_trainable
 from .fused_step import FusedLocalStep
@@ -71,6 +80,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             stage 2: each micro-batch is reduced, and the results added in fp32); ``torch.float32`` adds each
             16-bit grad into a whole fp32 grad buffer as backward produces it and reduce-scatters the fp32 sums
             (``grads.py``; needs ``reduce_dtype="fp32"``; ``no_sync()`` then works at both stages).
+        masters: ``"fp32"``, or ``"split"``: bf16 params keep exact fp32 masters as the param plus its low 16
+            bits (2 B/param per rank less at d = 1, 2/d at world size d); the fused local step only.
     """
 
     def __init__(
@@ -88,8 +99,10 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         process_group: dist.ProcessGroup | None = None,
         impl: str = "auto",
         grad_accum_dtype: torch.dtype | None = None,
+        masters: str = "fp32",
     ) -> None:
         check_optimizer(optimizer, loss_scaler, max_grad_norm, param_dtype)
+        check_masters(masters, [param_dtype])
         check_grad_accum_dtype(grad_accum_dtype, strategy="sharded")
         self.impl = select_impl(optimizer, impl)
         if stage not in (1, 2) or isinstance(stage, bool):
@@ -101,6 +114,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 "torch.distributed.init_process_group() first (torchrun sets the environment)"
             )
         self.stage = stage
+        self.masters = masters
         self._init_options(
             max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype
         )
@@ -114,6 +128,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         # layout order: reverse of the optimizer's order, the usual approximation of backward order
         self._names, self._params, self._group_of = names[::-1], params[::-1], group_of[::-1]
         originals = self._init_flat()
+        self._check_split()
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         numels = [p.numel() for p in self._params]
@@ -122,7 +137,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._build_pieces()
         self._fused = None
         if self.impl == "triton":
-            pieces, param, master = self._piece_params, self.flat_param, self.flat_master
+            pieces, param = self._piece_params, self.flat_param
+            master = self.flat_master if self.flat_low is None else self.flat_low
             self._fused = FusedLocalStep(self.optimizer, self.layout, pieces, param=param, master=master)
         self._init_scaler(loss_scaler, dtypes={self.dtype} if self._params else set(), device=self.device)
         # the fused kernel reads 16-bit grads as they are (unscaled by its coefficient); torch steps fp32 grads
@@ -136,6 +152,23 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         return self._params  # the reducer's hooks may have consumed their grads already (stage 2)
 
     # --- construction --------------------------------------------------------------------------------
+    def _check_split(self) -> None:
+        """ValueError for split masters where they cannot be kept: the torch local step, non-bf16 params."""
+        if self.masters != "split":
+            return
+        check_masters(self.masters, [self.dtype])
+        if self.impl != "triton":
+            raise ValueError(
+                f"masters='split' needs the fused local step, got impl={self.impl!r}: the torch local step updates "
+                "fp32 pieces. Pass impl='triton' (on CUDA impl='auto' picks it for torch Adam, AdamW, SGD and "
+                "Adagrad with default flags), or masters='fp32'"
+            )
+        if self.dtype != torch.bfloat16:
+            raise ValueError(
+                f"masters='split' keeps the masters of bf16 params, got {self.dtype} params: pass "
+                "param_dtype=torch.bfloat16 (or a bf16 model), or masters='fp32'"
+            )
+
     def _init_flat(self) -> dict[int, torch.Tensor]:
         """Cast to ``param_dtype``, check one dtype and device; return the fp32 originals by layout index."""
         originals: dict[torch.Tensor, torch.Tensor] = {}
@@ -160,6 +193,17 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             view = self.flat_param[layout.offsets[i] : layout.offsets[i] + p.numel()]
             view.copy_(p.data.reshape(-1))
             p.data = view.view(p.shape)
+        self.flat_master: torch.Tensor | None = None  # fp32, local coordinates
+        self.flat_low: torch.Tensor | None = None  # split masters: int16, local coordinates
+        self._joined: torch.Tensor | None = None  # split masters: the fp32 values the pieces view, while held
+        if self.masters == "split":
+            self.flat_low = torch.zeros(layout.local_numel, dtype=torch.int16, device=self.device)
+            for i, source in originals.items():  # every rank rounds every param the same way (ties away)
+                high, low = split_master(source.detach().to(self.device, torch.float32).reshape(-1))
+                self.flat_param[layout.offsets[i] : layout.offsets[i] + high.numel()].copy_(high)
+                if (piece := layout.piece_of.get(i)) is not None:
+                    self.flat_low[piece.local : piece.local + piece.numel].copy_(low[piece.lo : piece.hi])
+            return  # without an fp32 original the master is the bf16 weight: low half 0
         self.flat_master = torch.zeros(layout.local_numel, dtype=torch.float32, device=self.device)
         for piece in layout.pieces:
             source = originals.get(piece.param, self._params[piece.param].data)
@@ -170,7 +214,10 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """Swap the inner optimizer's params for this rank's fp32 pieces and shard its existing state."""
         self._piece_params: dict[int, torch.nn.Parameter] = {}
         for piece in self.layout.pieces:
-            view = self.flat_master[piece.local : piece.local + piece.numel]
+            if self.flat_master is None:  # split: no values until joined (one fp32 element, expanded)
+                view = torch.zeros((), dtype=torch.float32, device=self.device).expand(piece.numel)
+            else:
+                view = self.flat_master[piece.local : piece.local + piece.numel]
             self._piece_params[piece.param] = torch.nn.Parameter(view, requires_grad=True)
         index_of = {id(p): i for i, p in enumerate(self._params)}
         indices = [[index_of.get(id(p)) for p in g["params"]] for g in self.optimizer.param_groups]
@@ -194,15 +241,65 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         )
 
     def master_params(self) -> list[torch.nn.Parameter]:
-        """This rank's fp32 pieces (1-D), in inner param-group order."""
+        """This rank's fp32 pieces (1-D), in inner param-group order (split masters: joined copies, held until the
+        next step; writing to them changes nothing)."""
+        self._join()
+        return self._pieces()
+
+    def _pieces(self) -> list[torch.nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"]]
 
     @torch.no_grad()
     def refresh_masters(self) -> None:
-        """Copy the model's current weights into this rank's masters (after an external weights-only load)."""
+        """Copy the model's current weights into this rank's masters (after an external weights-only load; split
+        masters: the low halves become zero)."""
+        self._release()
+        if self.flat_low is not None:
+            self.flat_low.zero_()
+            return
         for b in self.layout.buckets:
             lo, hi = b.shard_range(self.rank)
             self.flat_master[b.local : b.local + b.shard].copy_(self.flat_param[lo:hi])
+
+    # --- split masters: the fp32 values of this rank's pieces, joined while a checkpoint needs them ----------
+    @torch.no_grad()
+    def _join(self) -> None:
+        """Split masters: point the pieces at a fresh fp32 buffer holding the masters they represent."""
+        if self.flat_low is None:
+            return
+        self._release()
+        joined = torch.empty(self.layout.local_numel, dtype=torch.float32, device=self.device)
+        for b, lo, hi in self._shards():
+            low = self.flat_low[b.local : b.local + b.shard]
+            joined[b.local : b.local + b.shard].copy_(join_master(self.flat_param[lo:hi], low))
+        for i, pc in self.layout.piece_of.items():
+            self._piece_params[i].data = joined[pc.local : pc.local + pc.numel]
+        self._joined = joined
+
+    @torch.no_grad()
+    def _load_masters(self, masters: torch.Tensor) -> None:
+        """Set this rank's masters to the fp32 ``masters`` (local coordinates): copied, or split into the param
+        shards (rounded ties away) and the low halves."""
+        if self.flat_low is None:
+            self.flat_master.copy_(masters)
+            return
+        for b, lo, hi in self._shards():
+            high, low = split_master(masters[b.local : b.local + b.shard].to(self.device, torch.float32))
+            self.flat_param[lo:hi].copy_(high)
+            self.flat_low[b.local : b.local + b.shard].copy_(low)
+
+    def _release(self) -> None:
+        """Split masters: drop the joined buffer (the pieces view one expanded element again)."""
+        if self._joined is None:
+            return
+        for i, pc in self.layout.piece_of.items():
+            self._piece_params[i].data = torch.zeros((), device=self.device).expand(pc.numel)
+        self._joined = None
+
+    def _shards(self) -> Iterator[tuple[Any, int, int]]:
+        """``(bucket, lo, hi)``: this rank's shard of every bucket in the global flat buffer."""
+        for b in self.layout.buckets:
+            yield (b, *b.shard_range(self.rank))
 
     @property
     def reducer(self) -> GradReducer:
@@ -248,6 +345,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def _step(self) -> None:
+        self._release()
         self.unscale_()
         self._s.unscaled = False
         self._reducer.frozen = False
@@ -297,11 +395,10 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def _publish(self, *, rounded: bool = False) -> None:
         """Round this rank's masters into its shard of the flat params (unless ``rounded``: the shard holds them
-        already) and all-gather every bucket."""
+        already, as split masters' always does) and all-gather every bucket."""
         works = []
-        for b in self.layout.buckets:
-            lo, hi = b.shard_range(self.rank)
-            if not rounded:
+        for b, lo, hi in self._shards():
+            if not (rounded or self.flat_master is None):
                 self.flat_param[lo:hi].copy_(self.flat_master[b.local : b.local + b.shard])
             out = self.flat_param[b.start : b.start + b.numel]
             works.append(_all_gather(out, self.flat_param[lo:hi], group=self.process_group, async_op=True))
@@ -315,6 +412,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         keeps torch's meaning: a param that has had a grad since the last ``set_to_none=True`` call keeps a
         zero grad and is stepped (momentum and weight decay still move it).
         """
+        self._release()
         self._reducer.zero_grad(set_to_none)
         for p in self._piece_params.values():
             p.grad = None
@@ -332,13 +430,15 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: inner optimizer state over its pieces, its masters, scaler and counters."""
+        """This rank's state: inner optimizer state over its pieces, its fp32 masters (split masters: joined, a
+        copy), scaler and counters."""
         self._run_hooks("_optimizer_state_dict_pre_hooks")
+        self._join()
         out = {
             "format": _FORMAT,
             "layout": self._fingerprint(),
             "optimizer": self.optimizer.state_dict(),
-            "masters": self.flat_master.detach(),
+            "masters": (self.flat_master if self._joined is None else self._joined).detach(),
             "scaler": self.loss_scaler.state_dict(),
             "skipped_steps": self._s.skipped_steps,
         }
@@ -359,24 +459,30 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 "and load with halfprec.distributed.checkpoint"
             )
         inner = state_dict["optimizer"]
+        self._release()
         self.optimizer.load_state_dict(inner)
-        restore_state_dtypes(self.optimizer, inner["state"], self.master_params())
-        with torch.no_grad():
-            self.flat_master.copy_(state_dict["masters"])
+        restore_state_dtypes(self.optimizer, inner["state"], self._pieces())
+        self._load_masters(state_dict["masters"])
         self.restore_counters(state_dict["scaler"], state_dict["skipped_steps"])
         self._s.unscaled = False
         self._run_hooks("_optimizer_load_state_dict_post_hooks")
 
     def restore_counters(self, scaler_state: dict[str, Any], skipped_steps: int) -> None:
         """After a model-space checkpoint load put masters, state and groups in place: the scaler and counters,
-        then the masters rounded into the model on every rank."""
+        then the masters rounded into the model on every rank (split masters: the joined pieces the load wrote
+        split back first)."""
         self.loss_scaler.load_state_dict(scaler_state)
         self._s.skipped_steps = int(skipped_steps)
+        if self._joined is not None:
+            self._load_masters(self._joined)
+            self._release()
         self._publish()
 
     # --- model-space view (used by halfprec.distributed.checkpoint) ---------------------------------------
     def model_space(self) -> Iterator[tuple[str, torch.Size, int, Any, torch.nn.Parameter | None]]:
-        """``(name, shape, group index, piece or None, piece param or None)`` for every trainable param."""
+        """``(name, shape, group index, piece or None, piece param or None)`` for every trainable param (split
+        masters: the pieces view their joined fp32 values, see the module docstring)."""
+        self._join()
         for i, name in enumerate(self._names):
             piece = self.layout.piece_of.get(i)
             yield name, self._params[i].shape, self._group_of[i], piece, self._piece_params.get(i)
@@ -384,5 +490,6 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     def __repr__(self) -> str:
         return (
             f"ShardedMixedPrecisionOptimizer({self.optimizer!r}, stage={self.stage}, world_size={self.world_size}, "
-            f"reduce_dtype={self.reduce_dtype!r}, impl={self.impl!r}, loss_scaler={self.loss_scaler!r})"
+            f"reduce_dtype={self.reduce_dtype!r}, impl={self.impl!r}, masters={self.masters!r}, "
+            f"loss_scaler={self.loss_scaler!r})"
         )
