@@ -11,6 +11,7 @@ from _compare import assert_equal, assert_steps, labelled, stitch
 from _launch import launch, results
 
 import halfprec
+from halfprec.distributed import ShardedMixedPrecisionOptimizer
 from halfprec.optim.split import split_master
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU params)")
@@ -102,3 +103,71 @@ def test_engine_builds_split_masters_at_zero_stage(stage):
     )  # fmt: skip
     assert engine.optimizer.masters == "split" and engine.optimizer.stage == stage
     assert engine.optimizer.flat_master is None
+
+
+def _sharded(dtype=torch.bfloat16, **options):
+    model = torch.nn.Linear(3, 2).to(dtype)
+    return ShardedMixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters()), named_parameters=model, **options
+    )
+
+
+# (options, dtype of the model, message): split masters where they cannot be kept
+SPLIT_ERRORS = [
+    (
+        {"masters": "split", "impl": "torch"},
+        torch.bfloat16,
+        r"masters='split' needs the fused local step, got impl='torch'",
+    ),
+    (
+        {"masters": "split"},
+        torch.bfloat16,
+        r"needs the fused local step, got impl='torch'.*impl='triton'",
+    ),  # CPU: auto
+    (
+        {"masters": "split", "impl": "triton"},
+        torch.float16,
+        r"only for bf16 params, got torch.float16 params",
+    ),
+    (
+        {"masters": "split", "impl": "triton", "param_dtype": torch.float16},
+        torch.float32,
+        r"torch.float16 params",
+    ),
+    (
+        {"masters": "split", "impl": "triton"},
+        torch.float32,
+        r"keeps the masters of bf16 params, got torch.float32",
+    ),
+    (
+        {"masters": "bf16", "impl": "triton"},
+        torch.bfloat16,
+        r"masters must be one of \('fp32', 'split'\), got 'bf16'",
+    ),
+]
+
+
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize(("options", "dtype", "message"), SPLIT_ERRORS)
+def test_split_masters_refused_where_they_cannot_be_kept(options, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        _sharded(dtype, **options)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_split_masters_join_and_refresh():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)  # fp32: cast to bf16, the masters start from the fp32 weights
+    originals = [p.detach().clone().reshape(-1) for p in model.parameters()]
+    inner = torch.optim.AdamW(model.parameters())
+    opt = ShardedMixedPrecisionOptimizer(
+        inner, named_parameters=model, impl="triton", masters="split", param_dtype=torch.bfloat16
+    )
+    assert "masters='split'" in repr(opt) and opt.flat_master is None
+    for master, original, p in zip(opt.master_params(), originals, model.parameters(), strict=True):
+        assert torch.equal(master, original)  # exact fp32 masters
+        assert p.dtype == torch.bfloat16
+    opt.refresh_masters()  # the masters become the bf16 weights exactly: low halves 0
+    assert not opt.flat_low.any()
+    for master, p in zip(opt.master_params(), model.parameters(), strict=True):
+        assert torch.equal(master, p.detach().float().reshape(-1))

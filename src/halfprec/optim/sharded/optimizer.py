@@ -20,13 +20,9 @@ A step (every rank takes the same decisions, made from all-reduced values):
    clip coefficient as it reads the grads), round the masters into this rank's shard of the flat params and
    all-gather every bucket.
 
-Split masters (``masters="split"``, bf16 params, the fused local step; ``optim/split.py``): no fp32 masters;
-this rank keeps ``flat_low``, the low 16 bits of its shards' masters, and the high half is the 16-bit param
-itself (rounded ties away), so the kernel reads and writes the param shard and ``flat_low`` and the all-gather
-moves the params as before. The pieces the inner optimizer holds (state keys, param groups) then hold no values
-of their own: ``model_space()`` and ``master_params()`` join the masters into a temporary fp32 buffer they
-view, which a checkpoint reads from or loads into and ``restore_counters`` splits back; the next step,
-``zero_grad()``, ``refresh_masters()`` or load frees it.
+Split masters (``masters="split"``, bf16 params, the fused local step): the rank keeps the low 16 bits of its
+shards' masters and the 16-bit param shard is their high half (``masters.py``); checkpoints and
+``master_params()`` see the fp32 values they represent.
 
 ``state_dict()`` is the rank-local state, loaded at the same world size and layout only; checkpoints that
 reshard across world sizes: ``halfprec.distributed.checkpoint``. Both hold fp32 masters, split or not.
@@ -46,11 +42,11 @@ from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear_grads
 from ..layout import Layout, check_masters
 from ..select import select_impl
-from ..split import join_master, split_master
 from ..state import Target, move_state, restore_state_dtypes
 from .checks import check_optimizer, check_reduce_dtype, named_trainable
 from .fused_step import FusedLocalStep
 from .grads import GradReducer
+from .masters import ShardMasters
 
 __all__ = ["ShardedMixedPrecisionOptimizer", "DEFAULT_BUCKET_SIZE"]
 
@@ -137,8 +133,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._build_pieces()
         self._fused = None
         if self.impl == "triton":
-            pieces, param = self._piece_params, self.flat_param
-            master = self.flat_master if self.flat_low is None else self.flat_low
+            pieces, param, master = self._piece_params, self.flat_param, self._masters.kernel_buffer
             self._fused = FusedLocalStep(self.optimizer, self.layout, pieces, param=param, master=master)
         self._init_scaler(loss_scaler, dtypes={self.dtype} if self._params else set(), device=self.device)
         # the fused kernel reads 16-bit grads as they are (unscaled by its coefficient); torch steps fp32 grads
@@ -193,32 +188,21 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             view = self.flat_param[layout.offsets[i] : layout.offsets[i] + p.numel()]
             view.copy_(p.data.reshape(-1))
             p.data = view.view(p.shape)
-        self.flat_master: torch.Tensor | None = None  # fp32, local coordinates
-        self.flat_low: torch.Tensor | None = None  # split masters: int16, local coordinates
-        self._joined: torch.Tensor | None = None  # split masters: the fp32 values the pieces view, while held
-        if self.masters == "split":
-            self.flat_low = torch.zeros(layout.local_numel, dtype=torch.int16, device=self.device)
-            for i, source in originals.items():  # every rank rounds every param the same way (ties away)
-                high, low = split_master(source.detach().to(self.device, torch.float32).reshape(-1))
-                self.flat_param[layout.offsets[i] : layout.offsets[i] + high.numel()].copy_(high)
-                if (piece := layout.piece_of.get(i)) is not None:
-                    self.flat_low[piece.local : piece.local + piece.numel].copy_(low[piece.lo : piece.hi])
-            return  # without an fp32 original the master is the bf16 weight: low half 0
-        self.flat_master = torch.zeros(layout.local_numel, dtype=torch.float32, device=self.device)
-        for piece in layout.pieces:
-            source = originals.get(piece.param, self._params[piece.param].data)
-            dst = self.flat_master[piece.local : piece.local + piece.numel]
-            dst.copy_(source.reshape(-1)[piece.lo : piece.hi])
+        self._masters = ShardMasters(layout, self.flat_param, originals, split=self.masters == "split")
+
+    @property
+    def flat_master(self) -> torch.Tensor | None:
+        """This rank's fp32 masters in local coordinates (None with split masters)."""
+        return self._masters.fp32
+
+    @property
+    def flat_low(self) -> torch.Tensor | None:
+        """Split masters: the low 16 bits (int16) of this rank's masters in local coordinates (else None)."""
+        return self._masters.low
 
     def _build_pieces(self) -> None:
         """Swap the inner optimizer's params for this rank's fp32 pieces and shard its existing state."""
-        self._piece_params: dict[int, torch.nn.Parameter] = {}
-        for piece in self.layout.pieces:
-            if self.flat_master is None:  # split: no values until joined (one fp32 element, expanded)
-                view = torch.zeros((), dtype=torch.float32, device=self.device).expand(piece.numel)
-            else:
-                view = self.flat_master[piece.local : piece.local + piece.numel]
-            self._piece_params[piece.param] = torch.nn.Parameter(view, requires_grad=True)
+        self._piece_params = self._masters.pieces
         index_of = {id(p): i for i, p in enumerate(self._params)}
         indices = [[index_of.get(id(p)) for p in g["params"]] for g in self.optimizer.param_groups]
         orders = [[i for i in group if i in self._piece_params] for group in indices]
@@ -243,7 +227,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     def master_params(self) -> list[torch.nn.Parameter]:
         """This rank's fp32 pieces (1-D), in inner param-group order (split masters: joined copies, held until the
         next step; writing to them changes nothing)."""
-        self._join()
+        self._masters.join()
         return self._pieces()
 
     def _pieces(self) -> list[torch.nn.Parameter]:
@@ -253,53 +237,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     def refresh_masters(self) -> None:
         """Copy the model's current weights into this rank's masters (after an external weights-only load; split
         masters: the low halves become zero)."""
-        self._release()
-        if self.flat_low is not None:
-            self.flat_low.zero_()
-            return
-        for b in self.layout.buckets:
-            lo, hi = b.shard_range(self.rank)
-            self.flat_master[b.local : b.local + b.shard].copy_(self.flat_param[lo:hi])
-
-    # --- split masters: the fp32 values of this rank's pieces, joined while a checkpoint needs them ----------
-    @torch.no_grad()
-    def _join(self) -> None:
-        """Split masters: point the pieces at a fresh fp32 buffer holding the masters they represent."""
-        if self.flat_low is None:
-            return
-        self._release()
-        joined = torch.empty(self.layout.local_numel, dtype=torch.float32, device=self.device)
-        for b, lo, hi in self._shards():
-            low = self.flat_low[b.local : b.local + b.shard]
-            joined[b.local : b.local + b.shard].copy_(join_master(self.flat_param[lo:hi], low))
-        for i, pc in self.layout.piece_of.items():
-            self._piece_params[i].data = joined[pc.local : pc.local + pc.numel]
-        self._joined = joined
-
-    @torch.no_grad()
-    def _load_masters(self, masters: torch.Tensor) -> None:
-        """Set this rank's masters to the fp32 ``masters`` (local coordinates): copied, or split into the param
-        shards (rounded ties away) and the low halves."""
-        if self.flat_low is None:
-            self.flat_master.copy_(masters)
-            return
-        for b, lo, hi in self._shards():
-            high, low = split_master(masters[b.local : b.local + b.shard].to(self.device, torch.float32))
-            self.flat_param[lo:hi].copy_(high)
-            self.flat_low[b.local : b.local + b.shard].copy_(low)
-
-    def _release(self) -> None:
-        """Split masters: drop the joined buffer (the pieces view one expanded element again)."""
-        if self._joined is None:
-            return
-        for i, pc in self.layout.piece_of.items():
-            self._piece_params[i].data = torch.zeros((), device=self.device).expand(pc.numel)
-        self._joined = None
-
-    def _shards(self) -> Iterator[tuple[Any, int, int]]:
-        """``(bucket, lo, hi)``: this rank's shard of every bucket in the global flat buffer."""
-        for b in self.layout.buckets:
-            yield (b, *b.shard_range(self.rank))
+        self._masters.reset()
 
     @property
     def reducer(self) -> GradReducer:
@@ -345,7 +283,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def _step(self) -> None:
-        self._release()
+        self._masters.release()
         self.unscale_()
         self._s.unscaled = False
         self._reducer.frozen = False
@@ -396,10 +334,10 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     def _publish(self, *, rounded: bool = False) -> None:
         """Round this rank's masters into its shard of the flat params (unless ``rounded``: the shard holds them
         already, as split masters' always does) and all-gather every bucket."""
+        if not rounded:
+            self._masters.round_into_params()
         works = []
-        for b, lo, hi in self._shards():
-            if not (rounded or self.flat_master is None):
-                self.flat_param[lo:hi].copy_(self.flat_master[b.local : b.local + b.shard])
+        for b, lo, hi in self._masters.shards():
             out = self.flat_param[b.start : b.start + b.numel]
             works.append(_all_gather(out, self.flat_param[lo:hi], group=self.process_group, async_op=True))
         for work in works:
@@ -412,7 +350,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         keeps torch's meaning: a param that has had a grad since the last ``set_to_none=True`` call keeps a
         zero grad and is stepped (momentum and weight decay still move it).
         """
-        self._release()
+        self._masters.release()
         self._reducer.zero_grad(set_to_none)
         for p in self._piece_params.values():
             p.grad = None
@@ -433,12 +371,12 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """This rank's state: inner optimizer state over its pieces, its fp32 masters (split masters: joined, a
         copy), scaler and counters."""
         self._run_hooks("_optimizer_state_dict_pre_hooks")
-        self._join()
+        masters = self._masters.join()
         out = {
             "format": _FORMAT,
             "layout": self._fingerprint(),
             "optimizer": self.optimizer.state_dict(),
-            "masters": (self.flat_master if self._joined is None else self._joined).detach(),
+            "masters": masters.detach(),
             "scaler": self.loss_scaler.state_dict(),
             "skipped_steps": self._s.skipped_steps,
         }
@@ -459,10 +397,10 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 "and load with halfprec.distributed.checkpoint"
             )
         inner = state_dict["optimizer"]
-        self._release()
+        self._masters.release()
         self.optimizer.load_state_dict(inner)
         restore_state_dtypes(self.optimizer, inner["state"], self._pieces())
-        self._load_masters(state_dict["masters"])
+        self._masters.load(state_dict["masters"])
         self.restore_counters(state_dict["scaler"], state_dict["skipped_steps"])
         self._s.unscaled = False
         self._run_hooks("_optimizer_load_state_dict_post_hooks")
@@ -473,16 +411,14 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         split back first)."""
         self.loss_scaler.load_state_dict(scaler_state)
         self._s.skipped_steps = int(skipped_steps)
-        if self._joined is not None:
-            self._load_masters(self._joined)
-            self._release()
+        self._masters.restore()
         self._publish()
 
     # --- model-space view (used by halfprec.distributed.checkpoint) ---------------------------------------
     def model_space(self) -> Iterator[tuple[str, torch.Size, int, Any, torch.nn.Parameter | None]]:
         """``(name, shape, group index, piece or None, piece param or None)`` for every trainable param (split
         masters: the pieces view their joined fp32 values, see the module docstring)."""
-        self._join()
+        self._masters.join()
         for i, name in enumerate(self._names):
             piece = self.layout.piece_of.get(i)
             yield name, self._params[i].shape, self._group_of[i], piece, self._piece_params.get(i)
