@@ -10,15 +10,16 @@ A step (every rank takes the same decisions, made from all-reduced values):
 
 1. ``unscale_()``: finish the gradient reduce-scatter (``grads.py``; with ``grad_accum_dtype=torch.float32``
    the reduce-scatter of each rank's fp32 sum of its micro-batch grads), take the mean over ranks and multiply
-   by the reciprocal of the loss scale, on the fp32 grad shard.
+   by the reciprocal of the loss scale, on the fp32 grad shard (a 16-bit one, of ``reduce_dtype="param"`` with
+   the fused step, stays scaled: its norm and the kernel's coefficient take the reciprocal instead).
 2. One all-reduce (SUM, fp64) of ``[||local grad shard||^2, used flags of every param]``: the global L2 norm
    (non-finite iff some grad on some rank is) and which params got a grad on any rank.
 3. The scaler updates on the device; one host sync reads the overflow flag and the used flags.
 4. Overflow: skip (only the scaler and ``skipped_steps`` change). Otherwise clip the shard by the global norm,
    give pieces of params that got no grad anywhere ``grad=None`` (torch leaves them and their counters alone),
-   run the inner step (with ``impl="triton"``: the fused update kernel of ``fused_step.py``, which applies the
-   clip coefficient as it reads the grads), round the masters into this rank's shard of the flat params and
-   all-gather every bucket.
+   run the inner step and round the masters into this rank's shard of the flat params (with ``impl="triton"``:
+   the fused update kernel of ``fused_step.py``, which applies the clip coefficient as it reads the grads and
+   writes the 16-bit shard itself), then all-gather every bucket.
 
 Split masters (``masters="split"``, bf16 params, the fused local step): the rank keeps the low 16 bits of its
 shards' masters and the 16-bit param shard is their high half (``masters.py``); checkpoints and
