@@ -111,8 +111,8 @@ class Config:
 
     masters: Literal["fp32", "split"] = "fp32"
     """How the fused optimizers store the fp32 masters of bf16 params: fp32 buffers, or ``"split"``: the bf16 param
-    plus the master's low 16 bits, exact in 2 bytes per param (docs/split-masters.md). Fused path only: needs
-    ``impl`` "auto" or "triton", ``zero_stage=0`` and no fp16."""
+    plus the master's low 16 bits, exact in 2 bytes per param (docs/split-masters.md). Fused path only (at any
+    ``zero_stage``): needs ``impl`` "auto" or "triton" and no fp16."""
 
     impl: Literal["auto", "torch", "triton"] = "auto"
     """Optimizer step implementation: the exact torch path, the fused Triton kernels, or pick automatically."""
@@ -146,13 +146,11 @@ class Config:
         for name in ("zero_stage", "reduce_dtype", "impl", "grad_accum_dtype", "masters"):
             hint = "; 'fp32' is torch.float32" if name == "grad_accum_dtype" else ""
             choice(name, getattr(self, name), get_args(_HINTS[name]), hint)
-        if self.masters == "split" and (
-            self.impl == "torch" or self.zero_stage != 0 or self.precision == "fp16"
-        ):
+        if self.masters == "split" and (self.impl == "torch" or self.precision == "fp16"):
             raise ValueError(
-                f"masters='split' with impl={self.impl!r}, zero_stage={self.zero_stage!r}, precision="
-                f"{self.precision!r}: split masters are the fused path's (impl='auto' or 'triton', zero_stage=0) "
-                "for bf16 models; the exact path, ZeRO-1/2 and fp16 keep fp32 masters: use masters='fp32'"
+                f"masters='split' with impl={self.impl!r}, precision={self.precision!r}: split masters are the "
+                "fused path's (impl='auto' or 'triton'; zero_stage 0, 1 or 2) for bf16 models; the exact path "
+                "and fp16 keep fp32 masters: use masters='fp32'"
             )
         if self.grad_accum_dtype == "fp32" and self.reduce_dtype == "param" and self.zero_stage != 0:
             raise ValueError(

@@ -102,6 +102,7 @@ def initialize(
             named_parameters=model,
             stage=config.zero_stage,
             reduce_dtype=config.reduce_dtype,
+            masters=config.masters,
             **options,
         )
     elif config.masters == "split":  # the fused path only (Config checked the rest)

@@ -1,7 +1,10 @@
-"""Start N real gloo processes (127.0.0.1, a free port) running one scenario of ``_worker.py``."""
+"""Start N real gloo processes (127.0.0.1, a free port) running one scenario of ``_worker.py``; or make this
+process a world of one (``one_process_group``)."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import os
 import socket
@@ -11,8 +14,9 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["launch", "results"]
+__all__ = ["launch", "one_process_group", "results"]
 
 WORKER = Path(__file__).with_name("_worker.py")
 
@@ -77,3 +81,15 @@ def _saved(out: Path, rank: int) -> str:
 
 def results(out: Path, world_size: int) -> list:
     return [torch.load(out / f"result-{r}.pt", weights_only=True) for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def one_process_group(backend: str, store: Path):
+    """This process as rank 0 of a world of size 1 (``store``: a file for the rendezvous)."""
+    dist.init_process_group(
+        backend, init_method=f"file://{store}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -854,6 +854,20 @@ def scenario_accum(out: str, configs: list) -> dict:
     return run(out, configs)
 
 
+def scenario_split(out: str, configs: list, steps: int, more: int) -> dict:
+    """Split masters against fp32 masters, checkpoints between them (``_split.py``)."""
+    from _split import scenario_split as run
+
+    return run(out, configs, steps, more)
+
+
+def scenario_split_load(out: str, configs: list) -> dict:
+    """Split-master and fp32-master checkpoints loaded into either storage at this world size (``_split.py``)."""
+    from _split import scenario_split_load as run
+
+    return run(out, configs)
+
+
 def scenario_multi(out: str, parts: list) -> dict:
     """Several scenarios in one process group: ``parts`` is ``[[name, kwargs], ...]``."""
     return {name: globals()[f"scenario_{name}"](out=out, **kwargs) for name, kwargs in parts}

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _launch import launch, results  # noqa: E402
+from _launch import launch, one_process_group, results  # noqa: E402
 
 STEPS, MORE = 4, 2
 
@@ -92,3 +92,10 @@ def _reshard_args(source: str, target: str, *, resume: bool) -> dict:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("dist"))
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """This process as the one gloo rank of a world of size 1."""
+    with one_process_group("gloo", tmp_path / "store"):
+        yield

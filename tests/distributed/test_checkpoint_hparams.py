@@ -8,11 +8,7 @@ the ZeRO-1 engine (one gloo rank in this process).
 
 from __future__ import annotations
 
-import datetime
-
-import pytest
 import torch
-import torch.distributed as dist
 
 import halfprec
 from halfprec import MixedPrecisionOptimizer
@@ -35,21 +31,6 @@ def _check(opt) -> None:
     assert group["lr"] == 0.25 and type(group["lr"]) is float
     assert group["weight_decay"] == 0 and type(group["weight_decay"]) is int
     assert group["momentum"] == 0.5
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path / 'store'}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_unsharded_resume_keeps_a_scheduled_float_lr(tmp_path):

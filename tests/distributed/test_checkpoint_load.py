@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_checkpoint_hparams import one_rank  # noqa: F401 - the fixture: one gloo rank in this process
 from tests.test_checkpoint_load import assert_refused_unchanged, assert_same_tree, copy_tree, engine_snapshot
 
 from halfprec import MixedPrecisionOptimizer

@@ -24,6 +24,8 @@ FUSED = [
     {"dtype": "bf16", "opt": "adam", "stage": 2, "reduce": "fp32", "micro": 2},
     {"dtype": "fp16", "opt": "sgd", "stage": 2, "reduce": "param", "poison": [[2, 1]]},
     {"dtype": "bf16", "opt": "adagrad", "stage": 1, "reduce": "fp32", "param_dtype": True, "clip": 0.05},
+    # 16-bit grad shards, read by the kernel with 1/scale x clip in its coefficient
+    {"dtype": "bf16", "opt": "adamw", "stage": 1, "reduce": "param", "clip": 0.05, "micro": 2},
 ]
 IDS = [f"{c['opt']}-{c['dtype']}-stage{c['stage']}" for c in FUSED]
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
 import torch
 from _compare import assert_equal
-from _launch import launch, results
+from _launch import launch, one_process_group, results
 from tests.tolerances import tol
+
+from halfprec.distributed import ShardedMixedPrecisionOptimizer
 
 
 def _max_abs_diff(got: dict, want: dict) -> tuple[float, str]:
@@ -50,3 +53,39 @@ def test_nccl_world_size_one_matches_unsharded_and_checkpoints(tmp_path, monkeyp
         )
         bound = tol("fused_cuda_state_max_abs")["atol"]
         assert diff < bound, f"stage {stage}: fused state {name} differs by {diff:.3g} (bound {bound})"
+
+
+# (stage, masters, allocated bytes per param after the first step): AdamW, bf16, reduce_dtype="param", N = 1
+ALLOCATED = [(1, "fp32", 16), (2, "fp32", 16), (1, "split", 14), (2, "split", 14)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("stage", "masters", "per_param"), ALLOCATED)
+def test_allocated_bytes_per_param_at_world_size_one(tmp_path, stage, masters, per_param):
+    """The design's 4 + 12/N (stage 1) and 2 + 14/N (stage 2) at N = 1, within 5%: the fused local step reads
+    the 16-bit grad shard and writes the 16-bit params itself; split masters take 2/N less."""
+    torch.cuda.set_device(0)
+    with one_process_group("nccl", tmp_path / "store"):
+        gc.collect()  # earlier tests' garbage freed now, not during the measurement
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(2048, 2048, bias=False) for _ in range(8)]
+        model = torch.nn.Sequential(*layers).to("cuda", torch.bfloat16)
+        n = sum(p.numel() for p in model.parameters())
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        kw = {} if masters == "fp32" else {"masters": masters}
+        opt = ShardedMixedPrecisionOptimizer(
+            inner, named_parameters=model, stage=stage, reduce_dtype="param", **kw
+        )
+        assert opt.impl == "triton", opt.impl
+        x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+        opt.backward(model(x).float().square().mean())
+        opt.step()
+        del x
+        gc.collect()
+        torch.cuda.synchronize()
+        got = (torch.cuda.memory_allocated() - base) / n
+        assert not opt.step_was_skipped
+        assert abs(got - per_param) <= 0.05 * per_param, f"stage {stage}, {masters}: {got:.2f} B/param"
+        del opt, inner, model, layers

@@ -12,6 +12,8 @@ the master buffer is the int16 low half; the fp32 master is joined from the para
 and split back into both, never stored). ``ALIGNED``: every row starts and ends at a
 multiple of ``ALIGN`` elements (the fused optimizers' padded layout), which lets Triton vectorise; the sharded
 optimizer's pieces cut params anywhere, so their unaligned head and tail rows run with ``ALIGNED=False``.
+``SHIFTED``: the param lives at another offset than the grad, master and state (the sharded optimizer's rank
+shard of the global flat param buffer): row ``i`` adds ``shift[i]`` elements to its param addresses.
 ``KIND`` picks the algorithm (``slots.Kind``) and ``S`` is its table of ``pscal`` slots (``slots.py``); each
 branch compiles only for its own ``KIND``. The ``@triton.jit`` helpers here are shared with ``lamb.py`` and
 ``norm.py`` (Triton inlines them).
@@ -125,8 +127,9 @@ def _adam_moments(m, v, g, omb1, b2, omb2):
 
 @triton.jit
 def _update_kernel(
-    param_ptr, grad_ptr, master_ptr, a_ptr, b_ptr, table_ptr, pscal_ptr, scalars_ptr,
-    S: tl.constexpr, KIND: tl.constexpr, PARAM: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    param_ptr, grad_ptr, master_ptr, a_ptr, b_ptr, table_ptr, pscal_ptr, scalars_ptr, shift_ptr,
+    S: tl.constexpr, KIND: tl.constexpr, PARAM: tl.constexpr, ALIGNED: tl.constexpr, SHIFTED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     # a, b: the state (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer; Adagrad: sum). Each branch loads every
     # scalar and state value before its first store: Triton cannot tell a store from the pscal row it would
@@ -134,6 +137,11 @@ def _update_kernel(
     # Adam keeps the order of its measured kernel: scalars, grad and master, moments; then master, moments and
     # the param stored (moments stored before the master: bf16 ran 2.10 ms against 2.00)
     start, end, ps = _row(table_ptr, pscal_ptr, tl.program_id(0), ALIGNED)
+    if SHIFTED:  # the param's offset from the other buffers' coordinates (a multiple of ALIGN when aligned)
+        shift = tl.load(shift_ptr + tl.program_id(0))
+        if ALIGNED:
+            shift = tl.multiple_of(shift, _ALIGN)
+        param_ptr += shift
     if tl.load(ps + S.ACTIVE) != 0.0:
         if KIND == _ADAM:
             decay = tl.load(ps + S.DECAY)
@@ -204,11 +212,13 @@ def param_arg(param: torch.Tensor, master: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def update(
-    kind: Kind, param, grad, master, state: Sequence[torch.Tensor], table, pscal, scalars, *, aligned=True
-) -> None:
+    kind: Kind, param, grad, master, state: Sequence[torch.Tensor], table, pscal, scalars, *, aligned=True,
+    shift: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """The update pass of Adam/AdamW, SGD or Adagrad over one flat chunk (decay kind, momentum etc. per param in
     ``pscal``). ``state``: the algorithm's fp32 state buffers (exp_avg and exp_avg_sq; momentum_buffer, or none
-    when no group has momentum; sum)."""
+    when no group has momentum; sum). ``shift``: int64 per table row, elements added to the row's param offsets
+    (None: the param shares the other buffers' coordinates)."""
     n = table.shape[0]
     if n == 0:
         return
@@ -216,7 +226,7 @@ def update(
     p, code = param_arg(param, master)
     a, b = (*state, master, master)[:2]  # pointers the algorithm does not read
     _update_kernel[(n,)](
-        p, grad, master, a, b, table, pscal, scalars,
-        S=PSCAL_SLOTS[kind], KIND=int(kind), PARAM=code, ALIGNED=aligned, BLOCK=cfg.update_block,
-        num_warps=cfg.update_warps, **NO_FMA,
+        p, grad, master, a, b, table, pscal, scalars, table if shift is None else shift,
+        S=PSCAL_SLOTS[kind], KIND=int(kind), PARAM=code, ALIGNED=aligned, SHIFTED=shift is not None,
+        BLOCK=cfg.update_block, num_warps=cfg.update_warps, **NO_FMA,
     )  # fmt: skip

@@ -9,7 +9,11 @@ already read which params got a grad anywhere). State replaced from outside (``l
 load) is copied into the buffers and re-viewed at the next step.
 
 Update rows cover a piece's 16-aligned interior with vectorised programs; the (at most 15 element) head and tail
-that a shard boundary or a neighbour left unaligned run in a second launch with ``ALIGNED=False``.
+that a shard boundary or a neighbour left unaligned run in a second launch with ``ALIGNED=False``. The kernel
+writes the 16-bit params itself, into this rank's shard of the global flat param buffer (rounded to nearest even,
+as a copy rounds): each row carries the shift from local coordinates to its bucket's shard there, a multiple of
+``ALIGN`` (0 for every row at world size 1). Only fp32 params, which the kernel takes as their own masters, are
+left for the optimizer to copy.
 """
 
 from __future__ import annotations
@@ -43,6 +47,12 @@ def _rows(pieces: list, block: int) -> tuple[list[tuple], list[tuple]]:
     return aligned, loose
 
 
+def _shift(layout: Layout, b: int) -> int:
+    """Elements from local coordinates to this rank's shard of bucket ``b`` in the global flat buffer."""
+    bucket = layout.buckets[b]
+    return bucket.shard_range(layout.rank)[0] - bucket.local
+
+
 class FusedLocalStep:
     """Flat state buffers, update tables and device scratch for one sharded optimizer's fused local step."""
 
@@ -51,11 +61,15 @@ class FusedLocalStep:
         optimizer: torch.optim.Optimizer,
         layout: Layout,
         piece_params: dict[int, torch.nn.Parameter],
-        flat_master: torch.Tensor,
+        *,
+        param: torch.Tensor,
+        master: torch.Tensor,
     ) -> None:
+        """``param``: the global flat param buffer; ``master``: the local fp32 masters."""
         self.fused = fused_class(optimizer)  # the fused optimizers' per-algorithm protocol (fused/base.py)
         self.optimizer = optimizer
-        self.master = flat_master
+        self.param = param
+        self.master = master
         self.sgd = isinstance(optimizer, torch.optim.SGD)  # no step counter
         # the pieces in local order; k indexes every per-piece device array
         self.pieces = sorted(layout.pieces, key=lambda pc: pc.local)
@@ -63,9 +77,15 @@ class FusedLocalStep:
         group_of = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self.group_of = [group_of[id(p)] for p in self.params]
         aligned, loose = _rows(self.pieces, settings().update_block)
-        dev = flat_master.device
+        dev = master.device
         self.aligned = torch.tensor(aligned, dtype=torch.int64).reshape(-1, 3).to(dev)
         self.loose = torch.tensor(loose, dtype=torch.int64).reshape(-1, 3).to(dev)
+        # per row: global offset of its bucket's shard on this rank minus the bucket's local offset
+        shifts = [_shift(layout, self.pieces[k].bucket) for rows in (aligned, loose) for _, _, k in rows]
+        self.shift = torch.tensor(shifts, dtype=torch.int64).to(dev)
+        self.shifts = self.shift[: len(aligned)], self.shift[len(aligned) :]
+        if param.dtype == torch.float32:  # the kernel takes fp32 params as their own masters: copied after
+            self.shifts = None, None
         n = max(len(self.pieces), 1)
         self.steps = torch.zeros(n, dtype=torch.float32, device=dev)
         self.flags = torch.zeros(n, dtype=torch.int32, device=dev)
@@ -80,7 +100,7 @@ class FusedLocalStep:
     # --- state ---------------------------------------------------------------------------------------------
     def _view(self, name: str, k: int) -> torch.Tensor:
         if name not in self.buffers:
-            self.buffers[name] = torch.zeros_like(self.master)
+            self.buffers[name] = torch.zeros(len(self.master), dtype=torch.float32, device=self.master.device)
         pc = self.pieces[k]
         return self.buffers[name][pc.local : pc.local + pc.numel]
 
@@ -155,6 +175,7 @@ class FusedLocalStep:
         )  # fmt: skip
         self.scalars[2].copy_(self.one if coef is None else coef)
         state = [self.buffers[name] for name in self.fused.STATE_NAMES if name in self.buffers]
-        kind, master = self.fused.KIND, self.master
-        for table, aligned in ((self.aligned, True), (self.loose, False)):
-            update(kind, master, grad_shard, master, state, table, self.pscal, self.scalars, aligned=aligned)
+        kind, param, master, grad = self.fused.KIND, self.param, self.master, grad_shard
+        pscal, scalars = self.pscal, self.scalars
+        for table, aligned, shift in zip((self.aligned, self.loose), (True, False), self.shifts, strict=True):
+            update(kind, param, grad, master, state, table, pscal, scalars, aligned=aligned, shift=shift)

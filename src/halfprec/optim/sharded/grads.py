@@ -22,6 +22,10 @@ fp32 buffer), plus the 4/world B/param shard.
 Communication dtype: ``"fp32"`` upcasts the bucket (or, accumulating in fp32, reads the buffer as it is) and
 sums in fp32 (the mean is taken later, on the shard); ``"param"`` divides the 16-bit bucket by the world size
 first (as DDP does, so the sum cannot overflow) and sums in the 16-bit dtype.
+
+Shard dtype (``shard_dtype``): fp32, or with ``"param"`` for the fused local step the 16-bit dtype itself, read
+by the update kernel as it is (2 B/param less; stage 2 then adds micro-batches in 16 bits, as stage 1 does). At
+stage 1 and world size 1 a 16-bit shard is the whole grad buffer itself: nothing to reduce, no copy.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ _MAX_IN_FLIGHT = 2
 class GradReducer:
     def __init__(
         self, params: list[torch.nn.Parameter], layout: Layout, *, stage: int, reduce_dtype: str, group,
-        accumulate: bool = False,
+        accumulate: bool = False, shard_dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
         self.params = params
         self.layout = layout
@@ -58,7 +62,12 @@ class GradReducer:
         # flat_grad holds this rank's whole grads (16-bit at stage 1, else fp32); no_sync() defers their reduction
         self.whole_grads = stage == 1 or accumulate
         self.flat_grad: torch.Tensor | None = None  # whole grads only, allocated by the first backward
-        self.grad_shard: torch.Tensor | None = None  # fp32, local coordinates; allocated on first use
+        self.shard_dtype = shard_dtype
+        self.grad_shard: torch.Tensor | None = None  # local coordinates; allocated on first use
+        # stage 1, world size 1, 16-bit shard: the shard is flat_grad (local coordinates are global ones)
+        self._aliased = (
+            self.whole_grads and not accumulate and layout.world_size == 1 and shard_dtype == self.dtype
+        )
         self.used = [False] * len(params)  # got a grad on this rank since zero_grad
         self.up_to_date = False  # grad_shard holds the reduction of every grad produced so far
         self.overlapped = 0  # buckets of the last backward launched before it ended (observability, tests)
@@ -81,8 +90,10 @@ class GradReducer:
         self._queued = False
 
     def _ensure_shard(self) -> torch.Tensor:
-        if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.layout.local_numel, dtype=torch.float32, device=self.device)
+        if self.grad_shard is None and self._aliased:
+            self.grad_shard = self._ensure_flat_grad()
+        elif self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.layout.local_numel, dtype=self.shard_dtype, device=self.device)
         return self.grad_shard
 
     def _ensure_flat_grad(self) -> torch.Tensor:
@@ -176,8 +187,10 @@ class GradReducer:
     def _launch(self, b: int) -> None:
         bucket = self.layout.buckets[b]
         shard = self._ensure_shard()[bucket.local : bucket.local + bucket.shard]
+        if self._aliased:
+            return  # the shard is the whole grads: one rank's sum is its grads
         data = self._bucket_input(b)
-        if self.whole_grads and self.comm_dtype == torch.float32:
+        if self.whole_grads and self.comm_dtype == shard.dtype:
             out = shard  # overwrite: the whole accumulated grad is reduced at once
         else:
             out = torch.empty(bucket.shard, dtype=self.comm_dtype, device=self.device)
@@ -199,7 +212,7 @@ class GradReducer:
 
     @torch.no_grad()
     def finish(self) -> torch.Tensor:
-        """Make the fp32 grad shard hold the (summed) reduction of every grad since ``zero_grad``."""
+        """Make the grad shard hold the (summed) reduction of every grad since ``zero_grad``."""
         if self.whole_grads and not self.up_to_date:
             self._next = 0
             self._end_of_backward()

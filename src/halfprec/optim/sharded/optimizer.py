@@ -10,18 +10,23 @@ A step (every rank takes the same decisions, made from all-reduced values):
 
 1. ``unscale_()``: finish the gradient reduce-scatter (``grads.py``; with ``grad_accum_dtype=torch.float32``
    the reduce-scatter of each rank's fp32 sum of its micro-batch grads), take the mean over ranks and multiply
-   by the reciprocal of the loss scale, on the fp32 grad shard.
+   by the reciprocal of the loss scale, on the fp32 grad shard (a 16-bit one, of ``reduce_dtype="param"`` with
+   the fused step, stays scaled: its norm and the kernel's coefficient take the reciprocal instead).
 2. One all-reduce (SUM, fp64) of ``[||local grad shard||^2, used flags of every param]``: the global L2 norm
    (non-finite iff some grad on some rank is) and which params got a grad on any rank.
 3. The scaler updates on the device; one host sync reads the overflow flag and the used flags.
 4. Overflow: skip (only the scaler and ``skipped_steps`` change). Otherwise clip the shard by the global norm,
    give pieces of params that got no grad anywhere ``grad=None`` (torch leaves them and their counters alone),
-   run the inner step (with ``impl="triton"``: the fused update kernel of ``fused_step.py``, which applies the
-   clip coefficient as it reads the grads), round the masters into this rank's shard of the flat params and
-   all-gather every bucket.
+   run the inner step and round the masters into this rank's shard of the flat params (with ``impl="triton"``:
+   the fused update kernel of ``fused_step.py``, which applies the clip coefficient as it reads the grads and
+   writes the 16-bit shard itself), then all-gather every bucket.
+
+Split masters (``masters="split"``, bf16 params, the fused local step): the rank keeps the low 16 bits of its
+shards' masters and the 16-bit param shard is their high half (``masters.py``); checkpoints and
+``master_params()`` see the fp32 values they represent.
 
 ``state_dict()`` is the rank-local state, loaded at the same world size and layout only; checkpoints that
-reshard across world sizes: ``halfprec.distributed.checkpoint``.
+reshard across world sizes: ``halfprec.distributed.checkpoint``. Both hold fp32 masters, split or not.
 """
 
 from __future__ import annotations
@@ -36,12 +41,13 @@ import torch.distributed as dist
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear_grads
-from ..layout import Layout
+from ..layout import Layout, check_masters
 from ..select import select_impl
 from ..state import Target, move_state, restore_state_dtypes
 from .checks import check_optimizer, check_reduce_dtype, named_trainable
 from .fused_step import FusedLocalStep
 from .grads import GradReducer
+from .masters import ShardMasters
 
 __all__ = ["ShardedMixedPrecisionOptimizer", "DEFAULT_BUCKET_SIZE"]
 
@@ -71,6 +77,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             stage 2: each micro-batch is reduced, and the results added in fp32); ``torch.float32`` adds each
             16-bit grad into a whole fp32 grad buffer as backward produces it and reduce-scatters the fp32 sums
             (``grads.py``; needs ``reduce_dtype="fp32"``; ``no_sync()`` then works at both stages).
+        masters: ``"fp32"``, or ``"split"``: bf16 params keep exact fp32 masters as the param plus its low 16
+            bits (2 B/param per rank less at d = 1, 2/d at world size d); the fused local step only.
     """
 
     def __init__(
@@ -88,8 +96,10 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         process_group: dist.ProcessGroup | None = None,
         impl: str = "auto",
         grad_accum_dtype: torch.dtype | None = None,
+        masters: str = "fp32",
     ) -> None:
         check_optimizer(optimizer, loss_scaler, max_grad_norm, param_dtype)
+        check_masters(masters, [param_dtype])
         check_grad_accum_dtype(grad_accum_dtype, strategy="sharded")
         self.impl = select_impl(optimizer, impl)
         if stage not in (1, 2) or isinstance(stage, bool):
@@ -101,6 +111,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 "torch.distributed.init_process_group() first (torchrun sets the environment)"
             )
         self.stage = stage
+        self.masters = masters
         self._init_options(
             max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype
         )
@@ -114,6 +125,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         # layout order: reverse of the optimizer's order, the usual approximation of backward order
         self._names, self._params, self._group_of = names[::-1], params[::-1], group_of[::-1]
         originals = self._init_flat()
+        self._check_split()
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         numels = [p.numel() for p in self._params]
@@ -122,17 +134,37 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._build_pieces()
         self._fused = None
         if self.impl == "triton":
-            self._fused = FusedLocalStep(self.optimizer, self.layout, self._piece_params, self.flat_master)
+            pieces, param, master = self._piece_params, self.flat_param, self._masters.kernel_buffer
+            self._fused = FusedLocalStep(self.optimizer, self.layout, pieces, param=param, master=master)
         self._init_scaler(loss_scaler, dtypes={self.dtype} if self._params else set(), device=self.device)
+        # the fused kernel reads 16-bit grads as they are (unscaled by its coefficient); torch steps fp32 grads
+        sixteen = self._fused is not None and reduce_dtype == "param" and self.dtype != torch.float32
         self._reducer = GradReducer(
             self._params, self.layout, stage=stage, reduce_dtype=reduce_dtype, group=process_group,
-            accumulate=grad_accum_dtype is not None,
+            accumulate=grad_accum_dtype is not None, shard_dtype=self.dtype if sixteen else torch.float32,
         )  # fmt: skip
 
     def _backward_params(self) -> list[torch.nn.Parameter]:
         return self._params  # the reducer's hooks may have consumed their grads already (stage 2)
 
     # --- construction --------------------------------------------------------------------------------
+    def _check_split(self) -> None:
+        """ValueError for split masters where they cannot be kept: the torch local step, non-bf16 params."""
+        if self.masters != "split":
+            return
+        check_masters(self.masters, [self.dtype])
+        if self.impl != "triton":
+            raise ValueError(
+                f"masters='split' needs the fused local step, got impl={self.impl!r}: the torch local step updates "
+                "fp32 pieces. Pass impl='triton' (on CUDA impl='auto' picks it for torch Adam, AdamW, SGD and "
+                "Adagrad with default flags), or masters='fp32'"
+            )
+        if self.dtype != torch.bfloat16:
+            raise ValueError(
+                f"masters='split' keeps the masters of bf16 params, got {self.dtype} params: pass "
+                "param_dtype=torch.bfloat16 (or a bf16 model), or masters='fp32'"
+            )
+
     def _init_flat(self) -> dict[int, torch.Tensor]:
         """Cast to ``param_dtype``, check one dtype and device; return the fp32 originals by layout index."""
         originals: dict[torch.Tensor, torch.Tensor] = {}
@@ -157,18 +189,21 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             view = self.flat_param[layout.offsets[i] : layout.offsets[i] + p.numel()]
             view.copy_(p.data.reshape(-1))
             p.data = view.view(p.shape)
-        self.flat_master = torch.zeros(layout.local_numel, dtype=torch.float32, device=self.device)
-        for piece in layout.pieces:
-            source = originals.get(piece.param, self._params[piece.param].data)
-            dst = self.flat_master[piece.local : piece.local + piece.numel]
-            dst.copy_(source.reshape(-1)[piece.lo : piece.hi])
+        self._masters = ShardMasters(layout, self.flat_param, originals, split=self.masters == "split")
+
+    @property
+    def flat_master(self) -> torch.Tensor | None:
+        """This rank's fp32 masters in local coordinates (None with split masters)."""
+        return self._masters.fp32
+
+    @property
+    def flat_low(self) -> torch.Tensor | None:
+        """Split masters: the low 16 bits (int16) of this rank's masters in local coordinates (else None)."""
+        return self._masters.low
 
     def _build_pieces(self) -> None:
         """Swap the inner optimizer's params for this rank's fp32 pieces and shard its existing state."""
-        self._piece_params: dict[int, torch.nn.Parameter] = {}
-        for piece in self.layout.pieces:
-            view = self.flat_master[piece.local : piece.local + piece.numel]
-            self._piece_params[piece.param] = torch.nn.Parameter(view, requires_grad=True)
+        self._piece_params = self._masters.pieces
         index_of = {id(p): i for i, p in enumerate(self._params)}
         indices = [[index_of.get(id(p)) for p in g["params"]] for g in self.optimizer.param_groups]
         orders = [[i for i in group if i in self._piece_params] for group in indices]
@@ -191,15 +226,19 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         )
 
     def master_params(self) -> list[torch.nn.Parameter]:
-        """This rank's fp32 pieces (1-D), in inner param-group order."""
+        """This rank's fp32 pieces (1-D), in inner param-group order (split masters: joined copies, held until the
+        next step; writing to them changes nothing)."""
+        self._masters.join()
+        return self._pieces()
+
+    def _pieces(self) -> list[torch.nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"]]
 
     @torch.no_grad()
     def refresh_masters(self) -> None:
-        """Copy the model's current weights into this rank's masters (after an external weights-only load)."""
-        for b in self.layout.buckets:
-            lo, hi = b.shard_range(self.rank)
-            self.flat_master[b.local : b.local + b.shard].copy_(self.flat_param[lo:hi])
+        """Copy the model's current weights into this rank's masters (after an external weights-only load; split
+        masters: the low halves become zero)."""
+        self._masters.reset()
 
     @property
     def reducer(self) -> GradReducer:
@@ -223,7 +262,9 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     # --- the step ------------------------------------------------------------------------------------
     @torch.no_grad()
     def unscale_(self) -> None:
-        """Finish the gradient reduction; the fp32 grad shard then holds the unscaled mean grad. Idempotent."""
+        """Finish the gradient reduction; an fp32 grad shard then holds the unscaled mean grad (a 16-bit one, of
+        ``reduce_dtype="param"`` with the fused local step, stays scaled: the kernel unscales as it reads it).
+        Idempotent."""
         if self._s.unscaled:
             return
         check_unfrozen(self._frozen)
@@ -236,18 +277,25 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         shard = self._reducer.finish()
         if self.reduce_dtype == "fp32" and self.world_size > 1:
             shard.div_(self.world_size)
-        if not self.loss_scaler.is_unit:
+        if not self.loss_scaler.is_unit and shard.dtype == torch.float32:
             shard.mul_(self.loss_scaler.inv_scale())
         self._s.unscaled = True
         self._reducer.frozen = True
 
     @torch.no_grad()
     def _step(self) -> None:
+        self._masters.release()
         self.unscale_()
         self._s.unscaled = False
         self._reducer.frozen = False
         shard = self._reducer.grad_shard
-        local = torch.linalg.vector_norm(shard).double().square().reshape(1)
+        # a 16-bit shard is still scaled: its norm and the kernel's coefficient take 1/scale (a power of two, so
+        # both equal those of the unscaled fp32 shard, bit for bit)
+        inv = (
+            None if shard.dtype == torch.float32 or self.loss_scaler.is_unit else self.loss_scaler.inv_scale()
+        )
+        local = torch.linalg.vector_norm(shard, dtype=torch.float32)
+        local = (local if inv is None else local * inv.to(local.device)).double().square().reshape(1)
         used = torch.tensor(self._reducer.used, dtype=torch.float64, device=self.device)
         stats = torch.cat([local, used])
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.process_group)
@@ -267,8 +315,12 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if self.max_grad_norm is not None:
             # the same arithmetic as torch.nn.utils.clip_grads_with_norm_
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(shard.device)
+        if inv is not None:
+            inv = inv.to(shard.device)
+            coef = inv if coef is None else inv * coef
         if self._fused is not None:
-            self._fused.step(shard, used_anywhere, coef)  # applies coef as it reads the grads
+            # applies coef to the grads as it reads them and writes the 16-bit params
+            self._fused.step(shard, used_anywhere, coef)
         else:
             for i, piece_param in self._piece_params.items():
                 pc = self.layout.piece_of[i]
@@ -276,15 +328,17 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             if coef is not None:
                 shard.mul_(coef)
             self.optimizer.step()
-        self._publish()
+        # the fused kernel wrote the 16-bit shards (fp32 params are its masters: they are copied)
+        self._publish(rounded=self._fused is not None and self.dtype != torch.float32)
 
     @torch.no_grad()
-    def _publish(self) -> None:
-        """Round this rank's masters into its shard of the flat params and all-gather every bucket."""
+    def _publish(self, *, rounded: bool = False) -> None:
+        """Round this rank's masters into its shard of the flat params (unless ``rounded``: the shard holds them
+        already, as split masters' always does) and all-gather every bucket."""
+        if not rounded:
+            self._masters.round_into_params()
         works = []
-        for b in self.layout.buckets:
-            lo, hi = b.shard_range(self.rank)
-            self.flat_param[lo:hi].copy_(self.flat_master[b.local : b.local + b.shard])
+        for b, lo, hi in self._masters.shards():
             out = self.flat_param[b.start : b.start + b.numel]
             works.append(_all_gather(out, self.flat_param[lo:hi], group=self.process_group, async_op=True))
         for work in works:
@@ -297,6 +351,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         keeps torch's meaning: a param that has had a grad since the last ``set_to_none=True`` call keeps a
         zero grad and is stepped (momentum and weight decay still move it).
         """
+        self._masters.release()
         self._reducer.zero_grad(set_to_none)
         for p in self._piece_params.values():
             p.grad = None
@@ -314,13 +369,15 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: inner optimizer state over its pieces, its masters, scaler and counters."""
+        """This rank's state: inner optimizer state over its pieces, its fp32 masters (split masters: joined, a
+        copy), scaler and counters."""
         self._run_hooks("_optimizer_state_dict_pre_hooks")
+        masters = self._masters.join()
         out = {
             "format": _FORMAT,
             "layout": self._fingerprint(),
             "optimizer": self.optimizer.state_dict(),
-            "masters": self.flat_master.detach(),
+            "masters": masters.detach(),
             "scaler": self.loss_scaler.state_dict(),
             "skipped_steps": self._s.skipped_steps,
         }
@@ -341,24 +398,28 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 "and load with halfprec.distributed.checkpoint"
             )
         inner = state_dict["optimizer"]
+        self._masters.release()
         self.optimizer.load_state_dict(inner)
-        restore_state_dtypes(self.optimizer, inner["state"], self.master_params())
-        with torch.no_grad():
-            self.flat_master.copy_(state_dict["masters"])
+        restore_state_dtypes(self.optimizer, inner["state"], self._pieces())
+        self._masters.load(state_dict["masters"])
         self.restore_counters(state_dict["scaler"], state_dict["skipped_steps"])
         self._s.unscaled = False
         self._run_hooks("_optimizer_load_state_dict_post_hooks")
 
     def restore_counters(self, scaler_state: dict[str, Any], skipped_steps: int) -> None:
         """After a model-space checkpoint load put masters, state and groups in place: the scaler and counters,
-        then the masters rounded into the model on every rank."""
+        then the masters rounded into the model on every rank (split masters: the joined pieces the load wrote
+        split back first)."""
         self.loss_scaler.load_state_dict(scaler_state)
         self._s.skipped_steps = int(skipped_steps)
+        self._masters.restore()
         self._publish()
 
     # --- model-space view (used by halfprec.distributed.checkpoint) ---------------------------------------
     def model_space(self) -> Iterator[tuple[str, torch.Size, int, Any, torch.nn.Parameter | None]]:
-        """``(name, shape, group index, piece or None, piece param or None)`` for every trainable param."""
+        """``(name, shape, group index, piece or None, piece param or None)`` for every trainable param (split
+        masters: the pieces view their joined fp32 values, see the module docstring)."""
+        self._masters.join()
         for i, name in enumerate(self._names):
             piece = self.layout.piece_of.get(i)
             yield name, self._params[i].shape, self._group_of[i], piece, self._piece_params.get(i)
@@ -366,5 +427,6 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     def __repr__(self) -> str:
         return (
             f"ShardedMixedPrecisionOptimizer({self.optimizer!r}, stage={self.stage}, world_size={self.world_size}, "
-            f"reduce_dtype={self.reduce_dtype!r}, impl={self.impl!r}, loss_scaler={self.loss_scaler!r})"
+            f"reduce_dtype={self.reduce_dtype!r}, impl={self.impl!r}, masters={self.masters!r}, "
+            f"loss_scaler={self.loss_scaler!r})"
         )

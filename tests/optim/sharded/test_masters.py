@@ -1,0 +1,81 @@
+"""``ShardMasters``: a rank's masters in local coordinates, fp32 or split (the bf16 param shard plus the low
+halves), on a 2-rank layout built in this process (no process group: the layout is index math)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from halfprec.optim.layout import Layout
+from halfprec.optim.sharded.masters import ShardMasters
+from halfprec.optim.split import split_master
+
+NUMELS = [9, 41, 3, 70]  # odd sizes: shards cut params at unaligned offsets
+
+
+def _build(rank: int, *, split: bool, ties: bool = False) -> tuple[Layout, torch.Tensor, ShardMasters, dict]:
+    layout = Layout(NUMELS, world_size=2, rank=rank, bucket_size=64)
+    g = torch.Generator().manual_seed(0)
+    sources = {i: torch.randn(n, generator=g) for i, n in enumerate(NUMELS)}
+    if (
+        ties
+    ):  # the fp32 value halfway between two bf16 values, with an even top half: RNE keeps it, split rounds up
+        sources[1][0] = torch.tensor([0x3F808000], dtype=torch.int32).view(torch.float32)
+    param = torch.zeros(layout.total, dtype=torch.bfloat16)
+    for i, src in sources.items():
+        param[layout.offsets[i] : layout.offsets[i] + NUMELS[i]].copy_(src)
+    return layout, param, ShardMasters(layout, param, sources, split=split), sources
+
+
+def _model_space(layout: Layout, masters: torch.Tensor) -> dict[int, tuple[int, torch.Tensor]]:
+    return {i: (pc.lo, masters[pc.local : pc.local + pc.numel]) for i, pc in layout.piece_of.items()}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_split_masters_join_to_the_fp32_masters(rank):
+    layout, _, fp32, sources = _build(rank, split=False, ties=True)
+    _, param, split, _ = _build(rank, split=True, ties=True)
+    assert split.fp32 is None and split.low.dtype == torch.int16 and split.kernel_buffer is split.low
+    assert fp32.low is None and fp32.kernel_buffer is fp32.fp32
+    assert torch.equal(split.join(), fp32.join())
+    for i, (lo, value) in _model_space(layout, fp32.fp32).items():
+        assert torch.equal(value, sources[i][lo : lo + value.numel()])
+        assert torch.equal(split.pieces[i], value)  # the pieces view the joined values
+    # the whole param buffer holds every param's master rounded ties away, on every rank
+    tie = param[layout.offsets[1]].view(torch.int16)
+    assert (
+        tie
+        == split_master(sources[1][:1])[0].view(torch.int16)
+        != sources[1][:1].bfloat16().view(torch.int16)
+    )
+
+
+def test_release_drops_the_joined_values():
+    _, _, split, _ = _build(0, split=True)
+    split.join()
+    split.release()
+    assert split.joined is None
+    assert all(p.untyped_storage().nbytes() == 4 for p in split.pieces.values())  # one expanded element
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_load_restore_and_reset(split):
+    layout, param, masters, _ = _build(0, split=split)
+    new = torch.randn(layout.local_numel, generator=torch.Generator().manual_seed(1))
+    masters.load(new)
+    assert torch.equal(masters.join(), new)
+    joined = masters.join()
+    for i, pc in layout.piece_of.items():  # a checkpoint load writes into the pieces
+        masters.pieces[i].data.copy_(joined[pc.local : pc.local + pc.numel] * 2)
+    masters.restore()
+    assert torch.equal(masters.join(), new * 2)
+    masters.round_into_params()  # fp32: to nearest even; split: the params are the high halves already
+    for b, lo, hi in masters.shards():
+        local = masters.join()[b.local : b.local + b.shard]
+        assert torch.equal(local, (new * 2)[b.local : b.local + b.shard])
+        if not split:
+            assert torch.equal(param[lo:hi], local.bfloat16())
+    masters.reset()  # the masters become the param shards exactly
+    for b, lo, hi in masters.shards():
+        assert torch.equal(masters.join()[b.local : b.local + b.shard], param[lo:hi].float())
+    assert not split or not masters.low.any()
