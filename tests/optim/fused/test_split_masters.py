@@ -307,8 +307,8 @@ def test_engine_builds_split_masters_and_resumes_bit_exactly(tmp_path):
 CONFIG_ERRORS = [
     (dict(masters="fp16"), r"masters must be one of 'fp32', 'split', got 'fp16'"),
     (dict(masters="split", impl="torch"), r"masters='split' with impl='torch'.*use masters='fp32'"),
-    (dict(masters="split", zero_stage=1), r"masters='split' with impl='auto', zero_stage=1"),
-    (dict(masters="split", precision="fp16"), r"precision='fp16'.*the exact path, ZeRO-1/2 and fp16"),
+    (dict(masters="split", zero_stage=1, impl="torch"), r"masters='split' with impl='torch'"),
+    (dict(masters="split", precision="fp16"), r"precision='fp16'.*the exact path and fp16"),
 ]
 
 
