@@ -31,6 +31,9 @@ def scenario_split(out: str, configs: list, steps: int, more: int) -> dict:
             trace = {"norms": [], "skipped": [], "scales": []}
             train(model, opt, cfg, range(steps), trace)
             checkpoint.save(opt, Path(out) / f"{masters}{i}")
+            # the save released the fp32 buffer it joined: split pieces view one element again
+            held = [p.untyped_storage().nbytes() for g in opt.optimizer.param_groups for p in g["params"]]
+            r[f"released-{masters}"] = max(held) <= 4 if masters == "split" else True
             r[f"saved-{masters}"] = {"pieces": pieces(opt)}
             train(model, opt, cfg, range(steps, steps + more), trace)
             r[masters] = {"trace": trace, "pieces": pieces(opt), "params": _params(model)}

@@ -77,6 +77,7 @@ def test_checkpoints_move_between_split_and_fp32_masters(runs, i):
         _assert_same(_model_space(ranks, key), fp32, key)
     for r in ranks:
         assert torch.equal(r["split"]["local_masters"], r["fp32"]["local_masters"])
+        assert r["released-split"], "the save kept the joined fp32 masters"
 
 
 @pytest.mark.parametrize("i", range(len(SPLIT)), ids=IDS)

@@ -209,6 +209,8 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
             seal(tmp, path.name)
             commit(tmp, path)
     _barrier(group)
+    if full is None:  # sharded: the joined split masters are no longer needed
+        optimizer.release_model_space()
     return path
 
 

@@ -424,6 +424,11 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             piece = self.layout.piece_of.get(i)
             yield name, self._params[i].shape, self._group_of[i], piece, self._piece_params.get(i)
 
+    def release_model_space(self) -> None:
+        """Free what ``model_space()`` built for a checkpoint (split masters: the joined fp32 buffer, 4 B per
+        element of this rank's shards); a checkpoint save calls it when done."""
+        self._masters.release()
+
     def __repr__(self) -> str:
         return (
             f"ShardedMixedPrecisionOptimizer({self.optimizer!r}, stage={self.stage}, world_size={self.world_size}, "
