@@ -12,6 +12,8 @@ of the last step. ``--trace`` adds every step's loss, loss scale and grad norm t
 Systems:
   autocast   fp32 model under ``torch.autocast``, ``torch.optim.AdamW(fused=True)``; fp16 with ``GradScaler``
   halfprec   ``halfprec.initialize`` (16-bit model, fused optimizer on CUDA)
+  hf         the HF ``Trainer`` with halfprec (``HalfprecTrainer``, its AdamW on halfprec's fused path, clipping
+             in the kernel, constant LR, logging every step), timed from step begin to step end by a callback
   deepspeed  DeepSpeed ZeRO-0 with its FusedAdam (``gradient_clipping: 1.0``), when it is installed
   deepspeed-reset  the same, with the Adam state DeepSpeed's fp16 wrapper creates at construction (a step on zero
              grads) reset before training: a diagnostic of that construction step (fp16 only)
@@ -28,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SYSTEMS = ("autocast", "halfprec", "deepspeed", "deepspeed-reset")
+SYSTEMS = ("autocast", "halfprec", "hf", "deepspeed", "deepspeed-reset")
 LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
 
 
@@ -138,11 +140,59 @@ def deepspeed_runner(model, dtype, batch: int, *, reset: bool):
     return step, lambda: (engine.get_global_grad_norm(), getattr(opt, "cur_scale", None))
 
 
+def hf_run(model, dtype, data, args) -> tuple[list[float], list[float]]:
+    """(ms per step, loss per step) of ``args.warmup + args.steps`` HF Trainer steps over ``data``'s rows."""
+    import tempfile
+
+    import torch
+    from transformers import TrainerCallback, TrainingArguments
+
+    from halfprec.integrations.hf import HalfprecTrainer
+
+    events: list[tuple] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *_args, **_kwargs):
+            events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            events[-1][0].record()
+
+        def on_step_end(self, *_args, **_kwargs):
+            events[-1][1].record()
+
+    total = args.warmup + args.steps
+    rows = [{"input_ids": x, "labels": x} for i in range(total) for x in data[i % len(data)].cpu()]
+    with tempfile.TemporaryDirectory() as out:
+        targs = TrainingArguments(
+            out, max_steps=total, per_device_train_batch_size=args.batch, learning_rate=LR,
+            weight_decay=WEIGHT_DECAY, max_grad_norm=CLIP, lr_scheduler_type="constant", logging_steps=1,
+            save_strategy="no", report_to="none", disable_tqdm=True,
+        )  # fmt: skip
+        trainer = HalfprecTrainer(
+            model=model, args=targs, train_dataset=rows, halfprec_dtype=dtype, callbacks=[Timer()]
+        )
+        trainer.train()
+    torch.cuda.synchronize()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    return [a.elapsed_time(b) for a, b in events[args.warmup :]], losses
+
+
 def child(system: str, dtype_name: str, args) -> dict:
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     model = llama(args.seed)
+    if system == "hf":
+        data = batches(args.batch, args.seq)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        ms, losses = hf_run(model, dtype, data, args)
+        median = statistics.median(ms)
+        return {
+            "system": system, "dtype": dtype_name, "ms_per_step": median,
+            "tokens_per_s": args.batch * args.seq / (median * 1e-3),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "final_loss": float(losses[-1]),
+            "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
+        }  # fmt: skip
     if system == "autocast":
         step, probe = autocast_runner(model, dtype)
     elif system == "halfprec":
