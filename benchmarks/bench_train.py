@@ -17,6 +17,7 @@ Systems:
   deepspeed  DeepSpeed ZeRO-0 with its FusedAdam (``gradient_clipping: 1.0``), when it is installed
   deepspeed-reset  the same, with the Adam state DeepSpeed's fp16 wrapper creates at construction (a step on zero
              grads) reset before training: a diagnostic of that construction step (fp16 only)
+  halfprec-noclip, deepspeed-noclip  without clipping: diagnostics of DeepSpeed fp16's loss (issue 17)
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-SYSTEMS = ("autocast", "halfprec", "hf", "deepspeed", "deepspeed-reset")
+SYSTEMS = (
+    "autocast",
+    "halfprec",
+    "hf",
+    "deepspeed",
+    "deepspeed-reset",
+    "halfprec-noclip",
+    "deepspeed-noclip",
+)
 LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
 
 
@@ -82,14 +91,14 @@ def autocast_runner(model, dtype):
     return step, lambda: (last[0], scaler.get_scale() if scaler is not None else None)
 
 
-def halfprec_runner(model, dtype):
+def halfprec_runner(model, dtype, clip=CLIP):
     import torch
 
     import halfprec
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    engine = halfprec.initialize(model, opt, precision=precision, max_grad_norm=CLIP)
+    engine = halfprec.initialize(model, opt, precision=precision, max_grad_norm=clip)
 
     def step(x):
         loss = engine(input_ids=x, labels=x).loss
@@ -100,7 +109,7 @@ def halfprec_runner(model, dtype):
     return step, lambda: (engine.optimizer.grad_norm, engine.optimizer.step_loss_scale)
 
 
-def deepspeed_runner(model, dtype, batch: int, *, reset: bool):
+def deepspeed_runner(model, dtype, batch: int, *, reset: bool, clip=CLIP):
     import deepspeed
     import torch
 
@@ -113,7 +122,7 @@ def deepspeed_runner(model, dtype, batch: int, *, reset: bool):
     config = {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": CLIP,
+        "gradient_clipping": clip,
         "zero_optimization": {"stage": 0},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
         "steps_per_print": 10**9,
@@ -195,10 +204,11 @@ def child(system: str, dtype_name: str, args) -> dict:
         }  # fmt: skip
     if system == "autocast":
         step, probe = autocast_runner(model, dtype)
-    elif system == "halfprec":
-        step, probe = halfprec_runner(model, dtype)
+    elif system.startswith("halfprec"):
+        step, probe = halfprec_runner(model, dtype, None if system.endswith("-noclip") else CLIP)
     else:
-        step, probe = deepspeed_runner(model, dtype, args.batch, reset=system == "deepspeed-reset")
+        clip = 0.0 if system.endswith("-noclip") else CLIP
+        step, probe = deepspeed_runner(model, dtype, args.batch, reset=system == "deepspeed-reset", clip=clip)
     data = batches(args.batch, args.seq)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
