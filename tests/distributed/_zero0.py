@@ -1,0 +1,92 @@
+"""One rank of the ZeRO-0 oracle (``_worker.py zero0``): the exact and fused optimizers with ``process_group=``
+and fp32 accumulation, against the sum ``_accum.py`` computes (each rank's fp32 sum in micro-batch order, the
+ranks' sums added in fp32, divided by the world size and by the loss scale). Rank 1 alone also trains ``unused``:
+a param with a grad on some ranks only is stepped on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from _accum import oracle, rank_sums
+from _worker import DTYPES, RANK, Net, group_order_names, loss_of, make_model, make_optimizer, make_scaler
+
+import halfprec
+from halfprec.optim import FusedAdamW
+from halfprec.optim.fused.grads import GradViews
+
+
+def loss_some_ranks(model, step: int, rank: int, micro: int, dtype: torch.dtype, poison: list) -> torch.Tensor:
+    loss = loss_of(model, step, rank, micro, dtype, poison)
+    if rank == 1:
+        loss = loss + (model.unused.float() * (micro + 1)).sum() * 0.25
+    return loss
+
+
+class _Spy:
+    """Records, at the fused step's all-reduce, each param's view of the flat grad buffers right after it (what
+    the kernels read, still scaled)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names, self.seen = names, {}
+
+    def __enter__(self):
+        self.real = GradViews.all_reduce
+
+        def spy(views, chunks, group):
+            self.real(views, chunks, group)
+            self.seen = {n: chunk.grad_views[k].clone() for n, (chunk, k) in zip(self.names, views.where, strict=True)}
+
+        GradViews.all_reduce = spy
+        return self
+
+    def __exit__(self, *exc) -> None:
+        GradViews.all_reduce = self.real
+
+
+def _run(cfg: dict, impl: str) -> dict:
+    dtype = DTYPES[cfg["dtype"]]
+    model = make_model(dtype)
+    names = group_order_names(model)
+    options = dict(loss_scaler=make_scaler(cfg), grad_accum_dtype=torch.float32, process_group=dist.group.WORLD)
+    torch_opt = make_optimizer(model, "adamw")
+    if impl == "torch":
+        opt = halfprec.MixedPrecisionOptimizer(torch_opt, impl="torch", **options)
+    else:  # built directly: select.fused_from_torch does not pass process_group on (yet)
+        opt = FusedAdamW(torch_opt.param_groups, **options)
+    ref = Net()
+    with torch.no_grad():
+        for p, q in zip(ref.parameters(), model.parameters(), strict=True):
+            p.copy_(q.float())
+    ref_opt = make_optimizer(ref, "adamw")
+    steps = []
+    for step in range(cfg["steps"]):
+        scale = opt.loss_scale
+        grads, differs = oracle(rank_sums(model, step, cfg, scale, loss_some_ranks), scale)
+        for m in range(cfg["micro"]):
+            opt.backward(loss_some_ranks(model, step, RANK, m, dtype, cfg.get("poison", [])))
+        if impl == "torch":
+            opt.unscale_()
+            seen = {n: m.grad.clone() for n, m in zip(names, opt.master_params(), strict=True) if m.grad is not None}
+            opt.step()
+        else:
+            with _Spy(names) as spy:
+                opt.step()
+            seen = {n: g * (1.0 / scale) for n, g in spy.seen.items()}  # the fused grads stay scaled
+        finite = all(bool(g.isfinite().all()) for g in grads.values())
+        steps.append({"seen": seen, "oracle": grads, "differs": differs, "skipped": opt.step_was_skipped,
+                      "finite": finite})  # fmt: skip
+        if finite:
+            for n, p in ref.named_parameters():
+                p.grad = grads.get(n)
+            ref_opt.step()
+        opt.zero_grad()
+    return {
+        "impl": opt.impl,
+        "steps": steps,
+        "masters": {n: m.detach().clone() for n, m in zip(names, opt.master_params(), strict=True)},
+        "reference": {n: p.detach().clone() for n, p in ref.named_parameters()},
+    }
+
+
+def scenario_zero0(out: str, configs: list) -> dict:
+    return {i: {impl: _run(cfg, impl) for impl in cfg["impls"]} for i, cfg in enumerate(configs)}
