@@ -15,7 +15,9 @@ from halfprec.optim import FusedAdamW
 from halfprec.optim.fused.grads import GradViews
 
 
-def loss_some_ranks(model, step: int, rank: int, micro: int, dtype: torch.dtype, poison: list) -> torch.Tensor:
+def loss_some_ranks(
+    model, step: int, rank: int, micro: int, dtype: torch.dtype, poison: list
+) -> torch.Tensor:
     loss = loss_of(model, step, rank, micro, dtype, poison)
     if rank == 1:
         loss = loss + (model.unused.float() * (micro + 1)).sum() * 0.25
@@ -34,7 +36,9 @@ class _Spy:
 
         def spy(views, chunks, group):
             self.real(views, chunks, group)
-            self.seen = {n: chunk.grad_views[k].clone() for n, (chunk, k) in zip(self.names, views.where, strict=True)}
+            self.seen = {
+                n: chunk.grad_views[k].clone() for n, (chunk, k) in zip(self.names, views.where, strict=True)
+            }
 
         GradViews.all_reduce = spy
         return self
@@ -47,7 +51,9 @@ def _run(cfg: dict, impl: str) -> dict:
     dtype = DTYPES[cfg["dtype"]]
     model = make_model(dtype)
     names = group_order_names(model)
-    options = dict(loss_scaler=make_scaler(cfg), grad_accum_dtype=torch.float32, process_group=dist.group.WORLD)
+    options = dict(
+        loss_scaler=make_scaler(cfg), grad_accum_dtype=torch.float32, process_group=dist.group.WORLD
+    )
     torch_opt = make_optimizer(model, "adamw")
     if impl == "torch":
         opt = halfprec.MixedPrecisionOptimizer(torch_opt, impl="torch", **options)
@@ -66,7 +72,11 @@ def _run(cfg: dict, impl: str) -> dict:
             opt.backward(loss_some_ranks(model, step, RANK, m, dtype, cfg.get("poison", [])))
         if impl == "torch":
             opt.unscale_()
-            seen = {n: m.grad.clone() for n, m in zip(names, opt.master_params(), strict=True) if m.grad is not None}
+            seen = {
+                n: m.grad.clone()
+                for n, m in zip(names, opt.master_params(), strict=True)
+                if m.grad is not None
+            }
             opt.step()
         else:
             with _Spy(names) as spy:

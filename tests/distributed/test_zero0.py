@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter t
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CONFIGS = [
     {
-        "dtype": dtype, "micro": k, "steps": 3,
+        "dtype": dtype,
+        "micro": k,
+        "steps": 3,
         "impls": ["torch", "triton"] if dtype == "fp16" else ["torch"],
         **({"poison": [[1, 1]]} if dtype == "fp16" else {}),
     }  # fmt: skip
@@ -58,7 +60,9 @@ def test_step_reads_the_mean_of_the_ranks_fp32_sums(ranks, i, impl):
 
 @pytest.mark.parametrize(("i", "impl"), RUNS, ids=RUN_IDS)
 def test_masters_match_a_plain_fp32_optimizer_fed_those_grads(ranks, i, impl):
-    bound = {"rtol": 0.0, "atol": 0.0} if impl == "torch" else tol("fused_master", DTYPES[CONFIGS[i]["dtype"]])
+    bound = (
+        {"rtol": 0.0, "atol": 0.0} if impl == "torch" else tol("fused_master", DTYPES[CONFIGS[i]["dtype"]])
+    )
     for rank, r in enumerate(ranks):
         run = r[i][impl]
         for name, m in run["masters"].items():

@@ -69,7 +69,9 @@ def all_reduce_mean(buffers: list[torch.Tensor], group: Any) -> None:
 
 
 @torch.no_grad()
-def all_reduce_master_grads(store: MasterStore, own: list[torch.nn.Parameter], group: Any) -> list[torch.Tensor]:
+def all_reduce_master_grads(
+    store: MasterStore, own: list[torch.nn.Parameter], group: Any
+) -> list[torch.Tensor]:
     """The exact path's ZeRO-0 reduction: make every master grad (and every fp32 own param's ``.grad``) the mean
     over ``group`` of the ranks' fp32 sums; a param with a grad on some rank only gets one everywhere (zero where
     it had none), one with none anywhere keeps None. Returns the master grads that hold a grad."""
