@@ -5,6 +5,8 @@ a param with a grad on some ranks only is stepped on every rank."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from _accum import oracle, rank_sums
@@ -100,3 +102,37 @@ def _run(cfg: dict, impl: str) -> dict:
 
 def scenario_zero0(out: str, configs: list) -> dict:
     return {i: {impl: _run(cfg, impl) for impl in cfg["impls"]} for i, cfg in enumerate(configs)}
+
+
+def _engine(model: torch.nn.Module):
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return halfprec.initialize(
+        model, make_optimizer(inner, "adamw"), precision="bf16", gradient_accumulation_steps=4
+    )
+
+
+def scenario_engine_zero0(out: str) -> dict:
+    """The engine at zero_stage 0 on 2 ranks, bf16, 4 micro-batches: "auto" resolves to fp32 accumulation and the
+    optimizer all-reduces; rank 0 saves, both ranks resume; a DDP-wrapped model is refused."""
+    torch.manual_seed(0)
+    engine = _engine(Net())
+    for step in range(2):
+        for micro in range(4):
+            engine.backward(loss_some_ranks(engine.module, step, RANK, micro, torch.bfloat16, []))
+        engine.step()
+    path = engine.save_checkpoint(Path(out) / "ck")
+    resumed = _engine(Net())
+    resumed.load_checkpoint(Path(out) / "ck")
+    try:
+        _engine(torch.nn.parallel.DistributedDataParallel(Net()))
+        ddp = "no error"
+    except ValueError as e:
+        ddp = str(e)
+    return {
+        "grouped": engine.optimizer.process_group is not None,
+        "accum": str(engine.optimizer.grad_accum_dtype),
+        "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        "resumed": {n: p.detach().clone() for n, p in resumed.module.named_parameters()},
+        "path": str(path),
+        "ddp": ddp,
+    }

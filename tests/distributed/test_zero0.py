@@ -76,3 +76,16 @@ def test_the_oracle_is_not_16_bit_accumulation(ranks):
     for i, cfg in enumerate(CONFIGS):
         if cfg["micro"] == 16 and cfg["dtype"] == "bf16":
             assert any(s["differs"] for s in ranks[0][i]["torch"]["steps"]), IDS[i]
+
+
+def test_engine_at_stage_0_all_reduces_fp32_sums_saves_on_rank_0_and_refuses_ddp(tmp_path):
+    launch(2, "engine_zero0", tmp_path)
+    res = results(tmp_path, 2)
+    for rank, r in enumerate(res):
+        assert r["grouped"] and r["accum"] == "torch.float32", f"rank {rank}"
+        assert_equal(r["weights"], res[0]["weights"], f"rank {rank} vs rank 0: the ranks' weights")
+        assert_equal(r["resumed"], r["weights"], f"rank {rank}: resumed weights")
+        assert r["ddp"].startswith(
+            "the model is wrapped in DistributedDataParallel and grad_accum_dtype resolves"
+        ), r["ddp"]
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-2"
