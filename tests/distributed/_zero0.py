@@ -100,8 +100,31 @@ def _run(cfg: dict, impl: str) -> dict:
     }
 
 
+ERRORS = {  # name: the options of MixedPrecisionOptimizer(impl="torch") on 2 ranks
+    "no group": dict(grad_accum_dtype=torch.float32),
+    "16-bit sums": dict(process_group="group"),
+    "not a group": dict(grad_accum_dtype=torch.float32, process_group="world"),
+}
+
+
+def _errors() -> dict:
+    out = {}
+    for name, options in ERRORS.items():
+        options = {k: dist.group.WORLD if v == "group" else v for k, v in options.items()}
+        try:
+            halfprec.MixedPrecisionOptimizer(
+                make_optimizer(make_model(torch.bfloat16), "adamw"), impl="torch", **options
+            )
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
 def scenario_zero0(out: str, configs: list) -> dict:
-    return {i: {impl: _run(cfg, impl) for impl in cfg["impls"]} for i, cfg in enumerate(configs)}
+    res: dict = {i: {impl: _run(cfg, impl) for impl in cfg["impls"]} for i, cfg in enumerate(configs)}
+    res["errors"] = _errors()
+    return res
 
 
 def _engine(model: torch.nn.Module):

@@ -10,6 +10,8 @@ grads bit for bit; the fused ones within the fused path's tolerance.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from _compare import assert_equal
@@ -89,3 +91,19 @@ def test_engine_at_stage_0_all_reduces_fp32_sums_saves_on_rank_0_and_refuses_ddp
             "the model is wrapped in DistributedDataParallel and grad_accum_dtype resolves"
         ), r["ddp"]
     assert (tmp_path / "ck" / "latest").read_text().strip() == "step-2"
+
+
+@pytest.mark.parametrize(
+    ("name", "regex"),
+    [
+        ("no group", "grad_accum_dtype=torch.float32 with a process group of 2 ranks: .*pass process_group="),
+        (
+            "16-bit sums",
+            "process_group= all-reduces the fp32 grad sums, which needs grad_accum_dtype=torch.float32",
+        ),
+        ("not a group", "process_group must be a torch.distributed.ProcessGroup .* got str"),
+    ],
+)
+def test_refusals(ranks, name, regex):
+    for r in ranks:
+        assert re.search(regex, r["errors"][name]), r["errors"][name]
