@@ -100,30 +100,49 @@ def _run(cfg: dict, impl: str) -> dict:
     }
 
 
-ERRORS = {  # name: the options of MixedPrecisionOptimizer(impl="torch") on 2 ranks
+ERRORS = {  # name: the options of MixedPrecisionOptimizer on 2 ranks (impl="torch" unless given)
     "no group": dict(grad_accum_dtype=torch.float32),
     "16-bit sums": dict(process_group="group"),
     "not a group": dict(grad_accum_dtype=torch.float32, process_group="world"),
+    "triton": dict(grad_accum_dtype=torch.float32, process_group="group", impl="triton"),
 }
 
 
 def _errors() -> dict:
     out = {}
     for name, options in ERRORS.items():
-        options = {k: dist.group.WORLD if v == "group" else v for k, v in options.items()}
+        options = {"impl": "torch"} | {k: dist.group.WORLD if v == "group" else v for k, v in options.items()}
         try:
-            halfprec.MixedPrecisionOptimizer(
-                make_optimizer(make_model(torch.bfloat16), "adamw"), impl="torch", **options
-            )
+            halfprec.MixedPrecisionOptimizer(make_optimizer(make_model(torch.float16), "adamw"), **options)
             out[name] = "no error"
         except ValueError as e:
             out[name] = str(e)
     return out
 
 
+def _own_master() -> dict:
+    """The exact path with an fp32 param among bf16 ones (its own master, accumulating in its ``.grad``): at
+    ``unscale_()`` its grad is the mean of the ranks' local sums, as the masters' are."""
+    model = make_model(torch.bfloat16)
+    model.gain.data = model.gain.data.float()
+    opt = halfprec.MixedPrecisionOptimizer(
+        make_optimizer(model, "adamw"),
+        impl="torch",
+        grad_accum_dtype=torch.float32,
+        process_group=dist.group.WORLD,
+    )
+    for m in range(4):
+        opt.backward(loss_some_ranks(model, 0, RANK, m, torch.bfloat16, []))
+    local = [torch.zeros_like(model.gain.grad) for _ in range(2)]
+    dist.all_gather(local, model.gain.grad.clone())
+    opt.unscale_()
+    return {"got": model.gain.grad.clone(), "want": (local[0] + local[1]) / 2, "dtype": str(model.gain.dtype)}
+
+
 def scenario_zero0(out: str, configs: list) -> dict:
     res: dict = {i: {impl: _run(cfg, impl) for impl in cfg["impls"]} for i, cfg in enumerate(configs)}
     res["errors"] = _errors()
+    res["own"] = _own_master()
     return res
 
 

@@ -94,7 +94,7 @@ def all_reduce_master_grads(
                                   for p in own]))  # fmt: skip
     all_reduce_mean(buffers, group)
     views = [v for chunk in store.chunks for v in chunk.grad_views]
-    for m, view, used in zip(masters, views, anywhere, strict=True):
+    for m, view, used in zip(masters, views, anywhere[: len(masters)], strict=True):
         m.grad = view if used else None
     if own:
         for p, g, used in zip(own, buffers[-1].split([p.numel() for p in own]), anywhere[len(masters) :],
