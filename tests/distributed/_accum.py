@@ -52,6 +52,23 @@ def oracle(sums: list[dict], scale: float) -> tuple[dict, bool]:
     return grads, differs
 
 
+def record_step(opt, ref: torch.nn.Module, ref_opt, seen: dict, grads: dict, differs: bool) -> dict:
+    """What a step read (``seen``) beside its oracle ``grads``; steps the fp32 reference with them unless they are
+    not finite (the step must then have been skipped)."""
+    finite = all(bool(g.isfinite().all()) for g in grads.values())
+    if finite:
+        for n, p in ref.named_parameters():
+            p.grad = grads.get(n)
+        ref_opt.step()
+    return {
+        "seen": seen,
+        "oracle": grads,
+        "differs": differs,
+        "skipped": opt.step_was_skipped,
+        "finite": finite,
+    }
+
+
 def _shard(opt) -> dict:
     """The fp32 grad shard after ``unscale_()``, in model space: name -> (lo, hi, values)."""
     shard = opt.reducer.grad_shard
@@ -81,13 +98,7 @@ def _run(cfg: dict, impl: str) -> dict:
         opt.unscale_()
         seen = _shard(opt)
         opt.step()
-        finite = all(bool(g.isfinite().all()) for g in grads.values())
-        steps.append({"shard": seen, "oracle": grads, "differs": differs, "skipped": opt.step_was_skipped,
-                      "finite": finite})  # fmt: skip
-        if finite:
-            for n, p in ref.named_parameters():
-                p.grad = grads.get(n)
-            ref_opt.step()
+        steps.append(record_step(opt, ref, ref_opt, seen, grads, differs))
         if cfg["zero_grad"]:
             opt.zero_grad()  # else the next backward starts a new sum on its own
     return {

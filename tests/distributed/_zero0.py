@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _accum import oracle, rank_sums
+from _accum import oracle, rank_sums, record_step
 from _worker import DTYPES, RANK, Net, group_order_names, loss_of, make_model, make_optimizer, make_scaler
 
 import halfprec
@@ -84,13 +84,7 @@ def _run(cfg: dict, impl: str) -> dict:
             with _Spy(names) as spy:
                 opt.step()
             seen = {n: g * (1.0 / scale) for n, g in spy.seen.items()}  # the fused grads stay scaled
-        finite = all(bool(g.isfinite().all()) for g in grads.values())
-        steps.append({"seen": seen, "oracle": grads, "differs": differs, "skipped": opt.step_was_skipped,
-                      "finite": finite})  # fmt: skip
-        if finite:
-            for n, p in ref.named_parameters():
-                p.grad = grads.get(n)
-            ref_opt.step()
+        steps.append(record_step(opt, ref, ref_opt, seen, grads, differs))
         opt.zero_grad()
     return {
         "impl": opt.impl,
