@@ -94,7 +94,8 @@ class Config:
     """Skip steps with non-finite bf16/fp32 grads (fp16 grads are always checked)."""
 
     zero_stage: Literal[0, 1, 2] = 0
-    """0: one process or DDP; 1/2: sharded optimizer state (and gradients) across data-parallel ranks."""
+    """0: one process, DDP, or (with fp32 accumulation, instead of DDP) halfprec's all-reduce of the fp32 grad sums;
+    1/2: sharded optimizer state (and gradients) across data-parallel ranks."""
 
     reduce_dtype: Literal["fp32", "param"] = "fp32"
     """Sharded stages: dtype of the gradient reduce-scatter (fp32, or the params' 16-bit dtype; ``"param"`` does
@@ -102,12 +103,13 @@ class Config:
 
     grad_accum_dtype: Literal["auto", "param", "fp32"] = "auto"
     """Where micro-batch grads accumulate: the params' 16-bit ``.grad`` (``"param"``), or fp32 (``"fp32"``:
-    ``grad_accum_dtype=torch.float32`` of the optimizers: the master grads at stage 0 in one process, an fp32
-    grad buffer reduce-scattered in fp32 at stages 1/2; not with DDP). ``"auto"``: fp32 for bf16 with
+    ``grad_accum_dtype=torch.float32`` of the optimizers: the master grads at stage 0, all-reduced in fp32 by the
+    optimizer across several processes (``process_group=``; the model is then not wrapped in DDP), an fp32 grad
+    buffer reduce-scattered in fp32 at stages 1/2). ``"auto"``: fp32 for bf16 with
     ``gradient_accumulation_steps > 1`` (bf16 sums lose 2.6e-3 relative at 4 micro-batches, 8.4e-3 at 64), else
     ``"param"``: fp16 (through the loss scale its 16-bit sums lose 3.3e-4 / 1.1e-3, one to two of its own roundings
-    of each grad, for 2 B/param less), one micro-batch (nothing to sum), and where fp32 is not available (DDP across
-    processes, ``reduce_dtype="param"``). ``accum_dtype()`` resolves it."""
+    of each grad, for 2 B/param less), one micro-batch (nothing to sum), and where fp32 is not available
+    (``reduce_dtype="param"``). ``accum_dtype()`` resolves it."""
 
     masters: Literal["fp32", "split"] = "fp32"
     """How the fused optimizers store the fp32 masters of bf16 params: fp32 buffers, or ``"split"``: the bf16 param
@@ -160,13 +162,13 @@ class Config:
             )
 
     def accum_dtype(self, world_size: int = 1) -> torch.dtype | None:
-        """The optimizers' ``grad_accum_dtype`` this config asks for in a process group of ``world_size``."""
+        """The optimizers' ``grad_accum_dtype`` this config asks for in a process group of ``world_size`` (the same
+        at every world size: several ranks at stage 0 all-reduce the fp32 sums themselves)."""
         choice = self.grad_accum_dtype
         if choice == "auto":
-            ddp = self.zero_stage == 0 and world_size > 1
             sharded_16 = self.zero_stage != 0 and self.reduce_dtype == "param"
             wanted = self.precision == "bf16" and self.gradient_accumulation_steps > 1
-            choice = "fp32" if wanted and not ddp and not sharded_16 else "param"
+            choice = "fp32" if wanted and not sharded_16 else "param"
         return torch.float32 if choice == "fp32" else None
 
     def _dynamic_settings(self) -> dict[str, Any]:

@@ -86,14 +86,19 @@ def initialize(
                 f"param {name!r} is {p.dtype} but precision={config.precision!r}; pass the model in fp32 (halfprec "
                 f"casts it) or set precision to match"
             )
+    accum = config.accum_dtype(world_size())
+    _check_not_ddp(model, accum, config.zero_stage)
     options = dict(
         loss_scaler=config.loss_scaler(),
         max_grad_norm=config.max_grad_norm,
         skip_nonfinite=config.skip_nonfinite,
         param_dtype=dtype,  # fp32 too: a model trained in fp32 on purpose (precision="fp32")
         impl=config.impl,
-        grad_accum_dtype=config.accum_dtype(world_size()),
+        grad_accum_dtype=accum,
     )
+    if config.zero_stage == 0 and accum is not None and world_size() > 1:
+        # ZeRO-0 with fp32 sums: the optimizer all-reduces them (optim/accumulate.py), not DDP
+        options["process_group"] = torch.distributed.group.WORLD
     if config.zero_stage in (1, 2):
         from .optim.sharded import ShardedMixedPrecisionOptimizer  # noqa: PLC0415 - needs torch.distributed
 
@@ -104,6 +109,11 @@ def initialize(
             reduce_dtype=config.reduce_dtype,
             masters=config.masters,
             **options,
+        )
+    elif config.masters == "split" and "process_group" in options:
+        raise ValueError(
+            "masters='split' at zero_stage=0 across several ranks with fp32 accumulation is not supported: use "
+            "zero_stage=1 or 2 (split masters, fp32 reduce-scatter), or grad_accum_dtype='param' with DDP"
         )
     elif config.masters == "split":  # the fused path only (Config checked the rest)
         reason = fused_unsupported_reason(optimizer, explicit=config.impl == "triton")
@@ -118,6 +128,24 @@ def initialize(
     if dtype != torch.float32:
         _cast_rest(model, dtype, trained)
     return Engine(model, mp, config, lr_scheduler)
+
+
+def _check_not_ddp(model: torch.nn.Module, accum: torch.dtype | None, zero_stage: int) -> None:
+    """Refuse a DDP-wrapped model where the optimizer reduces the grads itself: fp32 accumulation releases the
+    16-bit ``.grad`` that DDP would all-reduce, and ZeRO-1/2 reduce-scatter them."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return
+    if zero_stage != 0 or accum is not None:
+        why = (
+            f"zero_stage={zero_stage} reduces the grads"
+            if zero_stage
+            else "grad_accum_dtype resolves to 'fp32'"
+        )
+        raise ValueError(
+            f"the model is wrapped in DistributedDataParallel and {why}: halfprec then reduces the grads itself "
+            "(fp32 sums at zero_stage 0), and DDP would all-reduce 16-bit grads besides. Pass the unwrapped "
+            "model (ddp.module), or keep DDP with zero_stage=0 and grad_accum_dtype='param'"
+        )
 
 
 def _check_inputs(model: torch.nn.Module, optimizer: Any, lr_scheduler: Any) -> None:
@@ -300,15 +328,33 @@ class Engine:
         if self._sharded:
             return self._save_sharded(directory, tag, engine_state, info, overwrite, keep_last)
         engine_state["rng"] = ckpt.rng_state()
-        return ckpt.write_checkpoint(
-            directory,
-            tag,
-            weights=self.module.state_dict(),
-            files={"optimizer": self.optimizer.state_dict(), "engine": engine_state},
-            info=info,
-            overwrite=overwrite,
-            keep_last=keep_last,
+        files = {"optimizer": self.optimizer.state_dict(), "engine": engine_state}
+        write = dict(
+            weights=self.module.state_dict(), files=files, info=info, overwrite=overwrite, keep_last=keep_last
         )
+        if self.optimizer.process_group is not None:
+            return self._save_on_rank_0(directory, tag, write)
+        return ckpt.write_checkpoint(directory, tag, **write)
+
+    def _save_on_rank_0(self, directory, tag: str, write: dict[str, Any]) -> Path:
+        """ZeRO-0 across ranks (``process_group``): every rank holds the same weights and optimizer state, so rank
+        0 writes the checkpoint (with its RNG state) and the others wait for it and raise its error."""
+        import torch.distributed as dist
+
+        group = self.optimizer.process_group
+        outcome: list[Any] = [None]
+        error = None
+        if dist.get_rank(group) == 0:
+            try:
+                ckpt.write_checkpoint(directory, tag, **write)
+            except (OSError, ValueError) as e:
+                error, outcome = e, [f"{type(e).__name__}: {e}"]
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
+        if error is not None:
+            raise error
+        if outcome[0] is not None:
+            raise RuntimeError(f"save_checkpoint failed on rank 0: {outcome[0]}")
+        return Path(directory) / tag
 
     def _save_sharded(self, directory, tag, engine_state, info, overwrite, keep_last) -> Path:
         """Every rank writes its optimizer shard (DCP) and RNG state into one temporary directory; rank 0 adds

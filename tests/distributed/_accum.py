@@ -16,8 +16,9 @@ from _worker import DTYPES, RANK, WORLD, Net, build_sharded, loss_of, make_model
 from halfprec import MixedPrecisionOptimizer
 
 
-def _rank_sums(model: torch.nn.Module, step: int, cfg: dict, scale: float) -> list[dict]:
-    """Per rank ``{name: (fp32 sum, 16-bit sum)}`` of the micro-batch grads of ``model``'s current weights."""
+def rank_sums(model: torch.nn.Module, step: int, cfg: dict, scale: float, loss=loss_of) -> list[dict]:
+    """Per rank ``{name: (fp32 sum, 16-bit sum)}`` of the micro-batch grads of ``model``'s current weights
+    (``loss``: ``loss_of``'s signature)."""
     dtype = DTYPES[cfg["dtype"]]
     ref = make_model(dtype)
     ref.load_state_dict(model.state_dict())
@@ -26,7 +27,7 @@ def _rank_sums(model: torch.nn.Module, step: int, cfg: dict, scale: float) -> li
         sums: dict = {}
         for m in range(cfg["micro"]):
             ref.zero_grad(set_to_none=True)
-            (loss_of(ref, step, rank, m, dtype, cfg.get("poison", [])) * scale).backward()
+            (loss(ref, step, rank, m, dtype, cfg.get("poison", [])) * scale).backward()
             for n, p in ref.named_parameters():
                 if p.grad is not None:
                     f32, low = sums.get(n, (None, None))
@@ -37,15 +38,35 @@ def _rank_sums(model: torch.nn.Module, step: int, cfg: dict, scale: float) -> li
     return out
 
 
-def _oracle(sums: list[dict], scale: float) -> tuple[dict, bool]:
-    """The grads a step must read, and whether 16-bit accumulation would have read other values."""
+def oracle(sums: list[dict], scale: float) -> tuple[dict, bool]:
+    """The grads a step must read, and whether 16-bit accumulation would have read other values. A param with no
+    grad on a rank adds that rank's zeros (the "used anywhere" rule)."""
     grads, differs = {}, False
-    for n in sums[0]:
-        fp32 = sum((s[n][0] for s in sums[1:]), sums[0][n][0])
-        low = sum((s[n][1].float() for s in sums[1:]), sums[0][n][1].float())
+    for n in dict.fromkeys(n for s in sums for n in s):
+        zero = torch.zeros_like(next(s[n] for s in sums if n in s)[0])
+        fp32 = sum((s[n][0] if n in s else zero for s in sums[1:]), sums[0][n][0] if n in sums[0] else zero)
+        low = sum((s[n][1].float() if n in s else zero for s in sums[1:]),
+                  sums[0][n][1].float() if n in sums[0] else zero)  # fmt: skip
         grads[n] = fp32 / WORLD * (1.0 / scale)
         differs = differs or not torch.equal(fp32, low)
     return grads, differs
+
+
+def record_step(opt, ref: torch.nn.Module, ref_opt, seen: dict, grads: dict, differs: bool) -> dict:
+    """What a step read (``seen``) beside its oracle ``grads``; steps the fp32 reference with them unless they are
+    not finite (the step must then have been skipped)."""
+    finite = all(bool(g.isfinite().all()) for g in grads.values())
+    if finite:
+        for n, p in ref.named_parameters():
+            p.grad = grads.get(n)
+        ref_opt.step()
+    return {
+        "seen": seen,
+        "oracle": grads,
+        "differs": differs,
+        "skipped": opt.step_was_skipped,
+        "finite": finite,
+    }
 
 
 def _shard(opt) -> dict:
@@ -68,7 +89,7 @@ def _run(cfg: dict, impl: str) -> dict:
     steps = []
     for step in range(cfg["steps"]):
         scale = opt.loss_scale
-        grads, differs = _oracle(_rank_sums(model, step, cfg, scale), scale)
+        grads, differs = oracle(rank_sums(model, step, cfg, scale), scale)
         for m in range(cfg["micro"]):
             defer = cfg["no_sync"] and m < cfg["micro"] - 1
             with opt.no_sync() if defer else contextlib.nullcontext():
@@ -77,13 +98,7 @@ def _run(cfg: dict, impl: str) -> dict:
         opt.unscale_()
         seen = _shard(opt)
         opt.step()
-        finite = all(bool(g.isfinite().all()) for g in grads.values())
-        steps.append({"shard": seen, "oracle": grads, "differs": differs, "skipped": opt.step_was_skipped,
-                      "finite": finite})  # fmt: skip
-        if finite:
-            for n, p in ref.named_parameters():
-                p.grad = grads.get(n)
-            ref_opt.step()
+        steps.append(record_step(opt, ref, ref_opt, seen, grads, differs))
         if cfg["zero_grad"]:
             opt.zero_grad()  # else the next backward starts a new sum on its own
     return {

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["assert_equal", "assert_same", "assert_steps", "describe", "labelled", "max_rel", "stitch"]
+__all__ = [
+    "assert_equal",
+    "assert_same",
+    "assert_steps",
+    "describe",
+    "labelled",
+    "max_rel",
+    "stitch",
+    "unskipped",
+]
 
 
 def stitch(ranks: list[dict]) -> tuple[dict, dict]:
@@ -100,3 +109,14 @@ def max_rel(masters: dict, oracle: dict) -> float:
         ((masters[n] - r.reshape(-1)).abs() / r.reshape(-1).abs().clamp_min(1e-3)).max().item()
         for n, r in oracle["masters"].items()
     )
+
+
+def unskipped(run: dict, cfg: dict, label: str, rank: int):
+    """``(where, step record)`` of each step of ``run`` that no rank poisoned (``cfg["poison"]``: ``[step, 1]``
+    pairs); asserts on the way that a step was skipped exactly when poisoned, that is when its oracle is not finite."""
+    for step, s in enumerate(run["steps"]):
+        where = f"{label}, rank {rank}, step {step}"
+        poisoned = [step, 1] in cfg.get("poison", [])
+        assert s["skipped"] == poisoned == (not s["finite"]), where
+        if not poisoned:
+            yield where, s

@@ -854,6 +854,20 @@ def scenario_accum(out: str, configs: list) -> dict:
     return run(out, configs)
 
 
+def scenario_zero0(out: str, configs: list) -> dict:
+    """ZeRO-0: the exact and fused optimizers all-reduce their fp32 sums (``_zero0.py``)."""
+    from _zero0 import scenario_zero0 as run
+
+    return run(out, configs)
+
+
+def scenario_engine_zero0(out: str) -> dict:
+    """The engine at ZeRO-0 with fp32 accumulation across ranks (``_zero0.py``)."""
+    from _zero0 import scenario_engine_zero0 as run
+
+    return run(out)
+
+
 def scenario_split(out: str, configs: list, steps: int, more: int) -> dict:
     """Split masters against fp32 masters, checkpoints between them (``_split.py``)."""
     from _split import scenario_split as run

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _compare import assert_equal, stitch
+from _compare import assert_equal, stitch, unskipped
 from _launch import launch, results
 from tests.tolerances import tol
 
@@ -54,19 +54,12 @@ def test_step_reads_the_fp32_sum_of_the_ranks_fp32_sums(ranks, i, impl):
     for rank, r in enumerate(ranks):
         run = r[i][impl]
         assert run["impl"] == impl
-        for step, s in enumerate(run["steps"]):
-            where = f"{IDS[i]}, {impl}, rank {rank}, step {step}"
-            poisoned = [step, 1] in cfg.get("poison", [])
-            assert s["skipped"] == poisoned == (not s["finite"]), where
-            if poisoned:
-                continue
-            got = {n: v for n, (_lo, _hi, v) in s["shard"].items() if n != "unused"}
-            want = {
-                n: s["oracle"][n].reshape(-1)[lo:hi] for n, (lo, hi, _v) in s["shard"].items() if n in got
-            }
+        for where, s in unskipped(run, cfg, f"{IDS[i]}, {impl}", rank):
+            got = {n: v for n, (_lo, _hi, v) in s["seen"].items() if n != "unused"}
+            want = {n: s["oracle"][n].reshape(-1)[lo:hi] for n, (lo, hi, _v) in s["seen"].items() if n in got}
             assert_equal(got, want, where)
-            if "unused" in s["shard"]:  # no rank ever gives it a grad: zeros, and it is not stepped
-                assert not s["shard"]["unused"][2].any(), where
+            if "unused" in s["seen"]:  # no rank ever gives it a grad: zeros, and it is not stepped
+                assert not s["seen"]["unused"][2].any(), where
 
 
 @pytest.mark.parametrize("i", range(len(CONFIGS)), ids=IDS)

@@ -260,6 +260,10 @@ def test_frozen_params_and_added_groups():
             "grad_accum_dtype must be None .* got torch.bfloat16",
         ),
         (dict(impl="torch", grad_accum_dtype="fp32"), "grad_accum_dtype must be None .* got 'fp32'"),
+        (  # no process group exists in this process
+            dict(impl="torch", grad_accum_dtype=torch.float32, process_group="world"),
+            "process_group='world' but torch.distributed is not initialised: .*init_process_group",
+        ),
     ],
 )
 def test_bad_options(kwargs, regex):

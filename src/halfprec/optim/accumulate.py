@@ -1,4 +1,5 @@
-"""FP32 gradient accumulation for the exact strategy (``grad_accum_dtype=torch.float32``).
+"""FP32 gradient accumulation for the exact strategy (``grad_accum_dtype=torch.float32``), and ZeRO-0 data
+parallelism over the fp32 sums (``process_group=``, the exact and fused strategies).
 
 A post-accumulate-grad hook on every 16-bit trained param adds the grad backward just produced into the param's
 fp32 master grad (``MasterStore.add_grad``: the buffer the 16-bit path copies into at the step, so no memory is
@@ -7,19 +8,99 @@ params are their own masters and accumulate in their ``.grad`` as usual.
 
 Not with DDP: its reducer all-reduces the 16-bit ``.grad`` (in the grad dtype, in buckets it owns) before any
 hook of ours could see the sum, and a comm hook receives that 16-bit bucket, not our fp32 buffer, so it cannot
-keep the cross-rank sum in fp32. Data-parallel fp32 accumulation is the sharded optimizer's reducer
-(``sharded/grads.py``: fp32 buffer, fp32 reduce-scatter); its stage 0 (every rank owning the whole layout, an
-all-reduce instead of the reduce-scatter, no all-gather) is the planned ZeRO-0 form.
+keep the cross-rank sum in fp32. So data parallelism with fp32 sums is halfprec's own, instead of DDP (the model
+is not wrapped): ZeRO-1/2 in the sharded reducer (``sharded/grads.py``: fp32 reduce-scatter), ZeRO-0 here, an
+explicit ``process_group=`` on the exact and fused optimizers rather than a stage 0 of the sharded optimizer (that
+one owns a sharded layout, piece params and a rank-local checkpoint format; ZeRO-0 keeps the unsharded strategies,
+their layouts, state dicts and checkpoints, and adds only the reduction). At ``step()``, before the unscale and the
+norm: one all-reduce (SUM) of the "got a grad" flags, then one all-reduce (SUM) per flat fp32 grad buffer (per
+``Chunk``; the exact path adds one for its fp32 own-master params), each divided by the world size, as the sharded
+reducer takes its mean (after the fp32 sum). A param that got a grad on any rank is stepped on every rank (a zero
+grad where it got none: the sharded optimizer's "used anywhere" rule); on none, it is not stepped. Every rank then
+holds the same grads, so the norm, the overflow check (an inf on one rank is in the sum) and the loss-scale update
+agree without another collective. Not overlapped with backward: the step adds one pass of 4 B/param over the
+buffers plus the collectives' time (a ring all-reduce moves about 2 x 4 B/param per rank).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 
 from .layout import MasterStore
 from .results import StepState, weak_hook
 
-__all__ = ["GradAccumulator"]
+__all__ = ["GradAccumulator", "all_reduce_master_grads", "all_reduce_mean", "check_process_group"]
+
+
+def check_process_group(group: Any, grad_accum_dtype: Any) -> None:
+    """Raise ValueError unless ``group`` is None, or a process group of an initialised ``torch.distributed`` given
+    with ``grad_accum_dtype=torch.float32`` (what the ZeRO-0 all-reduce sums)."""
+    if group is None:
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"process_group={group!r} but torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group() first, or pass process_group=None (no data parallelism)"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"process_group must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD), got "
+            f"{type(group).__name__}"
+        )
+    if grad_accum_dtype is not torch.float32:
+        raise ValueError(
+            f"process_group= all-reduces the fp32 grad sums, which needs grad_accum_dtype=torch.float32, got "
+            f"{grad_accum_dtype!r}; for 16-bit accumulation wrap the model in DDP and pass no process_group"
+        )
+
+
+@torch.no_grad()
+def all_reduce_mean(buffers: list[torch.Tensor], group: Any) -> None:
+    """Sum each fp32 buffer over ``group`` in place, then divide by the world size (the sharded reducer's mean)."""
+    world = dist.get_world_size(group)
+    works = [dist.all_reduce(b, op=dist.ReduceOp.SUM, group=group, async_op=True) for b in buffers]
+    for b, work in zip(buffers, works, strict=True):
+        work.wait()
+        if world > 1:
+            b.div_(world)
+
+
+@torch.no_grad()
+def all_reduce_master_grads(
+    store: MasterStore, own: list[torch.nn.Parameter], group: Any
+) -> list[torch.Tensor]:
+    """The exact path's ZeRO-0 reduction: make every master grad (and every fp32 own param's ``.grad``) the mean
+    over ``group`` of the ranks' fp32 sums; a param with a grad on some rank only gets one everywhere (zero where
+    it had none), one with none anywhere keeps None. Returns the master grads that hold a grad."""
+    masters = store.master_params()
+    holders = masters + own
+    device = store.chunks[0].device if store.chunks else own[0].device if own else torch.device("cpu")
+    got = torch.tensor([h.grad is not None for h in holders], dtype=torch.float32, device=device)
+    dist.all_reduce(got, op=dist.ReduceOp.SUM, group=group)
+    anywhere = [n > 0 for n in got.tolist()]
+    buffers = []
+    for chunk, chunk_masters in zip(store.chunks, store.masters, strict=True):
+        if chunk.grad is None:
+            chunk.make_grad(torch.float32)
+        for m, view in zip(chunk_masters, chunk.grad_views, strict=True):
+            if m.grad is None:
+                view.zero_()  # may hold a sum an earlier step consumed
+        buffers.append(chunk.grad)
+    if own:
+        buffers.append(torch.cat([torch.zeros_like(p).reshape(-1) if p.grad is None else p.grad.reshape(-1)
+                                  for p in own]))  # fmt: skip
+    all_reduce_mean(buffers, group)
+    views = [v for chunk in store.chunks for v in chunk.grad_views]
+    for m, view, used in zip(masters, views, anywhere[: len(masters)], strict=True):
+        m.grad = view if used else None
+    if own:
+        for p, g, used in zip(own, buffers[-1].split([p.numel() for p in own]), anywhere[len(masters) :],
+                              strict=True):  # fmt: skip
+            p.grad = g.view_as(p) if used else None
+    return [m.grad for m in masters if m.grad is not None]
 
 
 class GradAccumulator:

@@ -14,7 +14,7 @@ import torch
 
 from .._checks import is_int
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
-from .accumulate import GradAccumulator
+from .accumulate import GradAccumulator, all_reduce_master_grads, check_process_group
 from .checks import (
     check_dtypes,
     check_grad_accum_dtype,
@@ -71,7 +71,15 @@ class _SelectImpl(type(torch.optim.Optimizer)):
             from .select import fused_from_torch, select_impl
 
             if select_impl(args[0], kwargs.get("impl", "auto")) == "triton":
-                return fused_from_torch(args[0], **options)
+                if options.get("process_group") is None:
+                    return fused_from_torch(args[0], **options)
+                # fused_from_torch does not take process_group (yet): "auto" keeps the exact path
+                if kwargs.get("impl") == "triton":
+                    raise ValueError(
+                        "impl='triton' with process_group=: build the fused optimizer directly, e.g. "
+                        "halfprec.optim.FusedAdamW(model.parameters(), grad_accum_dtype=torch.float32, "
+                        "process_group=...), or use impl='torch'"
+                    )
         return super().__call__(*args, **kwargs)
 
 
@@ -95,12 +103,17 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             rounding per micro-batch); ``torch.float32`` adds each 16-bit grad, as backward produces it, into its
             fp32 master grad and releases the 16-bit one (``accumulate.py``; no extra memory: the master grads
             exist on this path; the fused strategy keeps an fp32 flat grad buffer). ValueError on the sharded strategy.
+        process_group: ``None``, no data parallelism (or DDP, with ``grad_accum_dtype=None``); a process group
+            (e.g. ``torch.distributed.group.WORLD``) with ``grad_accum_dtype=torch.float32``: ZeRO-0 data
+            parallelism instead of DDP (do not wrap the model in DDP): ``step()`` all-reduces the fp32 sums, one
+            collective per flat buffer, and takes their mean over the ranks (``accumulate.py``).
     """
 
     optimizer: torch.optim.Optimizer | None = None  # wrapped (exact, sharded); None: fused owns its groups
     impl = "torch"  # the strategy: "torch" (exact, inner torch step) or "triton" (fused kernels)
     grad_accum_dtype: torch.dtype | None = None  # None: 16-bit .grad; torch.float32: the master grads
     _accumulator: GradAccumulator | None = None  # the fp32 accumulation's hooks (exact strategy)
+    process_group: Any = None  # ZeRO-0: all-reduce the fp32 grad sums over it at the step; None: no reduction
     _FORMAT = FORMAT
 
     def __init__(
@@ -113,10 +126,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         param_dtype: torch.dtype | None = None,
         impl: str = "auto",
         grad_accum_dtype: torch.dtype | None = None,
+        process_group: Any = None,
     ) -> None:
         _check_wrappable(optimizer, dict(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype,
                                          skip_nonfinite=skip_nonfinite))  # fmt: skip
-        check_grad_accum_dtype(grad_accum_dtype)
+        check_grad_accum_dtype(grad_accum_dtype, process_group=process_group)
+        check_process_group(process_group, grad_accum_dtype)
+        self.process_group = process_group
         self._init_wrapping(optimizer)
         self._init_options(
             max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype
@@ -419,6 +435,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 "unscaled in place); call zero_grad() and backward() before the next step()"
             )
         filled = self._store.copy_grads_in() if self._accumulator is None else self._accumulator.collect()
+        if self.process_group is not None:
+            filled = all_reduce_master_grads(self._store, self._own, self.process_group)
         own = [p.grad for p in self._own if p.grad is not None]
         if filled + own and not self.loss_scaler.is_unit:
             torch._foreach_mul_(filled + own, self.loss_scaler.inv_scale())

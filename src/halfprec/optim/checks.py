@@ -39,11 +39,11 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def check_grad_accum_dtype(value: Any, *, strategy: str = "torch") -> None:
+def check_grad_accum_dtype(value: Any, *, strategy: str = "torch", process_group: Any = None) -> None:
     """Raise ValueError unless ``value`` is None or ``torch.float32``, and, for the unsharded strategies
-    (``"torch"``, ``"fused"``), unless the default process group has one rank: DDP all-reduces the 16-bit
-    ``.grad`` that fp32 accumulation releases (no silent fallback to 16-bit). ``"sharded"`` reduces the fp32
-    sums itself."""
+    (``"torch"``, ``"fused"``), unless the default process group has one rank or ``process_group`` is given (the
+    ZeRO-0 all-reduce of the fp32 sums, ``accumulate.py``): DDP all-reduces the 16-bit ``.grad`` that fp32
+    accumulation releases (no silent fallback to 16-bit). ``"sharded"`` reduces the fp32 sums itself."""
     if value is None:
         return
     if value is not torch.float32:
@@ -51,10 +51,12 @@ def check_grad_accum_dtype(value: Any, *, strategy: str = "torch") -> None:
             f"grad_accum_dtype must be None (accumulate in the params' 16-bit .grad) or torch.float32 (in the fp32 "
             f"master grads), got {value!r}"
         )
-    if strategy != "sharded" and world_size() > 1:
+    if strategy != "sharded" and process_group is None and world_size() > 1:
         raise ValueError(
             f"grad_accum_dtype=torch.float32 with a process group of {world_size()} ranks: DDP's all-reduce "
-            "reads the 16-bit .grad that fp32 accumulation releases; data-parallel fp32 accumulation is "
+            "reads the 16-bit .grad that fp32 accumulation releases; data-parallel fp32 accumulation is halfprec's "
+            "own, without DDP: pass process_group=torch.distributed.group.WORLD (ZeRO-0: the fp32 sums are "
+            "all-reduced at the step; do not wrap the model in DDP), or "
             "halfprec.distributed.ShardedMixedPrecisionOptimizer(..., stage=1 or 2, grad_accum_dtype=torch.float32), "
             "or use grad_accum_dtype=None"
         )

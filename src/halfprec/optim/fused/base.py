@@ -33,6 +33,7 @@ from ...kernels import triton_status
 from ...kernels.settings import settings
 from ...kernels.slots import PSCAL_WIDTH, HyperTable, Kind
 from ...scaler import LossScaler
+from ..accumulate import check_process_group
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_options, check_unfrozen, tell_schedulers
 from ..layout import Chunk, check_masters, chunk_params
@@ -87,8 +88,10 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         param_dtype: torch.dtype | None = None,
         grad_accum_dtype: torch.dtype | None = None,
         masters: str = "fp32",
+        process_group: Any = None,
     ) -> None:
-        check_grad_accum_dtype(grad_accum_dtype, strategy="fused")
+        check_grad_accum_dtype(grad_accum_dtype, strategy="fused", process_group=process_group)
+        check_process_group(process_group, grad_accum_dtype)
         ok, why = triton_status()
         if not ok:
             raise ValueError(
@@ -100,6 +103,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._built = False
         self._init_options(**options)
         self.grad_accum_dtype = grad_accum_dtype
+        self.process_group = process_group
         torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})  # owns its groups
         trained = [p.dtype for g in self.param_groups for p in g["params"] if p.requires_grad]
         check_masters(masters, [param_dtype, *trained])  # before any param is cast
@@ -308,6 +312,13 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             self._grads.adopt(type(self).__name__)
             self._ensure_state()
         self._grads.ready(self._chunks, capturing=capturing)
+        if self.process_group is not None:
+            if capturing:
+                raise RuntimeError(
+                    f"{type(self).__name__} with process_group= cannot be captured in a CUDA graph (its all-reduce "
+                    "zeroes, on the host's say, the grads of params that got none on this rank); step it eagerly"
+                )
+            self._grads.all_reduce(self._chunks, self.process_group)
         self._upload_hyper(capturing)
         scale = self.loss_scaler.scale
         flags = self._grads.flags

@@ -17,14 +17,21 @@ A chunk's flat grad buffer lives from the first grad of a step (or the step, for
 4 with fp32 accumulation). ``zero_grad(set_to_none=False)`` keeps it, zeroed; a step keeps it (and ``.grad``) until
 then; ``model.zero_grad()`` cannot reach it, so it stays and the next backward reuses it. Once a step was captured
 in a CUDA graph the buffers stay for good: the graph reads their addresses.
+
+ZeRO-0 (``process_group=``, ``optim/accumulate.py``): at the step, ``all_reduce`` zeroes the views of params that got
+no grad on this rank, replaces each flat fp32 buffer by the mean over the ranks of their sums and sums the marks
+(a mark on any rank marks the param on every rank), on the device, without a host sync.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ..accumulate import all_reduce_mean
 from ..layout import Chunk
 from ..results import weak_hook
 
@@ -130,6 +137,18 @@ class GradViews:
                 "cannot make it; run the backward before capturing step(), or call zero_grad(set_to_none=False)"
             )
         self.pinned = True
+
+    @torch.no_grad()
+    def all_reduce(self, chunks: Sequence[Chunk], group: Any) -> None:
+        """Make every chunk's grad buffer the mean over ``group`` of the ranks' sums (zero where a rank got no
+        grad: a view may hold a sum an earlier step consumed) and ``flags`` marked where any rank got a grad."""
+        for i, marked in enumerate(self._marked):
+            if not marked:
+                chunk, local = self.where[i]
+                chunk.grad_views[local].zero_()
+        all_reduce_mean([chunk.grad for chunk in chunks], group)
+        dist.all_reduce(self.flags, op=dist.ReduceOp.SUM, group=group)
+        self.flags.clamp_(max=1)
 
     def consumed(self) -> None:
         """A step read the marks (the finalize program cleared ``flags``)."""
