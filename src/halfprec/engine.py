@@ -110,11 +110,6 @@ def initialize(
             masters=config.masters,
             **options,
         )
-    elif config.masters == "split" and "process_group" in options:
-        raise ValueError(
-            "masters='split' at zero_stage=0 across several ranks with fp32 accumulation is not supported: use "
-            "zero_stage=1 or 2 (split masters, fp32 reduce-scatter), or grad_accum_dtype='param' with DDP"
-        )
     elif config.masters == "split":  # the fused path only (Config checked the rest)
         reason = fused_unsupported_reason(optimizer, explicit=config.impl == "triton")
         if reason is not None:

@@ -98,8 +98,18 @@ ERRORS = {  # name: the options of MixedPrecisionOptimizer on 2 ranks (impl="tor
     "no group": dict(grad_accum_dtype=torch.float32),
     "16-bit sums": dict(process_group="group"),
     "not a group": dict(grad_accum_dtype=torch.float32, process_group="world"),
-    "triton": dict(grad_accum_dtype=torch.float32, process_group="group", impl="triton"),
 }
+
+
+def _triton() -> list:
+    """``MixedPrecisionOptimizer(..., impl="triton", process_group=...)``: the fused optimizer, with the group."""
+    opt = halfprec.MixedPrecisionOptimizer(
+        make_optimizer(make_model(torch.float16), "adamw"),
+        impl="triton",
+        grad_accum_dtype=torch.float32,
+        process_group=dist.group.WORLD,
+    )
+    return [type(opt).__name__, opt.process_group is dist.group.WORLD]
 
 
 def _errors() -> dict:
@@ -136,6 +146,7 @@ def _own_master() -> dict:
 def scenario_zero0(out: str, configs: list) -> dict:
     res: dict = {i: {impl: _run(cfg, impl) for impl in cfg["impls"]} for i, cfg in enumerate(configs)}
     res["errors"] = _errors()
+    res["triton"] = _triton()
     res["own"] = _own_master()
     return res
 

@@ -99,15 +99,16 @@ def test_engine_at_stage_0_all_reduces_fp32_sums_saves_on_rank_0_and_refuses_ddp
             "process_group= all-reduces the fp32 grad sums, which needs grad_accum_dtype=torch.float32",
         ),
         ("not a group", "process_group must be a torch.distributed.ProcessGroup .* got str"),
-        (
-            "triton",
-            "impl='triton' with process_group=: build the fused optimizer directly, e.g. .*FusedAdamW",
-        ),
     ],
 )
 def test_refusals(ranks, name, regex):
     for r in ranks:
         assert re.search(regex, r["errors"][name]), r["errors"][name]
+
+
+def test_impl_triton_passes_the_group_to_the_fused_optimizer(ranks):
+    for r in ranks:
+        assert r["triton"] == ["FusedAdamW", True]
 
 
 def test_fp32_params_that_are_their_own_masters_get_the_mean_too(ranks):

@@ -71,15 +71,7 @@ class _SelectImpl(type(torch.optim.Optimizer)):
             from .select import fused_from_torch, select_impl
 
             if select_impl(args[0], kwargs.get("impl", "auto")) == "triton":
-                if options.get("process_group") is None:
-                    return fused_from_torch(args[0], **options)
-                # fused_from_torch does not take process_group (yet): "auto" keeps the exact path
-                if kwargs.get("impl") == "triton":
-                    raise ValueError(
-                        "impl='triton' with process_group=: build the fused optimizer directly, e.g. "
-                        "halfprec.optim.FusedAdamW(model.parameters(), grad_accum_dtype=torch.float32, "
-                        "process_group=...), or use impl='torch'"
-                    )
+                return fused_from_torch(args[0], **options)
         return super().__call__(*args, **kwargs)
 
 

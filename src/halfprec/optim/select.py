@@ -92,7 +92,7 @@ _SKIP_KEYS = {"params", "foreach", "fused", "capturable", "differentiable"}
 def fused_from_torch(
     optimizer: torch.optim.Optimizer, *, loss_scaler=None, max_grad_norm: float | None = None,
     skip_nonfinite: bool = True, param_dtype: torch.dtype | None = None,
-    grad_accum_dtype: torch.dtype | None = None, masters: str = "fp32",
+    grad_accum_dtype: torch.dtype | None = None, masters: str = "fp32", process_group=None,
 ):  # fmt: skip
     """The fused optimizer equivalent to ``optimizer``: it takes over the very param-group dicts (so an LR
     scheduler built on ``optimizer`` drives the kernel, and state dicts carry over) and moves the state (held
@@ -109,7 +109,7 @@ def fused_from_torch(
     ]
     fused = cls(
         groups, loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
-        param_dtype=param_dtype, grad_accum_dtype=grad_accum_dtype, masters=masters,
+        param_dtype=param_dtype, grad_accum_dtype=grad_accum_dtype, masters=masters, process_group=process_group,
     )  # fmt: skip
     fused.param_groups = optimizer.param_groups
     if saved_state is not None:
