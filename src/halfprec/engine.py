@@ -333,18 +333,23 @@ class Engine:
 
     def _save_on_rank_0(self, directory, tag: str, write: dict[str, Any]) -> Path:
         """ZeRO-0 across ranks (``process_group``): every rank holds the same weights and optimizer state, so rank
-        0 writes the checkpoint (with its RNG state) and the others wait for it and raise its error."""
+        0 writes the checkpoint, with every rank's RNG state (``rng-<rank>.pt``: dropout streams differ by rank),
+        and the others wait for it and raise its error."""
         import torch.distributed as dist
 
         group = self.optimizer.process_group
+        rank, src = dist.get_rank(group), dist.get_global_rank(group, 0)
+        states = [None] * dist.get_world_size(group) if rank == 0 else None
+        dist.gather_object(write["files"]["engine"].pop("rng"), states, dst=src, group=group)
         outcome: list[Any] = [None]
         error = None
-        if dist.get_rank(group) == 0:
+        if rank == 0:
+            write["files"].update({f"rng-{r}": state for r, state in enumerate(states)})
             try:
                 ckpt.write_checkpoint(directory, tag, **write)
             except (OSError, ValueError) as e:
                 error, outcome = e, [f"{type(e).__name__}: {e}"]
-        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
+        dist.broadcast_object_list(outcome, src=src, group=group)
         if error is not None:
             raise error
         if outcome[0] is not None:
@@ -458,7 +463,7 @@ class Engine:
         if "rng" in engine_state:
             return engine_state["rng"]
         rank = 0
-        if self._sharded:
+        if self._sharded or self.optimizer.process_group is not None:
             import torch.distributed as dist
 
             rank = dist.get_rank(self.optimizer.process_group)

@@ -167,9 +167,12 @@ def scenario_engine_zero0(out: str) -> dict:
         for micro in range(4):
             engine.backward(loss_some_ranks(engine.module, step, RANK, micro, torch.bfloat16, []))
         engine.step()
+    torch.manual_seed(100 + RANK)  # the ranks' RNG streams differ (dropout), and each must come back
     path = engine.save_checkpoint(Path(out) / "ck")
+    after_save = torch.rand(3)
     resumed = _engine(Net())
     resumed.load_checkpoint(Path(out) / "ck")
+    after_load = torch.rand(3)
     try:
         _engine(torch.nn.parallel.DistributedDataParallel(Net()))
         ddp = "no error"
@@ -182,4 +185,5 @@ def scenario_engine_zero0(out: str) -> dict:
         "resumed": {n: p.detach().clone() for n, p in resumed.module.named_parameters()},
         "path": str(path),
         "ddp": ddp,
+        "rng": [after_save, after_load],
     }

@@ -84,9 +84,12 @@ def test_engine_at_stage_0_all_reduces_fp32_sums_saves_on_rank_0_and_refuses_ddp
         assert r["grouped"] and r["accum"] == "torch.float32", f"rank {rank}"
         assert_equal(r["weights"], res[0]["weights"], f"rank {rank} vs rank 0: the ranks' weights")
         assert_equal(r["resumed"], r["weights"], f"rank {rank}: resumed weights")
+        assert torch.equal(*r["rng"]), f"rank {rank}: its own RNG stream after the resume"
         assert r["ddp"].startswith(
             "the model is wrapped in DistributedDataParallel and grad_accum_dtype resolves"
         ), r["ddp"]
+    assert not torch.equal(res[0]["rng"][0], res[1]["rng"][0])
+    assert (tmp_path / "ck" / "step-2" / "rng-1.pt").exists()
     assert (tmp_path / "ck" / "latest").read_text().strip() == "step-2"
 
 
