@@ -164,31 +164,24 @@ def test_replace_names_unknown_fields_and_close_matches(changes, regex):
 
 
 @pytest.mark.parametrize(
-    ("fields", "world", "expected"),
+    ("fields", "expected"),
     [
-        ({"precision": "bf16", "gradient_accumulation_steps": 4}, 1, torch.float32),
-        ({"precision": "bf16", "gradient_accumulation_steps": 1}, 1, None),  # nothing to sum
+        # any world size: at stage 0 across processes the optimizer all-reduces the fp32 sums itself (no DDP)
+        ({"precision": "bf16", "gradient_accumulation_steps": 4}, torch.float32),
+        ({"precision": "bf16", "gradient_accumulation_steps": 1}, None),  # nothing to sum
         (
             {"precision": "fp16", "gradient_accumulation_steps": 4},
-            1,
             None,
         ),  # the loss scale keeps 16-bit sums close
-        ({"precision": "fp32", "gradient_accumulation_steps": 4}, 1, None),
-        # stage 0 across processes: the optimizer all-reduces the fp32 sums itself (process_group=, no DDP)
-        ({"precision": "bf16", "gradient_accumulation_steps": 4}, 2, torch.float32),
-        ({"precision": "bf16", "gradient_accumulation_steps": 4, "zero_stage": 2}, 2, torch.float32),
+        ({"precision": "fp32", "gradient_accumulation_steps": 4}, None),
+        ({"precision": "bf16", "gradient_accumulation_steps": 4, "zero_stage": 2}, torch.float32),
         (
             {"precision": "bf16", "gradient_accumulation_steps": 4, "zero_stage": 1, "reduce_dtype": "param"},
-            2,
             None,
         ),
-        ({"precision": "bf16", "gradient_accumulation_steps": 4, "grad_accum_dtype": "param"}, 1, None),
-        (
-            {"precision": "fp16", "gradient_accumulation_steps": 1, "grad_accum_dtype": "fp32"},
-            1,
-            torch.float32,
-        ),
+        ({"precision": "bf16", "gradient_accumulation_steps": 4, "grad_accum_dtype": "param"}, None),
+        ({"precision": "fp16", "gradient_accumulation_steps": 1, "grad_accum_dtype": "fp32"}, torch.float32),
     ],
 )
-def test_grad_accum_dtype_auto_resolves_like_megatron_for_bf16(fields, world, expected):
-    assert Config(**fields).accum_dtype(world) is expected
+def test_grad_accum_dtype_auto_resolves_like_megatron_for_bf16(fields, expected):
+    assert Config(**fields).accum_dtype() is expected

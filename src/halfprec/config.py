@@ -161,9 +161,9 @@ class Config:
                 "reduce_dtype='fp32' (the default), or grad_accum_dtype='param'"
             )
 
-    def accum_dtype(self, world_size: int = 1) -> torch.dtype | None:
-        """The optimizers' ``grad_accum_dtype`` this config asks for in a process group of ``world_size`` (the same
-        at every world size: several ranks at stage 0 all-reduce the fp32 sums themselves)."""
+    def accum_dtype(self) -> torch.dtype | None:
+        """The optimizers' ``grad_accum_dtype`` this config asks for (at any world size: several ranks at stage 0
+        all-reduce the fp32 sums themselves)."""
         choice = self.grad_accum_dtype
         if choice == "auto":
             sharded_16 = self.zero_stage != 0 and self.reduce_dtype == "param"

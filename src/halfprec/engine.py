@@ -86,7 +86,7 @@ def initialize(
                 f"param {name!r} is {p.dtype} but precision={config.precision!r}; pass the model in fp32 (halfprec "
                 f"casts it) or set precision to match"
             )
-    accum = config.accum_dtype(world_size())
+    accum = config.accum_dtype()
     _check_not_ddp(model, accum, config.zero_stage)
     options = dict(
         loss_scaler=config.loss_scaler(),
