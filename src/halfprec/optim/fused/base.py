@@ -38,7 +38,7 @@ from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_options, check_unfrozen, tell_schedulers
 from ..layout import Chunk, check_masters, chunk_params
 from ..state import adopt_views
-from .grads import GradViews
+from .grads import GradViews, stream_capturing
 from .results import DeviceResults, SkipReporter
 
 __all__ = ["FusedOptimizer", "check_number"]
@@ -299,7 +299,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         from ...kernels import norm
         from ...kernels import scaler as scaler_kernel
 
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        capturing = stream_capturing()
         if capturing and not self._state_ready:
             raise RuntimeError(
                 f"{type(self).__name__} allocates its state at the first step, which cannot happen during CUDA "

@@ -35,10 +35,11 @@ from ..accumulate import all_reduce_mean
 from ..layout import Chunk
 from ..results import weak_hook
 
-__all__ = ["GradViews"]
+__all__ = ["GradViews", "stream_capturing"]
 
 
-def _capturing() -> bool:
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -67,7 +68,9 @@ class GradViews:
     def views(self, chunk: Chunk) -> list[torch.Tensor]:
         """The chunk's grad views, its flat grad buffer made at the first grad it gets in a step."""
         if chunk.grad is None:
-            self.pinned = self.pinned or _capturing()  # made in a captured backward: the graph writes it
+            self.pinned = (
+                self.pinned or stream_capturing()
+            )  # made in a captured backward: the graph writes it
             chunk.make_grad(self.accum_dtype or chunk.dtype)
             for i, (c, local) in enumerate(self.where):
                 if c is chunk:
@@ -172,7 +175,7 @@ class GradViews:
                     p.grad = view if view.dtype == p.dtype else None
         self.flags.zero_()
         self.consumed()  # the masters' .grad (fp32 accumulation) let go of their views
-        if set_to_none and not (self.pinned or _capturing()):
+        if set_to_none and not (self.pinned or stream_capturing()):
             for chunk in chunks:
                 chunk.free_grad()
             self._view_ptrs = [None] * len(self.params)
