@@ -237,7 +237,7 @@ class Engine:
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         last = (self.micro_step + 1) % self.gradient_accumulation_steps == 0
-        if self._sharded and self.optimizer.keeps_whole_grads and not last:
+        if self._sharded and self.optimizer.reducer.whole_grads and not last:
             # whole grads kept (stage 1, or fp32 accumulation): reduce only the last micro-batch's sum (stage 2
             # with 16-bit grads must reduce each)
             with self.optimizer.no_sync():

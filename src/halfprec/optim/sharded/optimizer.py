@@ -259,11 +259,6 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         inside."""
         return self._reducer.no_sync()
 
-    @property
-    def keeps_whole_grads(self) -> bool:
-        """Whether each rank keeps its whole grads (stage 1, or fp32 accumulation), so ``no_sync()`` applies."""
-        return self._reducer.whole_grads
-
     # --- the step ------------------------------------------------------------------------------------
     @torch.no_grad()
     def unscale_(self) -> None:
