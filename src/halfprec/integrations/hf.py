@@ -91,10 +91,7 @@ def _trainer_impl(optimizer: torch.optim.Optimizer, impl: str) -> str:
     """``impl`` for an optimizer the Trainer built. Its default ``optim="adamw_torch_fused"`` sets ``fused=True``,
     which ``impl="auto"`` reads as a request for torch's kernel; the Trainer chose that flag, not the user, and
     halfprec's step replaces torch's, so "auto" takes the fused path on CUDA whatever the flag says."""
-    on_cuda = all(
-        p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"] if p.requires_grad
-    )
-    if impl == "auto" and on_cuda and fused_unsupported_reason(optimizer, explicit=True) is None:
+    if impl == "auto" and fused_unsupported_reason(optimizer, explicit=False, tool_flags=True) is None:
         return "triton"
     return impl
 

@@ -43,8 +43,11 @@ def fused_class(optimizer: torch.optim.Optimizer):
     }.get(type(optimizer))
 
 
-def fused_unsupported_reason(optimizer: torch.optim.Optimizer, *, explicit: bool) -> str | None:
-    """Why the fused path cannot take ``optimizer`` (None when it can). ``explicit``: impl='triton' was asked."""
+def fused_unsupported_reason(
+    optimizer: torch.optim.Optimizer, *, explicit: bool, tool_flags: bool = False
+) -> str | None:
+    """Why the fused path cannot take ``optimizer`` (None when it can). ``explicit``: impl='triton' was asked;
+    ``tool_flags``: a tool, not the user, set the groups' ``foreach``/``fused`` flags, which then select nothing."""
     if fused_class(optimizer) is None:
         return (
             f"{type(optimizer).__name__} has no fused kernel (torch Adam, AdamW, SGD and Adagrad do); use "
@@ -52,7 +55,7 @@ def fused_unsupported_reason(optimizer: torch.optim.Optimizer, *, explicit: bool
         )
     for i, group in enumerate(optimizer.param_groups):
         for flag in ("foreach", "fused"):
-            if group.get(flag) is not None and not explicit:
+            if group.get(flag) is not None and not (explicit or tool_flags):
                 return f"param group {i} sets {flag}={group[flag]!r} explicitly, which selects a torch kernel"
     flag = unsupported_flag(optimizer.param_groups)
     if flag is not None:
