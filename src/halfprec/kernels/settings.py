@@ -20,7 +20,7 @@ __all__ = ["NO_FMA", "LaunchSettings", "settings"]
 # The kernels that update masters compile without FMA contraction: which multiply-add the compiler fuses depends on
 # the code around it, so two branches with the same arithmetic rounded differently (on the H200, the split-master and
 # fp32-master AdamW updates put 1,523 of 1.19M masters 1 ulp apart after two steps; with contraction off, none over
-# 30 steps). Without it every multiply and add rounds once, as the interpreter and torch's eager ops do.
+# 30 steps). Without it every multiply and add rounds once, as in the interpreter.
 NO_FMA = {"enable_fp_fusion": False}
 
 
