@@ -66,6 +66,11 @@ def test_allocated_bytes_per_param_at_world_size_one(tmp_path, stage, masters, p
     the 16-bit grad shard and writes the 16-bit params itself; split masters take 2/N less."""
     torch.cuda.set_device(0)
     with one_process_group("nccl", tmp_path / "store"):
+        # cuBLAS allocates its workspace (tens of MiB, counted as allocated) at a process's first matmul and
+        # backward: made here, before the baseline, or the first case measures it
+        warm = torch.nn.Linear(2048, 2048, bias=False).to("cuda", torch.bfloat16)
+        warm(torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)).float().square().mean().backward()
+        del warm
         gc.collect()  # earlier tests' garbage freed now, not during the measurement
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

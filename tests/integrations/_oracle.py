@@ -65,7 +65,8 @@ def make_loader(batches) -> torch.utils.data.DataLoader:
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(out.float(), y)
+    # both in fp32: CUDA's mse_loss backward refuses mixed dtypes (Lightning casts the targets to 16 bits)
+    return nn.functional.mse_loss(out.float(), y.float())
 
 
 def make_scaler(dtype: torch.dtype):
