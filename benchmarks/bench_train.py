@@ -13,7 +13,8 @@ Systems:
   autocast   fp32 model under ``torch.autocast``, ``torch.optim.AdamW(fused=True)``; fp16 with ``GradScaler``
   halfprec   ``halfprec.initialize`` (16-bit model, fused optimizer on CUDA)
   hf         the HF ``Trainer`` with halfprec (``HalfprecTrainer``, its AdamW on halfprec's fused path, clipping
-             in the kernel, constant LR, logging every step), timed from step begin to step end by a callback
+             in the kernel, constant LR, logging every step, the batches in the others' order), timed from step
+             begin to step end by a callback
   deepspeed  DeepSpeed ZeRO-0 with its FusedAdam (``gradient_clipping: 1.0``), when it is installed
   deepspeed-reset  the same, with the Adam state DeepSpeed's fp16 wrapper creates at construction (a step on zero
              grads) reset before training: a diagnostic of that construction step (fp16 only)
@@ -168,6 +169,11 @@ def hf_run(model, dtype, data, args) -> tuple[list[float], list[float]]:
         def on_step_end(self, *_args, **_kwargs):
             events[-1][1].record()
 
+    class InOrder(HalfprecTrainer):
+        # the other systems' batch order: the Trainer's default shuffle alone moves the last loss by ~0.9
+        def _get_train_sampler(self, train_dataset=None):
+            return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
     total = args.warmup + args.steps
     rows = [{"input_ids": x, "labels": x} for i in range(total) for x in data[i % len(data)].cpu()]
     with tempfile.TemporaryDirectory() as out:
@@ -176,7 +182,7 @@ def hf_run(model, dtype, data, args) -> tuple[list[float], list[float]]:
             weight_decay=WEIGHT_DECAY, max_grad_norm=CLIP, lr_scheduler_type="constant", logging_steps=1,
             save_strategy="no", report_to="none", disable_tqdm=True,
         )  # fmt: skip
-        trainer = HalfprecTrainer(
+        trainer = InOrder(
             model=model, args=targs, train_dataset=rows, halfprec_dtype=dtype, callbacks=[Timer()]
         )
         trainer.train()
