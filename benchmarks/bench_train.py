@@ -19,6 +19,8 @@ Systems:
   deepspeed-reset  the same, with the Adam state DeepSpeed's fp16 wrapper creates at construction (a step on zero
              grads) reset before training: a diagnostic of that construction step (fp16 only)
   halfprec-noclip, deepspeed-noclip  without clipping: diagnostics of DeepSpeed fp16's loss (issue 17)
+  halfprec-keep  ``MixedPrecisionOptimizer`` in a plain loop with ``zero_grad(set_to_none=False)``: the grad buffer
+             kept between steps (the engine frees it before each forward): a diagnostic of that buffer's cost
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ SYSTEMS = (
     "deepspeed-reset",
     "halfprec-noclip",
     "deepspeed-noclip",
+    "halfprec-keep",
 )
 LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
 
@@ -108,6 +111,24 @@ def halfprec_runner(model, dtype, clip=CLIP):
         return loss.detach()
 
     return step, lambda: (engine.optimizer.grad_norm, engine.optimizer.step_loss_scale)
+
+
+def keep_runner(model, dtype):
+    import torch
+
+    import halfprec
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    mp = halfprec.MixedPrecisionOptimizer(opt, max_grad_norm=CLIP, param_dtype=dtype)
+
+    def step(x):
+        loss = model(input_ids=x, labels=x).loss
+        mp.backward(loss)
+        mp.step()
+        mp.zero_grad(set_to_none=False)
+        return loss.detach()
+
+    return step, lambda: (mp.grad_norm, mp.step_loss_scale)
 
 
 def deepspeed_runner(model, dtype, batch: int, *, reset: bool, clip=CLIP):
@@ -210,6 +231,8 @@ def child(system: str, dtype_name: str, args) -> dict:
         }  # fmt: skip
     if system == "autocast":
         step, probe = autocast_runner(model, dtype)
+    elif system == "halfprec-keep":
+        step, probe = keep_runner(model, dtype)
     elif system.startswith("halfprec"):
         step, probe = halfprec_runner(model, dtype, None if system.endswith("-noclip") else CLIP)
     else:
