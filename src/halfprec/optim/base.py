@@ -545,8 +545,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         entries = self._param_entries()
         want = [i for i, entry in enumerate(entries) if entry["master"]]
         masters = state_dict.get("masters")
-        if not isinstance(masters, dict) or sorted(int(k) for k in masters) != want:
-            found = sorted(int(k) for k in masters) if isinstance(masters, dict) else type(masters).__name__
+        found = sorted(int(k) for k in masters) if isinstance(masters, dict) else type(masters).__name__
+        if found != want:
             raise ValueError(
                 f"state dict holds masters of params {found}, this optimizer has masters of {want}"
             )
