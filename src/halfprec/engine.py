@@ -128,14 +128,9 @@ def initialize(
 def _check_not_ddp(model: torch.nn.Module, accum: torch.dtype | None, zero_stage: int) -> None:
     """Refuse a DDP-wrapped model where the optimizer reduces the grads itself: fp32 accumulation releases the
     16-bit ``.grad`` that DDP would all-reduce, and ZeRO-1/2 reduce-scatter them."""
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return
-    if zero_stage != 0 or accum is not None:
-        why = (
-            f"zero_stage={zero_stage} reduces the grads"
-            if zero_stage
-            else "grad_accum_dtype resolves to 'fp32'"
-        )
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and (zero_stage or accum is not None):
+        sharded = f"zero_stage={zero_stage} reduces the grads"
+        why = sharded if zero_stage else "grad_accum_dtype resolves to 'fp32'"
         raise ValueError(
             f"the model is wrapped in DistributedDataParallel and {why}: halfprec then reduces the grads itself "
             "(fp32 sums at zero_stage 0), and DDP would all-reduce 16-bit grads besides. Pass the unwrapped "
@@ -237,12 +232,10 @@ class Engine:
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         last = (self.micro_step + 1) % self.gradient_accumulation_steps == 0
-        if self._sharded and self.optimizer.reducer.whole_grads and not last:
-            # whole grads kept (stage 1, or fp32 accumulation): reduce only the last micro-batch's sum (stage 2
-            # with 16-bit grads must reduce each)
-            with self.optimizer.no_sync():
-                self.optimizer.backward(loss, **kwargs)
-        else:
+        # whole grads kept (stage 1, or fp32 accumulation): reduce only the last micro-batch's sum (stage 2 with
+        # 16-bit grads must reduce each)
+        hold = self._sharded and self.optimizer.reducer.whole_grads and not last
+        with self.optimizer.no_sync() if hold else contextlib.nullcontext():
             self.optimizer.backward(loss, **kwargs)
         self.micro_step += 1
 

@@ -273,11 +273,9 @@ class DynamicLossScaler(LossScaler):
         new_left = torch.where(
             refill, torch.full_like(left, self.hysteresis), torch.where(overflow, left_after_overflow, left)
         )
-        new_tracker = torch.where(grow, torch.zeros_like(tracker), tracker_next)
-
         scale.copy_(new_scale)
         left.copy_(new_left)
-        tracker.copy_(new_tracker)
+        tracker.copy_(torch.where(grow, torch.zeros_like(tracker), tracker_next))
 
     def at_min_scale(self) -> torch.Tensor:
         return self.scale <= self.min_scale

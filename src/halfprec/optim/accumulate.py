@@ -6,20 +6,15 @@ fp32 master grad (``MasterStore.add_grad``: the buffer the 16-bit path copies in
 added) and releases the 16-bit ``.grad``: k micro-batches round once each in fp32 instead of in 16 bits. fp32
 params are their own masters and accumulate in their ``.grad`` as usual.
 
-Not with DDP: its reducer all-reduces the 16-bit ``.grad`` (in the grad dtype, in buckets it owns) before any
-hook of ours could see the sum, and a comm hook receives that 16-bit bucket, not our fp32 buffer, so it cannot
-keep the cross-rank sum in fp32. So data parallelism with fp32 sums is halfprec's own, instead of DDP (the model
-is not wrapped): ZeRO-1/2 in the sharded reducer (``sharded/grads.py``: fp32 reduce-scatter), ZeRO-0 here, an
-explicit ``process_group=`` on the exact and fused optimizers rather than a stage 0 of the sharded optimizer (that
-one owns a sharded layout, piece params and a rank-local checkpoint format; ZeRO-0 keeps the unsharded strategies,
-their layouts, state dicts and checkpoints, and adds only the reduction). At ``step()``, before the unscale and the
-norm: one all-reduce (SUM) of the "got a grad" flags, then one all-reduce (SUM) per flat fp32 grad buffer (per
-``Chunk``; the exact path adds one for its fp32 own-master params), each divided by the world size, as the sharded
-reducer takes its mean (after the fp32 sum). A param that got a grad on any rank is stepped on every rank (a zero
-grad where it got none: the sharded optimizer's "used anywhere" rule); on none, it is not stepped. Every rank then
-holds the same grads, so the norm, the overflow check (an inf on one rank is in the sum) and the loss-scale update
-agree without another collective. Not overlapped with backward: the step adds one pass of 4 B/param over the
-buffers plus the collectives' time (a ring all-reduce moves about 2 x 4 B/param per rank).
+Not with DDP: its reducer all-reduces the 16-bit ``.grad`` in buckets it owns before any hook of ours sees the
+sum, and a comm hook gets that 16-bit bucket, not our fp32 buffer. So data parallelism with fp32 sums is
+halfprec's own: ZeRO-1/2 in the sharded reducer (``sharded/grads.py``), ZeRO-0 here, as ``process_group=`` on the
+unsharded strategies (which keep their layouts and checkpoint formats) rather than a stage 0 of the sharded
+optimizer. At ``step()``, before the unscale and the norm: one all-reduce of the "got a grad" flags, then one
+all-reduce per flat fp32 grad buffer, divided by the world size (the sharded reducer's mean). A param that got a
+grad on any rank is stepped on every rank, with a zero grad where it got none; on none, it is not stepped. Every
+rank then holds the same grads, so the norm, the overflow check and the loss-scale update agree without another
+collective. Not overlapped with backward: one pass of 4 B/param plus the collectives.
 """
 
 from __future__ import annotations
@@ -80,8 +75,7 @@ def all_reduce_master_grads(
     device = store.chunks[0].device if store.chunks else own[0].device if own else torch.device("cpu")
     got = torch.tensor([h.grad is not None for h in holders], dtype=torch.float32, device=device)
     dist.all_reduce(got, op=dist.ReduceOp.SUM, group=group)
-    anywhere = [n > 0 for n in got.tolist()]
-    buffers = []
+    buffers, views = [], []
     for chunk, chunk_masters in zip(store.chunks, store.masters, strict=True):
         if chunk.grad is None:
             chunk.make_grad(torch.float32)
@@ -89,17 +83,16 @@ def all_reduce_master_grads(
             if m.grad is None:
                 view.zero_()  # may hold a sum an earlier step consumed
         buffers.append(chunk.grad)
+        views += chunk.grad_views
     if own:
-        buffers.append(torch.cat([torch.zeros_like(p).reshape(-1) if p.grad is None else p.grad.reshape(-1)
-                                  for p in own]))  # fmt: skip
+        flat = torch.cat(
+            [torch.zeros_like(p).reshape(-1) if p.grad is None else p.grad.reshape(-1) for p in own]
+        )
+        buffers.append(flat)
+        views += [g.view_as(p) for p, g in zip(own, flat.split([p.numel() for p in own]), strict=True)]
     all_reduce_mean(buffers, group)
-    views = [v for chunk in store.chunks for v in chunk.grad_views]
-    for m, view, used in zip(masters, views, anywhere[: len(masters)], strict=True):
-        m.grad = view if used else None
-    if own:
-        for p, g, used in zip(own, buffers[-1].split([p.numel() for p in own]), anywhere[len(masters) :],
-                              strict=True):  # fmt: skip
-            p.grad = g.view_as(p) if used else None
+    for holder, view, n in zip(holders, views, got.tolist(), strict=True):
+        holder.grad = view if n > 0 else None
     return [m.grad for m in masters if m.grad is not None]
 
 

@@ -91,14 +91,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         impl: ``"torch"`` (this exact path), ``"triton"`` (the ``halfprec.optim.Fused*`` optimizer with the same
             hyper-parameters, a subclass of this one; ValueError naming the fix when it cannot run) or ``"auto"``
             (fused when it can run: the policy of ``halfprec.optim.select``).
-        grad_accum_dtype: ``None`` accumulates micro-batch grads in the params' 16-bit ``.grad`` (one 16-bit
-            rounding per micro-batch); ``torch.float32`` adds each 16-bit grad, as backward produces it, into its
-            fp32 master grad and releases the 16-bit one (``accumulate.py``; no extra memory: the master grads
-            exist on this path; the fused strategy keeps an fp32 flat grad buffer). ValueError on the sharded strategy.
-        process_group: ``None``, no data parallelism (or DDP, with ``grad_accum_dtype=None``); a process group
-            (e.g. ``torch.distributed.group.WORLD``) with ``grad_accum_dtype=torch.float32``: ZeRO-0 data
-            parallelism instead of DDP (do not wrap the model in DDP): ``step()`` all-reduces the fp32 sums, one
-            collective per flat buffer, and takes their mean over the ranks (``accumulate.py``).
+        grad_accum_dtype: ``None`` accumulates micro-batch grads in the params' 16-bit ``.grad``; ``torch.float32``
+            adds each 16-bit grad, as backward produces it, into its fp32 master grad and releases it
+            (``accumulate.py``: one fp32 rounding per micro-batch, no extra memory).
+        process_group: ``None``: no data parallelism (or DDP, with ``grad_accum_dtype=None``); a process group
+            with ``grad_accum_dtype=torch.float32``: ZeRO-0 instead of DDP (do not wrap the model): ``step()``
+            takes the mean of the ranks' fp32 sums (``accumulate.py``).
     """
 
     optimizer: torch.optim.Optimizer | None = None  # wrapped (exact, sharded); None: fused owns its groups
@@ -460,15 +458,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
             values = torch.cat([values, norm.to(device=device, dtype=torch.float32).reshape(1)])
         values = values.tolist()  # the one host sync of the step
         self._record_step(values, values[4] if norm is not None else None)
-        self._s.stepped_grads = GradMarks(self._grad_holders())
-        if self._s.step_was_skipped:
-            return
-        if self.max_grad_norm is not None:
-            params = [m for m in self.master_params() if m.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, None)
-        self.optimizer.step()
-        self._store.copy_params_out()
-        self._s.stepped_grads = GradMarks(self._grad_holders())  # fp32 grads changed in place
+        if not self._s.step_was_skipped:
+            if self.max_grad_norm is not None:
+                params = [m for m in self.master_params() if m.grad is not None]
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, None)
+            self.optimizer.step()
+            self._store.copy_params_out()
+        self._s.stepped_grads = GradMarks(self._grad_holders())  # after clipping, which bumps grad versions
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the grads of every param of the groups, frozen ones included (as torch does)."""
@@ -549,8 +545,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         entries = self._param_entries()
         want = [i for i, entry in enumerate(entries) if entry["master"]]
         masters = state_dict.get("masters")
-        if not isinstance(masters, dict) or sorted(int(k) for k in masters) != want:
-            found = sorted(int(k) for k in masters) if isinstance(masters, dict) else type(masters).__name__
+        found = sorted(int(k) for k in masters) if isinstance(masters, dict) else type(masters).__name__
+        if found != want:
             raise ValueError(
                 f"state dict holds masters of params {found}, this optimizer has masters of {want}"
             )

@@ -40,10 +40,8 @@ def world_size() -> int:
 
 
 def check_grad_accum_dtype(value: Any, *, strategy: str = "torch", process_group: Any = None) -> None:
-    """Raise ValueError unless ``value`` is None or ``torch.float32``, and, for the unsharded strategies
-    (``"torch"``, ``"fused"``), unless the default process group has one rank or ``process_group`` is given (the
-    ZeRO-0 all-reduce of the fp32 sums, ``accumulate.py``): DDP all-reduces the 16-bit ``.grad`` that fp32
-    accumulation releases (no silent fallback to 16-bit). ``"sharded"`` reduces the fp32 sums itself."""
+    """Raise ValueError unless ``value`` is None or ``torch.float32``; on the unsharded strategies (``"torch"``,
+    ``"fused"``) across ranks only with ``process_group`` (``accumulate.py``: DDP would reduce 16-bit grads)."""
     if value is None:
         return
     if value is not torch.float32:

@@ -43,7 +43,7 @@ class Target(NamedTuple):
     hi: int
 
 
-def _fresh_state(optimizer: torch.optim.Optimizer, targets: dict) -> dict | None:
+def _fresh_state(optimizer: torch.optim.Optimizer, targets: dict) -> dict:
     groups = []
     for group in optimizer.param_groups:
         mine = [targets[p].tensor for p in group["params"] if targets.get(p) is not None]
@@ -66,7 +66,7 @@ def _fresh_state(optimizer: torch.optim.Optimizer, targets: dict) -> dict | None
         RuntimeWarning,
         stacklevel=5,
     )
-    return None
+    return {}
 
 
 def _is_low_precision(value: Any, param: torch.Tensor) -> bool:
@@ -92,7 +92,7 @@ def move_state(optimizer: torch.optim.Optimizer, targets: dict) -> None:
         if target is None or not st:
             continue
         whole = target.lo == 0 and target.hi == param.numel() and target.tensor.shape == param.shape
-        made = (fresh or {}).get(target.tensor, {})
+        made = fresh.get(target.tensor, {})
         out = {}
         for key, value in st.items():
             if torch.is_tensor(value) and not whole:
