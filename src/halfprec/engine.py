@@ -9,7 +9,7 @@ import contextlib
 import copy
 import os
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +27,47 @@ from .resume import keep_scaler_settings, scaler_kind_error
 __all__ = ["Engine", "StepRecord", "initialize"]
 
 
-@dataclass(frozen=True)
 class StepRecord:
-    """What happened at one optimizer-step boundary (for logging)."""
+    """What happened at one optimizer-step boundary (for logging).
 
-    step: int
-    """``global_step`` after this boundary."""
-    loss_scale: float
-    """Loss scale used for this step's gradients."""
-    grad_norm: float | None
-    """Global L2 norm of the unscaled gradients, before clipping (None when neither checked nor clipped)."""
-    skipped: bool
-    """True when the update was skipped (non-finite gradients)."""
+    ``engine.step()`` returns it without waiting for the step: the fused step's results stay on the device until
+    a value of the record is first read (one host sync then), so a loop that does not read them every step keeps
+    the GPU's queue full. ``step``: ``global_step`` after this boundary; ``loss_scale``: the scale this step's
+    gradients were scaled with; ``grad_norm``: the global L2 norm of the unscaled gradients, before clipping
+    (None when neither checked nor clipped); ``skipped``: the update was skipped (non-finite gradients).
+    """
+
+    def __init__(
+        self, step: int, loss_scale: float | None = None, grad_norm: float | None = None, skipped: bool = False,
+        *, results=None,
+    ) -> None:  # fmt: skip
+        """``results``: an optimizer's ``step_results()``, read at the first access instead of the values."""
+        self.step = step
+        self._results = results
+        self._values = None if results is not None else (loss_scale, grad_norm, bool(skipped))
+
+    def _read(self) -> tuple:
+        if self._values is None:
+            r, self._results = self._results, None
+            self._values = (r.step_loss_scale, r.grad_norm, bool(r.step_was_skipped))
+        return self._values
+
+    loss_scale = property(lambda self: self._read()[0])
+    grad_norm = property(lambda self: self._read()[1])
+    skipped = property(lambda self: self._read()[2])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepRecord):
+            return NotImplemented
+        return (self.step, *self._read()) == (other.step, other.loss_scale, other.grad_norm, other.skipped)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return (
+            f"StepRecord(step={self.step}, loss_scale={self.loss_scale}, grad_norm={self.grad_norm}, "
+            f"skipped={self.skipped})"
+        )
 
 
 def _cast_rest(module: torch.nn.Module, dtype: torch.dtype, handled: set) -> None:
@@ -64,6 +93,8 @@ def initialize(
 
     ``overrides`` replace fields of ``config`` (e.g. ``precision="fp16", max_grad_norm=1.0``). An fp32 model is
     cast to the configured precision here, and the masters start from its original fp32 weights.
+    ``lr_scheduler`` is stepped after every step that was not skipped; on the fused path, telling which were is one
+    host sync per step (without a scheduler ``engine.step()`` does not wait for the GPU).
     """
     if config is None:
         config = Config()
@@ -246,13 +277,11 @@ class Engine:
         self.optimizer.step()
         self._stepped_micro = self.micro_step
         self.global_step += 1
-        skipped = self.optimizer.step_was_skipped
-        if self.lr_scheduler is not None and not skipped:
+        # read only for a scheduler, which must not advance on a skipped step (a host sync on CUDA)
+        if self.lr_scheduler is not None and not self.optimizer.step_was_skipped:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.last_record = StepRecord(
-            self.global_step, self.optimizer.step_loss_scale, self.optimizer.grad_norm, skipped
-        )
+        self.last_record = StepRecord(self.global_step, results=self.optimizer.step_results())
         return self.last_record
 
     def zero_grad(self) -> None:

@@ -57,6 +57,22 @@ def test_engine_runs_the_fused_path_like_the_torch_path(gas):
         torch.testing.assert_close(v, b["masters"][k], **tol("fused_master", torch.float16))
 
 
+def test_records_taken_at_each_step_keep_that_step_when_read_later():
+    # the fused step's record stays on the device until read: every step's record, read after the run, is that
+    # step's (the torch path's records hold host values)
+    runs = {impl: build("fp16", impl=impl) for impl in ("triton", "torch")}
+    records = {impl: [] for impl in runs}
+    for step in range(4):
+        for impl, engine in runs.items():
+            train(engine, 1, inject_inf_at=(1,) if step == 1 else ())
+            records[impl].append(engine.last_record)
+    fused, exact = records["triton"], records["torch"]
+    assert [r.skipped for r in fused] == [r.skipped for r in exact] == [False, True, False, False]
+    assert [(r.step, r.loss_scale) for r in fused] == [(r.step, r.loss_scale) for r in exact]
+    for got, want in zip(fused, exact, strict=True):
+        torch.testing.assert_close(got.grad_norm, want.grad_norm, **tol("grad_norm"))
+
+
 def test_engine_fused_checkpoint_resumes_bit_exactly_and_loads_on_the_torch_path(tmp_path):
     engine = build("fp16", 2, impl="triton")
     train(engine, 3, inject_inf_at=(1,))

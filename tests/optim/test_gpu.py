@@ -85,6 +85,24 @@ def test_step_does_not_sync_with_the_host():
     assert not fused.step_was_skipped
 
 
+def test_engine_step_without_a_scheduler_does_not_sync_with_the_host():
+    # the engine reads a step's results only for a scheduler (or when the record is read)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 257), torch.nn.Tanh(), torch.nn.Linear(257, 3)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = halfprec.initialize(model, opt, precision="fp16", max_grad_norm=1.0)
+    x = torch.randn(16, 64, device="cuda")
+    for s in range(3):
+        engine.backward(engine(x.half()).float().square().mean())
+        if s == 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            record = engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert record.step == 3 and not record.skipped and record.grad_norm > 0
+
+
 def test_captured_step_replays_with_a_changing_lr():
     torch.manual_seed(0)
     models = [

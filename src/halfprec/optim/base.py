@@ -244,6 +244,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale
 
+    def step_results(self):
+        """The last step's ``step_was_skipped``, ``grad_norm`` and ``step_loss_scale``, kept for reading later:
+        taking them does not wait for the step (on the fused strategy they stay on the device until read)."""
+        return self._s.snapshot()
+
     def _record_step(
         self, values: list[float], norm: float | None, *, where: str = "", log: bool = True
     ) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["GradMarks", "ScaleGuard", "SkipLog", "StepState", "warn_caller", "weak_hook"]
+__all__ = ["GradMarks", "ScaleGuard", "SkipLog", "StepResults", "StepState", "warn_caller", "weak_hook"]
 
 logger = logging.getLogger("halfprec")
 # frames of halfprec and of torch (its optimizer-step and no_grad wrappers) are not the user's line
@@ -55,6 +55,15 @@ class GradMarks:
         )
 
 
+@dataclass(frozen=True)
+class StepResults:
+    """One step's results, kept after the next step (``MixedPrecisionOptimizer.step_results()``)."""
+
+    step_was_skipped: bool
+    grad_norm: float | None
+    step_loss_scale: float | None
+
+
 @dataclass
 class StepState:
     """The last step's results and the order guards' state, in one object so that wrappers that copy an
@@ -69,6 +78,9 @@ class StepState:
     step_loss_scale: float | None = None
     step_was_skipped: bool = False
     skipped_steps: int = 0
+
+    def snapshot(self) -> StepResults:
+        return StepResults(self.step_was_skipped, self.grad_norm, self.step_loss_scale)
 
 
 class SkipLog:

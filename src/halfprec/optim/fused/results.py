@@ -96,3 +96,9 @@ class DeviceResults:
     @property
     def skipped_steps(self) -> int:
         return int(self.scalars[3].item())
+
+    def snapshot(self) -> DeviceResults:
+        """This step's results in a device copy (no host sync): read when first needed, after later steps."""
+        kept = DeviceResults(self.scalars[:_WIDTH].clone(), self.reporter)
+        kept.stepped = self.stepped
+        return kept
