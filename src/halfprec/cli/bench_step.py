@@ -24,17 +24,17 @@ __all__ = [
     "bench_fused_optimizer",
     "bench_params",
     "copy_bandwidth",
+    "format_table",
     "run_bench",
 ]
 
 # Bytes per param: AdamW reads the grads twice (norm, update), reads and writes master, m, v and writes the
 # 16-bit param; SGD with momentum and Adagrad: 22; LAMB: its three passes (norm 2 + stage 22 + apply 18).
 FLOOR_BYTES = {"adamw": 30, "sgd": 22, "adagrad": 22, "lamb": 42}
-# impl "split" (fused, masters="split", bf16): the master read and write become P and L (4 + 4 B) and the separate
-# param write goes: 2 B/param less
-SPLIT_SAVES = 2
-# impl "fused32" (fused, grad_accum_dtype=torch.float32): the norm and the update passes read 4-byte grads
-FP32_GRADS_ADD = 4
+# impl -> bytes per param it adds to that floor. "split" (fused, masters="split", bf16): the master read and write
+# become P and L (4 + 4 B) and the separate param write goes. "fused32" (fused, grad_accum_dtype=torch.float32):
+# the norm and the update passes read 4-byte grads.
+_IMPL_FLOOR_BYTES = {"split": -2, "fused32": 4}
 # name -> list of param shapes (268M: 16 weights of 4096x4096 and 16 biases of 4096)
 WORKLOADS = {
     "268M": [(4096, 4096)] * 16 + [(4096,)] * 16,
@@ -265,11 +265,7 @@ def run_bench(
                 torch.cuda.empty_cache()
         plain_ms = results.get("plain", {}).get("ms")
         for impl, m in results.items():
-            floor = (
-                FLOOR_BYTES[name]
-                - (SPLIT_SAVES if impl == "split" else 0)
-                + (FP32_GRADS_ADD if impl == "fused32" else 0)
-            )
+            floor = FLOOR_BYTES[name] + _IMPL_FLOOR_BYTES.get(impl, 0)
             x_floor = m["ms"] / (floor * m["n_params"] / (bw * 1e9) * 1e3)
             gbps = floor * m["n_params"] / (m["ms"] * 1e-3) / 1e9
             vs_plain = None if plain_ms is None else plain_ms / m["ms"]

@@ -229,7 +229,6 @@ def _train(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec, result: RunRe
         eta = _minutes((spec.steps - step - 1 + resumed_steps) * per_step + spec.later_seconds, short=True)
         postfix = {"loss": f"{result.losses[-1]:.3f}", "scale": f"{record.loss_scale:g}", "demo ETA": eta}
         bar.set_postfix(postfix)  # a dict keeps this order (keyword arguments would be sorted)
-    bar.close()
     return seconds
 
 
@@ -404,8 +403,7 @@ def _default_threads() -> int:
 
 
 def _estimate_seconds(specs: list[RunSpec]) -> list[float]:
-    """Seconds each run should take: three steps per precision timed now, in this process, plus startup (under
-    the machine's current load: an estimate, which the progress bars correct as they go)."""
+    """Seconds each run should take: three steps per precision timed now, in this process, plus startup."""
     # Each child pays this process's startup again (interpreter, torch, halfprec): from its start until now.
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])

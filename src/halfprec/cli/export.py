@@ -32,21 +32,18 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tag", default=None, help="tag inside the directory (default: the 'latest' pointer)")
 
 
-def _bad_checkpoint() -> tuple[type[BaseException], ...]:
-    """What reading a bad checkpoint raises: halfprec's errors, and those of the readers under them (a damaged
-    safetensors file, DCP metadata that is not DCP's, DCP data files that do not match their metadata)."""
+def _run(command: str, args: argparse.Namespace, lines: Callable[[Path], list[str]]) -> int:
+    """Print ``lines(checkpoint path)``, or the error of a bad checkpoint on one line."""
     from safetensors import SafetensorError
     from torch.distributed.checkpoint.api import CheckpointException
 
-    return (ckpt.CheckpointError, ValueError, OSError, EOFError, pickle.UnpicklingError, SafetensorError,
-            CheckpointException)  # fmt: skip
-
-
-def _run(command: str, args: argparse.Namespace, lines: Callable[[Path], list[str]]) -> int:
-    """Print ``lines(checkpoint path)``, or the error of a bad checkpoint on one line."""
+    # What a bad checkpoint raises: halfprec's errors, and those of the readers under them (a damaged safetensors
+    # file, DCP metadata that is not DCP's, DCP data files that do not match their metadata).
+    bad = (ckpt.CheckpointError, ValueError, OSError, EOFError, pickle.UnpicklingError, SafetensorError,
+           CheckpointException)  # fmt: skip
     try:
         text = lines(ckpt.resolve(Path(args.checkpoint), args.tag, tag_option="--tag"))
-    except _bad_checkpoint() as e:
+    except bad as e:
         message = " ".join(str(e).split())  # one line, whatever the exception's text holds
         print(f"halfprec {command}: error: {message}", file=sys.stderr)
         return 2
