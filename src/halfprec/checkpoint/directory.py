@@ -66,7 +66,6 @@ def reraised(errors: Any, what: str, kind: type[Exception] = CheckpointError) ->
         raise kind(f"{what}: {e}") from e
 
 
-# --- writing ---------------------------------------------------------------------------------------------
 def _manifest_digest(manifest: dict[str, Any]) -> str:
     """SHA-256 of the manifest's canonical JSON, its own digest field left out."""
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
