@@ -292,9 +292,8 @@ def _file_mode(directory: Path) -> int:
 
 
 def save_pt(obj: Any, file: Path) -> None:
-    """``torch.save(obj, file)``, through a Python file object so that a full disk or a file-size limit surfaces
-    as the OS error (torch's own writer reports it as ``unexpected pos 2560 vs 2452``), named by
-    :func:`_writing`."""
+    """``torch.save(obj, file)`` through a Python file object, so that a full disk or a file-size limit surfaces
+    as the OS error (torch's writer says ``unexpected pos 2560 vs 2452``), named by :func:`_writing`."""
     with _writing(file), open(file, "wb") as f:
         torch.save(obj, f)
 
