@@ -77,10 +77,9 @@ class _Held(NamedTuple):
     name: str
     shape: tuple[int, ...]
     group: int
-    lo: int  # first element of the flattened param held here
+    lo: int  # first element of the flattened param held here (its holder of element 0 writes its 0-d state)
     master: torch.Tensor  # fp32 values: saved from it; loaded into it (sharded) or in its place (unsharded)
     state: dict[str, Any]  # torch-format optimizer state of the held elements
-    scalars: bool  # whether this rank writes the param's 0-d state (the holder of element 0)
     index: int | None  # unsharded: the param's index in ``state_dict()``
 
     @property
@@ -94,7 +93,7 @@ def _model_space(optimizer, named_parameters) -> tuple[list[_Held], list[tuple],
     if isinstance(optimizer, ShardedMixedPrecisionOptimizer):
         space = list(optimizer.model_space())
         held = [
-            _Held(n, tuple(s), g, piece.lo, p, optimizer.state.get(p, {}), piece.lo == 0, None)
+            _Held(n, tuple(s), g, piece.lo, p, optimizer.state.get(p, {}), None)
             for n, s, g, piece, p in space
             if piece is not None
         ]
@@ -115,9 +114,7 @@ def _model_space(optimizer, named_parameters) -> tuple[list[_Held], list[tuple],
     for name, p, group in zip(names, params, groups, strict=True):
         k = index[id(p)]
         master = full["masters"].get(k, p).detach()  # fp32 params are their own masters
-        held.append(
-            _Held(name, tuple(p.shape), group, 0, master, full["optimizer"]["state"].get(k, {}), True, k)
-        )
+        held.append(_Held(name, tuple(p.shape), group, 0, master, full["optimizer"]["state"].get(k, {}), k))
     return held, [(h.name, h.shape, h.group) for h in held], full
 
 
@@ -186,14 +183,14 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
         if elementwise:
             state_dict[item] = value.reshape(-1)
             chunks[item] = (h.lo, h.numel)
-        elif h.scalars:
+        elif h.lo == 0:
             state_dict[item] = value
     if rank == 0:
         state_dict.update(_global_items(optimizer, every))
     tmp = path.with_name(path.name + ".tmp")
     with contextlib.ExitStack() as hold:
         if rank == 0:  # remove the temporary directory a killed save left; refuse one of a save still running
-            if (tmp.exists() or tmp.is_symlink()) and not remove_if_dead(tmp):
+            if not remove_if_dead(tmp):
                 raise FileExistsError(
                     f"{tmp} is being written by another save of {path} that is still running; wait for it to "
                     "finish or save to another path"

@@ -40,13 +40,10 @@ __all__ = [
     "saving",
     "locked",
     "reading",
-    "prepare",
     "stage",
     "seal",
-    "publish",
     "save_pt",
     "save_safetensors",
-    "writing",
     "read_latest",
     "reraised",
 ]
@@ -69,7 +66,6 @@ def reraised(errors: Any, what: str, kind: type[Exception] = CheckpointError) ->
         raise kind(f"{what}: {e}") from e
 
 
-# --- writing ---------------------------------------------------------------------------------------------
 def _manifest_digest(manifest: dict[str, Any]) -> str:
     """SHA-256 of the manifest's canonical JSON, its own digest field left out."""
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
@@ -110,20 +106,18 @@ def _split_ties(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     stored: dict[str, torch.Tensor] = {}
     ties: dict[str, str] = {}
     seen: dict[tuple, str] = {}
+    ptrs: set[int] = set()
     for name, t in state.items():
         key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
         if t.numel() and key in seen:
             ties[name] = seen[key]
             continue
         seen[key] = name
-        stored[name] = t.detach().to("cpu").contiguous()
-    # safetensors refuses tensors that still share memory (overlapping views of one buffer): give them their own
-    ptrs: dict[int, str] = {}
-    for name, tensor in list(stored.items()):
+        tensor = t.detach().to("cpu").contiguous()
         ptr = tensor.untyped_storage().data_ptr()
-        if tensor.numel() and ptr in ptrs:
-            stored[name] = tensor.clone()
-        ptrs[ptr] = name
+        # safetensors refuses tensors that share memory (overlapping views of one buffer): give each its own
+        stored[name] = tensor.clone() if tensor.numel() and ptr in ptrs else tensor
+        ptrs.add(ptr)
     return stored, ties
 
 
@@ -154,17 +148,17 @@ def saving(
     keep_last: int | None,
     tmp_name: str | None = None,
 ) -> Iterator[Path]:
-    """Under the directory's lock, :func:`prepare`, then yield a new temporary directory to :func:`stage` and
-    :func:`seal`; on success commit it to ``<directory>/<tag>`` and :func:`publish` it, on error remove it.
+    """Under the directory's lock, :func:`_prepare`, then yield a new temporary directory to :func:`stage` and
+    :func:`seal`; on success commit it to ``<directory>/<tag>`` and :func:`_publish` it, on error remove it.
     ``tmp_name`` is a fixed name for it, for a save whose other ranks must know where to write."""
     root, final = _checked(directory, tag, keep_last)
-    _refuse_foreign(final, tag)  # before the lock file is made: such a save writes nothing
+    _refuse_foreign(final)  # before the lock file is made: such a save writes nothing
     with locked(root):
-        root, final = prepare(directory, tag, overwrite=overwrite, keep_last=keep_last)
+        _prepare(root, final, overwrite=overwrite)
         with tmp_dir(root / (tmp_name or f".{tag}.tmp-{unique_suffix()}")) as tmp:
             yield tmp
             commit(tmp, final, replace=overwrite)
-        publish(root, tag, keep_last)
+        _publish(root, tag, keep_last)
 
 
 def _lock(root: Path):
@@ -176,7 +170,7 @@ def _lock(root: Path):
 @contextlib.contextmanager
 def locked(root: Path) -> Iterator[None]:
     """Hold ``<root>/.lock`` exclusively: the saves into one directory run one at a time, across processes, so
-    nothing a save checks in :func:`prepare` changes before its commit, and pruning sees every publication.
+    nothing a save checks in :func:`_prepare` changes before its commit, and pruning sees every publication.
     The kernel releases the OS lock when its holder dies, so a killed save never blocks the next one."""
     root.mkdir(parents=True, exist_ok=True)
     with _lock(root):
@@ -210,27 +204,22 @@ def _checked(directory: str | os.PathLike, tag: str, keep_last: int | None) -> t
     return root, final
 
 
-def prepare(
-    directory: str | os.PathLike, tag: str, *, overwrite: bool, keep_last: int | None
-) -> tuple[Path, Path]:
+def _prepare(root: Path, final: Path, *, overwrite: bool) -> None:
     """Check a save under :func:`locked` (raising before anything is written), undo a replace of this tag that
-    died midway, remove leftovers; ``(root, final)``. A save killed between its rename and ``latest`` leaves a
-    ``<tag>`` that ``latest`` never named: the rerun reaches that tag again, so it is moved aside with a warning
-    (removed at the next save) rather than blocking it."""
-    root, final = _checked(directory, tag, keep_last)
+    died midway, remove leftovers. A save killed between its rename and ``latest`` leaves a ``<tag>`` that
+    ``latest`` never named: the rerun reaches that tag again, so it is moved aside with a warning (removed at
+    the next save) rather than blocking it."""
     recover(final)
-    _refuse_foreign(final, tag)
-    unpublished = False
-    if final.exists() or final.is_symlink():
-        unpublished = not overwrite and tag not in _published(root)
-        if not overwrite and not unpublished:
-            raise FileExistsError(
-                f"checkpoint {final} already exists and tags are immutable; pick another tag or pass "
-                "overwrite=True"
-            )
+    _refuse_foreign(final)
+    unpublished = not overwrite and (final.exists() or final.is_symlink())
+    if unpublished and final.name in _published(root):
+        raise FileExistsError(
+            f"checkpoint {final} already exists and tags are immutable; pick another tag or pass "
+            "overwrite=True"
+        )
     _remove_leftovers(root)
     if unpublished:
-        aside = root / f".{tag}.unpublished-{unique_suffix()}"
+        aside = root / f".{final.name}.unpublished-{unique_suffix()}"
         os.rename(final, aside)
         warnings.warn(
             f"{final} was written by a save that did not finish (latest does not point at it); moved it to "
@@ -238,15 +227,14 @@ def prepare(
             RuntimeWarning,
             stacklevel=5,
         )
-    return root, final
 
 
-def _refuse_foreign(final: Path, tag: str) -> None:
-    if (final.exists() or final.is_symlink()) and not _is_checkpoint_of(final, tag):
+def _refuse_foreign(final: Path) -> None:
+    if (final.exists() or final.is_symlink()) and not _is_checkpoint_of(final, final.name):
         raise FileExistsError(
             f"{final} exists and is not a halfprec checkpoint (no {MANIFEST} of format {FORMAT!r} for tag "
-            f"{tag!r}); nothing was written, moved or removed: choose another tag or directory, or remove "
-            f"{final} yourself"
+            f"{final.name!r}); nothing was written, moved or removed: choose another tag or directory, or "
+            f"remove {final} yourself"
         )
 
 
@@ -286,7 +274,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], file: Path, metadata: dic
     """``safetensors.torch.save_file`` with the mode the umask gives (safetensors writes 0600)."""
     from safetensors.torch import save_file
 
-    with writing(file):
+    with _writing(file):
         save_file(tensors, str(file), metadata=metadata)
     os.chmod(file, _file_mode(file.parent))
 
@@ -304,14 +292,14 @@ def _file_mode(directory: Path) -> int:
 
 
 def save_pt(obj: Any, file: Path) -> None:
-    """``torch.save(obj, file)``, through a Python file object so that a full disk or a file-size limit surfaces
-    as the OS error (torch's own writer reports it as ``unexpected pos 2560 vs 2452``), named by :func:`writing`."""
-    with writing(file), open(file, "wb") as f:
+    """``torch.save(obj, file)`` through a Python file object, so that a full disk or a file-size limit surfaces
+    as the OS error (torch's writer says ``unexpected pos 2560 vs 2452``), named by :func:`_writing`."""
+    with _writing(file), open(file, "wb") as f:
         torch.save(obj, f)
 
 
 @contextlib.contextmanager
-def writing(file: Path) -> Iterator[None]:
+def _writing(file: Path) -> Iterator[None]:
     """Turn a failed write of ``file`` into a CheckpointError that names the file and the OS error under it."""
     try:
         yield
@@ -340,13 +328,13 @@ def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
             ties = json.loads((f.metadata() or {}).get("ties", "{}"))
     manifest = {"format": FORMAT, "layout": ENGINE, "tag": tag, "ties": ties, "files": entries, **info}
     manifest["manifest_sha256"] = _manifest_digest(manifest)
-    with writing(tmp / MANIFEST):
+    with _writing(tmp / MANIFEST):
         write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))  # fsyncs tmp too
     for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
         fsync_path(sub)
 
 
-def publish(root: Path, tag: str, keep_last: int | None) -> None:
+def _publish(root: Path, tag: str, keep_last: int | None) -> None:
     """Point ``latest`` at ``tag`` atomically, log it, prune to the ``keep_last`` most recently published."""
     # read first: a directory without a log yet is seeded from what it held before this save
     before = [t for t in _published(root) if t != tag]

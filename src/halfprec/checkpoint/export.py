@@ -134,12 +134,10 @@ def _describe_dcp(path: Path) -> list[tuple[str, Any]]:
 
     items = read_checkpoint(path)
     masters = {k: v for k, v in items.items() if k.startswith("master/")}
+    version = int(items["format/version"])
     rows: list[tuple[str, Any]] = [
         ("path", str(path)),
-        (
-            "format",
-            f"halfprec DCP optimizer checkpoint, version {int(items['format/version'])} (reshardable)",
-        ),
+        ("format", f"halfprec DCP optimizer checkpoint, version {version} (reshardable)"),
         ("skipped_steps", int(items["counters/skipped_steps"])),
     ]
     if "scaler/scale" in items:

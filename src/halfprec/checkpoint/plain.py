@@ -12,7 +12,8 @@ __all__ = ["check_plain", "rng_state", "set_rng_state"]
 
 
 def check_plain(value: Any, where: str = "client_state") -> None:
-    """Raise unless ``value`` is made of tensors, numbers, strings, None, lists, tuples and str-keyed dicts."""
+    """Raise unless ``value`` is made of tensors, numbers, strings, None, lists, tuples and dicts (str or int
+    keys)."""
     # exact types: a numpy float is a float subclass that torch.load(weights_only=True) refuses
     if value is None or type(value) in (bool, int, float, str) or isinstance(value, torch.Tensor):
         return

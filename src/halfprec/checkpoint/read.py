@@ -82,22 +82,21 @@ def read_manifest(path: Path) -> dict[str, Any]:
 _UNVERIFIED: set[str] = set()  # DCP checkpoints already warned about in this process
 
 
-def read_dcp_manifest(path: Path) -> dict[str, Any] | None:
-    """Verify the DCP optimizer checkpoint at ``path`` (:func:`_verify`) and return its manifest; None, with a
-    warning once per process, for one written before its manifest had digests (``formats.DCP_LEGACY_FORMATS``)."""
+def read_dcp_manifest(path: Path) -> None:
+    """Verify the DCP optimizer checkpoint at ``path`` (:func:`_verify`); warn, once per process, for one written
+    before its manifest had digests (``formats.DCP_LEGACY_FORMATS``)."""
     manifest = _manifest_json(path) if (path / MANIFEST).exists() else None
     extra = set(manifest) - {"format", "format_version"} if isinstance(manifest, dict) else set()
-    if manifest is None or (_format(manifest) in DCP_LEGACY_FORMATS and not extra):
-        if str(path) not in _UNVERIFIED:
-            _UNVERIFIED.add(str(path))
-            warnings.warn(
-                f"{path} was written by an older halfprec, without a manifest of digests: a damaged file cannot "
-                "be detected; save it again with this version to protect it",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        return None
-    return _verify(path, manifest, DCP_FORMAT, DCP_LEGACY_FORMATS, extra)
+    if manifest is not None and (_format(manifest) not in DCP_LEGACY_FORMATS or extra):
+        _verify(path, manifest, DCP_FORMAT, DCP_LEGACY_FORMATS, extra)
+    elif str(path) not in _UNVERIFIED:
+        _UNVERIFIED.add(str(path))
+        warnings.warn(
+            f"{path} was written by an older halfprec, without a manifest of digests: a damaged file cannot "
+            "be detected; save it again with this version to protect it",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _format(manifest: Any) -> str:

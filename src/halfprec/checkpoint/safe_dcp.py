@@ -11,7 +11,6 @@ such a range as a chunk of the 1-D global tensor, so DCP reshards between any tw
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import pickle
 from pathlib import Path
@@ -68,7 +67,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
 def _read_metadata(path: str | os.PathLike) -> Metadata:
     """Unpickle ``path/.metadata`` allowing only DCP's metadata classes."""
     with open(Path(path) / ".metadata", "rb") as f:
-        metadata = _RestrictedUnpickler(io.BytesIO(f.read())).load()
+        metadata = _RestrictedUnpickler(f).load()
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError(f"{path}/.metadata holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata
