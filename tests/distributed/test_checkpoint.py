@@ -117,3 +117,27 @@ def test_export_writes_the_consolidated_fp32_weights(runs, tmp_path):
     assert sorted(written) == sorted(weights)
     for name, value in weights.items():
         assert written[name].dtype == torch.float32 and torch.equal(written[name], value), name
+
+
+def test_a_process_group_other_than_the_optimizers_own_is_refused(tmp_path):
+    # ZeRO-0's optimizer reduces over its own group: a save or load on another would mix ranks' views
+    import torch.distributed as dist
+    from _launch import one_process_group
+
+    import halfprec
+    from halfprec.distributed import checkpoint
+
+    with one_process_group("gloo", tmp_path / "store"):
+        model = torch.nn.Linear(5, 3).bfloat16()
+        mp = halfprec.MixedPrecisionOptimizer(
+            torch.optim.AdamW(model.parameters()),
+            grad_accum_dtype=torch.float32,
+            process_group=dist.group.WORLD,
+        )
+        other = dist.new_group([0])
+        for call in (checkpoint.save, checkpoint.load):
+            with pytest.raises(ValueError, match="differs from the optimizer's own process_group"):
+                call(mp, tmp_path / "ckpt", named_parameters=model, process_group=other)
+        assert not (tmp_path / "ckpt").exists()
+        checkpoint.save(mp, tmp_path / "ckpt", named_parameters=model, process_group=dist.group.WORLD)
+        checkpoint.load(mp, tmp_path / "ckpt", named_parameters=model)

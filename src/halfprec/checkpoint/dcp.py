@@ -167,12 +167,24 @@ def _hparam_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
+def _group(optimizer, process_group):
+    """The group a save or load runs its collectives on: the optimizer's own (sharded, or ZeRO-0's), else the
+    caller's ``process_group`` (``None``: the default group)."""
+    own = optimizer.process_group
+    if own is not None and process_group is not None and process_group is not own:
+        raise ValueError(
+            "process_group differs from the optimizer's own process_group, which its shards or grad reduction "
+            "use: pass process_group=None (or the optimizer's group)"
+        )
+    return own if own is not None else process_group
+
+
 # --- save -------------------------------------------------------------------------------------------------
 def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None) -> Path:
     """Write ``optimizer`` (any ``MixedPrecisionOptimizer``; an unsharded one needs ``named_parameters``, the
     model) to the directory ``path``, atomically; returns ``path``. Collective when distributed."""
     path = Path(path)
-    group = getattr(optimizer, "process_group", process_group)
+    group = _group(optimizer, process_group)
     rank = dist.get_rank(group) if _distributed() else 0
     held, every, full = _model_space(optimizer, named_parameters)
     state_dict: dict[str, torch.Tensor] = {}
@@ -246,9 +258,9 @@ def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, pr
     """Read and check the checkpoint at ``path`` for ``optimizer`` (collective when distributed); return the
     function that applies it. Raises (ValueError, or CheckpointError for unreadable files) before anything of
     ``optimizer`` changes, so a caller can check several parts of a checkpoint before applying any."""
+    group = _group(optimizer, process_group)
     path, metadata = open_checkpoint(path)
     saved = metadata.state_dict_metadata
-    group = getattr(optimizer, "process_group", process_group)
     held, every, full = _model_space(optimizer, named_parameters)
     _check_names(path, saved, every)
     _check_kinds(path, saved, optimizer)
