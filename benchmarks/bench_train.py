@@ -19,6 +19,9 @@ Systems:
   deepspeed-reset  the same, with the Adam state DeepSpeed's fp16 wrapper creates at construction (a step on zero
              grads) reset before training: a diagnostic of that construction step (fp16 only)
   halfprec-noclip, deepspeed-noclip  without clipping: diagnostics of DeepSpeed fp16's loss (issue 17)
+  deepspeed-scaled  DeepSpeed fp16 with the loss multiplied by its loss scale before ``engine.backward``: 0.19.8's
+             ZeRO-0 ``engine.backward`` does not scale the loss (it scales only for ZeRO optimizers), while its
+             ``FP16_Optimizer.step`` divides the grads by the scale (upstream PR deepspeedai/DeepSpeed#8393)
   halfprec-keep  ``MixedPrecisionOptimizer`` in a plain loop with ``zero_grad(set_to_none=False)``: the grad buffer
              kept between steps (the engine frees it before each forward): a diagnostic of that buffer's cost
 """
@@ -43,6 +46,7 @@ SYSTEMS = (
     "halfprec-noclip",
     "deepspeed-noclip",
     "halfprec-keep",
+    "deepspeed-scaled",
 )
 LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
 
@@ -131,7 +135,7 @@ def keep_runner(model, dtype):
     return step, lambda: (mp.grad_norm, mp.step_loss_scale)
 
 
-def deepspeed_runner(model, dtype, batch: int, *, reset: bool, clip=CLIP):
+def deepspeed_runner(model, dtype, batch: int, *, reset: bool, clip=CLIP, scaled: bool = False):
     import deepspeed
     import torch
 
@@ -160,15 +164,17 @@ def deepspeed_runner(model, dtype, batch: int, *, reset: bool, clip=CLIP):
             group.pop("step", None)
         info["reset"] = True
 
+    scaler = getattr(opt, "loss_scale_config", None)  # FP16_Optimizer's (0.19.8)
+
     def step(x):
         loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
+        engine.backward(loss.float() * scaler.cur_scale if scaled else loss)
         engine.step()
         return loss.detach()
 
     step.info = info
     step.skipped = lambda: engine.skipped_steps
-    return step, lambda: (engine.get_global_grad_norm(), getattr(opt, "cur_scale", None))
+    return step, lambda: (engine.get_global_grad_norm(), None if scaler is None else scaler.cur_scale)
 
 
 def hf_run(model, dtype, data, args) -> tuple[list[float], list[float]]:
@@ -237,7 +243,14 @@ def child(system: str, dtype_name: str, args) -> dict:
         step, probe = halfprec_runner(model, dtype, None if system.endswith("-noclip") else CLIP)
     else:
         clip = 0.0 if system.endswith("-noclip") else CLIP
-        step, probe = deepspeed_runner(model, dtype, args.batch, reset=system == "deepspeed-reset", clip=clip)
+        step, probe = deepspeed_runner(
+            model,
+            dtype,
+            args.batch,
+            reset=system == "deepspeed-reset",
+            clip=clip,
+            scaled=system == "deepspeed-scaled",
+        )
     data = batches(args.batch, args.seq)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
