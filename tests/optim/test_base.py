@@ -57,6 +57,22 @@ def test_every_strategy_is_a_mixed_precision_optimizer(impl):
         assert isinstance(cls(_model().parameters(), lr=0.1), halfprec.MixedPrecisionOptimizer)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_state_dict_hooks_run_on_every_strategy(impl):
+    # torch's four state-dict hook registries, in torch's order; a pre-load hook may replace the state dict
+    model = _model()
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), impl=impl)
+    calls = []
+    mp.register_state_dict_pre_hook(lambda opt: calls.append("save-pre"))
+    mp.register_state_dict_post_hook(lambda opt, sd: calls.append("save-post") or {**sd, "tag": 1})
+    mp.register_load_state_dict_pre_hook(lambda opt, sd: calls.append(("load-pre", sd["tag"])) or sd)
+    mp.register_load_state_dict_post_hook(lambda opt: calls.append("load-post"))
+    saved = mp.state_dict()
+    assert saved["tag"] == 1
+    mp.load_state_dict(saved)
+    assert calls == ["save-pre", "save-post", ("load-pre", 1), "load-post"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_halfprec_optimizer_is_never_wrapped_again(dtype):
     """``MixedPrecisionOptimizer(FusedAdamW(...))`` was accepted: fp16 grads were scaled twice and every step

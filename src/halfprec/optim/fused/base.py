@@ -376,6 +376,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
 
     # --- checkpoint state (see the module docstring) ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        self._run_hooks("_optimizer_state_dict_pre_hooks")
         self._reporter.drain(wait=True)
         self._ensure_state()
         steps = self._steps.cpu().tolist()
@@ -393,7 +394,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             saved = {key: v for key, v in group.items() if key != "params"}
             groups.append(saved | {"params": list(range(k, k + len(group["params"])))})
             k += len(group["params"])
-        return {
+        out = {
             "format": self._FORMAT,
             "algorithm": self.algorithm(),
             "optimizer": {"state": state, "param_groups": groups},
@@ -402,6 +403,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             "scaler": self.loss_scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
         }
+        return self._run_hooks("_optimizer_state_dict_post_hooks", out)
 
     def _param_entries(self) -> list[dict[str, Any]]:
         return [
@@ -416,6 +418,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the generic path's checkpoint format, or a plain torch optimizer state dict (masters are then
         taken from the model's current weights)."""
+        state_dict = self._run_hooks("_optimizer_load_state_dict_pre_hooks", state_dict)
         if not isinstance(state_dict, dict):
             raise ValueError(f"expected a state dict, got {type(state_dict).__name__}")
         if state_dict.get("format") == self._FORMAT:
@@ -452,3 +455,4 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                     chunk.round_params()
                 self.loss_scaler.load_state_dict(state_dict["scaler"])
                 self._scalars[3].fill_(float(state_dict["skipped_steps"]))
+        self._run_hooks("_optimizer_load_state_dict_post_hooks")
