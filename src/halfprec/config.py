@@ -25,8 +25,7 @@ from ._checks import (
     is_int,
 )
 from .deepspeed_config import read_deepspeed
-from .optim.checks import auto_grad_accum_dtype
-from .precision import DTYPES, Precision, check_precision
+from .precision import Precision, check_precision
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
 __all__ = ["OLD_NAMES", "Config", "check_fields", "config_name", "dynamic_scaling"]
@@ -167,9 +166,9 @@ class Config:
         all-reduce the fp32 sums themselves)."""
         choice = self.grad_accum_dtype
         if choice == "auto":
-            if self.zero_stage != 0 and self.reduce_dtype == "param":
-                return None  # the 16-bit reduction would round the fp32 sums
-            return auto_grad_accum_dtype(DTYPES[self.precision], self.gradient_accumulation_steps)
+            sharded_16 = self.zero_stage != 0 and self.reduce_dtype == "param"
+            wanted = self.precision == "bf16" and self.gradient_accumulation_steps > 1
+            choice = "fp32" if wanted and not sharded_16 else "param"
         return torch.float32 if choice == "fp32" else None
 
     def _dynamic_settings(self) -> dict[str, Any]:

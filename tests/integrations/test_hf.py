@@ -144,11 +144,8 @@ def test_trainer_built_optimizer_matches_plain_loop(name, tmp_path):
         **kwargs,
     )
     scaler = halfprec.DynamicLossScaler() if dtype == torch.float16 else None
-    # grad_accum_dtype="auto" (the default): bf16 with 2 micro-batches per step sums them in fp32
-    accum_dtype = torch.float32 if dtype == torch.bfloat16 else None
-    assert trainer.halfprec_optimizer.grad_accum_dtype is accum_dtype
     ref_mp = halfprec.MixedPrecisionOptimizer(
-        inner, loss_scaler=scaler, max_grad_norm=CLIP, param_dtype=dtype, grad_accum_dtype=accum_dtype
+        inner, loss_scaler=scaler, max_grad_norm=CLIP, param_dtype=dtype
     )
     ref_sched = transformers.get_scheduler("linear", ref_mp, num_warmup_steps=0, num_training_steps=3)
     _, _, _, ref = plain_loop(dtype, batches, accum=2, model=ref_model, mp=ref_mp, sched=ref_sched)
@@ -194,7 +191,6 @@ def test_fused_path_clips_in_the_kernel(name, device, impl, tmp_path):
         halfprec_dtype=dtype,
         loss_scaler=make_scaler(dtype),
         impl=impl,
-        grad_accum_dtype=None,  # the oracle's 16-bit accumulation
     )
     injector = InfInjector(model.net[0].weight, inf_at)
     trainer.train()

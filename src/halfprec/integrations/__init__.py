@@ -7,11 +7,9 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-import torch
+from ..optim.checks import check_grad_accum_dtype
 
-from ..optim.checks import auto_grad_accum_dtype, check_grad_accum_dtype, world_size
-
-__all__ = ["accum_dtype", "check_strategy", "require"]
+__all__ = ["check_strategy", "require"]
 
 
 def require(package: str, adapter: str) -> ModuleType:
@@ -33,14 +31,4 @@ def check_strategy(impl: Any, grad_accum_dtype: Any) -> None:
             f"impl must be 'auto' (the fused path on CUDA, else the exact one), 'torch' (the exact path) or "
             f"'triton' (the fused path), got {impl!r}"
         )
-    if grad_accum_dtype != "auto":
-        check_grad_accum_dtype(grad_accum_dtype)
-
-
-def accum_dtype(choice: Any, param_dtype: torch.dtype | None, micro_batches: int) -> torch.dtype | None:
-    """An integration's ``grad_accum_dtype``: ``"auto"`` is fp32 for bf16 params summing several micro-batches
-    (``auto_grad_accum_dtype``) in one process; across ranks the 16-bit grads, which the tools' DDP reduces (fp32
-    accumulation releases them)."""
-    if choice != "auto":
-        return choice
-    return auto_grad_accum_dtype(param_dtype, micro_batches) if world_size() == 1 else None
+    check_grad_accum_dtype(grad_accum_dtype)

@@ -24,7 +24,7 @@ from ..optim.select import fused_unsupported_reason
 from ..precision import LOW_PRECISION, check_low_precision
 from ..scaler import LossScaler
 from . import accelerate as _hp_accelerate
-from . import accum_dtype, check_strategy, require
+from . import check_strategy, require
 
 __all__ = ["HalfprecCallback", "HalfprecTrainer", "HalfprecTrainerMixin", "check_training_args"]
 
@@ -124,8 +124,7 @@ class HalfprecTrainerMixin:
             ``"torch"`` (the exact path) or ``"triton"``; for an optimizer passed in ``optimizers=``, only when it
             is a plain torch one.
         grad_accum_dtype: ``torch.float32`` accumulates ``gradient_accumulation_steps`` micro-batches in fp32
-            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads; ``"auto"`` (default): fp32 for
-            bf16 with ``gradient_accumulation_steps > 1`` in one process, else ``None``.
+            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads.
     """
 
     def __init__(
@@ -134,7 +133,7 @@ class HalfprecTrainerMixin:
         halfprec_dtype: torch.dtype | None = None,
         loss_scaler: LossScaler | None = None,
         impl: str = "auto",
-        grad_accum_dtype: torch.dtype | str | None = "auto",
+        grad_accum_dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
         # refused before the Trainer builds anything on these arguments
@@ -186,11 +185,7 @@ class HalfprecTrainerMixin:
                 max_grad_norm=self._halfprec_max_grad_norm(None),
                 param_dtype=self.halfprec_dtype,
                 impl=_trainer_impl(optimizer, self.halfprec_impl) if built else self.halfprec_impl,
-                grad_accum_dtype=accum_dtype(
-                    self.halfprec_grad_accum_dtype,
-                    self.halfprec_dtype or (torch.bfloat16 if torch.bfloat16 in low else None),
-                    self.args.gradient_accumulation_steps,
-                ),
+                grad_accum_dtype=self.halfprec_grad_accum_dtype,
             )
         else:
             mp.max_grad_norm = self._halfprec_max_grad_norm(mp)

@@ -29,7 +29,7 @@ import torch
 from ..optim.base import MixedPrecisionOptimizer
 from ..precision import DTYPES
 from ..scaler import LossScaler
-from . import accum_dtype, check_strategy, require
+from . import check_strategy, require
 
 _FabricPrecision = require("lightning.fabric.plugins", "lightning").Precision
 _TrainerPrecision = require("lightning.pytorch.plugins.precision", "lightning").Precision
@@ -57,7 +57,7 @@ class _Common:
         loss_scaler: LossScaler | None = None,
         skip_nonfinite: bool = True,
         impl: str = "auto",
-        grad_accum_dtype: torch.dtype | str | None = "auto",
+        grad_accum_dtype: torch.dtype | None = None,
     ) -> None:
         if precision not in _LIGHTNING_NAME:  # the 16-bit ones: fp32 weights need no plugin
             raise ValueError(
@@ -101,11 +101,10 @@ class _Common:
 
     # --- wrapping ---------------------------------------------------------------------------------------
     def wrap_optimizer(
-        self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None, micro_batches: int = 1
+        self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
     ) -> MixedPrecisionOptimizer:
         """``optimizer`` as a ``MixedPrecisionOptimizer`` over the params this plugin cast (their fp32 values
-        become the masters); an already-built halfprec optimizer is used as it is. ``micro_batches``: summed per
-        step (``grad_accum_dtype="auto"`` reads it)."""
+        become the masters); an already-built halfprec optimizer is used as it is."""
         optimizer = _unwrap(optimizer)
         if isinstance(optimizer, MixedPrecisionOptimizer):
             mp = optimizer  # already owns masters and a loss scale (MixedPrecisionOptimizer, FusedAdamW, ...)
@@ -132,7 +131,7 @@ class _Common:
                 skip_nonfinite=self.skip_nonfinite,
                 param_dtype=self.dtype,
                 impl=self.impl,
-                grad_accum_dtype=accum_dtype(self.grad_accum_dtype, self.dtype, micro_batches),
+                grad_accum_dtype=self.grad_accum_dtype,
             )
         if mp not in self._optimizers:
             self._optimizers.append(mp)
@@ -251,9 +250,7 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         impl: ``"auto"`` (the fused optimizer on CUDA when it supports the optimizer, else the exact path),
             ``"torch"`` (the exact path: fp32 master grads that hooks and value clipping can edit) or ``"triton"``.
         grad_accum_dtype: ``torch.float32`` accumulates ``accumulate_grad_batches`` micro-batches in fp32
-            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads; ``"auto"`` (default): fp32
-            for bf16 with ``accumulate_grad_batches > 1`` in one process, else ``None`` (Fabric, which has no
-            accumulation setting: ``None``).
+            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads.
     """
 
     def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple[Any, list, list]:
@@ -265,7 +262,7 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         # every fit (and Tuner.lr_find) connects its optimizers anew: only this fit's are the plugin's
         self._optimizers = []
         for optimizer in optimizers:
-            mp = self.wrap_optimizer(optimizer, micro_batches=getattr(trainer, "accumulate_grad_batches", 1))
+            mp = self.wrap_optimizer(optimizer)
             if mp.max_grad_norm is not None and clip_val:
                 raise ValueError(
                     f"the MixedPrecisionOptimizer clips at max_grad_norm={mp.max_grad_norm!r} and the Trainer has "

@@ -39,12 +39,6 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def auto_grad_accum_dtype(param_dtype: torch.dtype | None, micro_batches: int) -> torch.dtype | None:
-    """``grad_accum_dtype="auto"``: fp32 when the grads of several micro-batches of bf16 params are summed (each
-    bf16 sum rounds to 8 mantissa bits; Megatron forces fp32 for bf16), else the params' own dtype (None)."""
-    return torch.float32 if param_dtype == torch.bfloat16 and micro_batches > 1 else None
-
-
 def check_grad_accum_dtype(value: Any, *, strategy: str = "torch", process_group: Any = None) -> None:
     """Raise ValueError unless ``value`` is None or ``torch.float32``; on the unsharded strategies (``"torch"``,
     ``"fused"``) across ranks only with ``process_group`` (``accumulate.py``: DDP would reduce 16-bit grads)."""
