@@ -25,10 +25,10 @@ from ._checks import (
     is_int,
 )
 from .deepspeed_config import read_deepspeed
-from .precision import Precision, check_precision
+from .precision import DTYPES, Precision, check_precision
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
-__all__ = ["OLD_NAMES", "Config", "check_fields", "config_name", "dynamic_scaling"]
+__all__ = ["OLD_NAMES", "Config", "auto_accum_dtype", "check_fields", "config_name", "dynamic_scaling"]
 
 
 class _NotGiven:
@@ -164,12 +164,11 @@ class Config:
     def accum_dtype(self) -> torch.dtype | None:
         """The optimizers' ``grad_accum_dtype`` this config asks for (at any world size: several ranks at stage 0
         all-reduce the fp32 sums themselves)."""
-        choice = self.grad_accum_dtype
-        if choice == "auto":
+        if self.grad_accum_dtype == "auto":
             sharded_16 = self.zero_stage != 0 and self.reduce_dtype == "param"
-            wanted = self.precision == "bf16" and self.gradient_accumulation_steps > 1
-            choice = "fp32" if wanted and not sharded_16 else "param"
-        return torch.float32 if choice == "fp32" else None
+            steps = self.gradient_accumulation_steps
+            return auto_accum_dtype(DTYPES[self.precision], steps, fp32_sums=not sharded_16)
+        return torch.float32 if self.grad_accum_dtype == "fp32" else None
 
     def _dynamic_settings(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in DYNAMIC_SETTINGS}
@@ -223,6 +222,15 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 _HINTS = get_type_hints(Config)
 # read access under the old name (the InitVar above only covers building)
 Config.initial_scale = property(lambda self: self.init_scale, doc="Old name of ``init_scale``.")  # type: ignore[assignment]
+
+
+def auto_accum_dtype(
+    param_dtype: torch.dtype, micro_batches: int, *, fp32_sums: bool = True
+) -> torch.dtype | None:
+    """What ``grad_accum_dtype="auto"`` asks the optimizers for (why: ``Config.grad_accum_dtype``):
+    ``torch.float32`` for bf16 params summing several micro-batches where fp32 sums are possible (``fp32_sums``),
+    else None (the params' 16-bit ``.grad``)."""
+    return torch.float32 if param_dtype == torch.bfloat16 and micro_batches > 1 and fp32_sums else None
 
 
 def dynamic_scaling(precision: str, static_loss_scale: float | None) -> bool:

@@ -24,7 +24,7 @@ from ..optim.select import fused_unsupported_reason
 from ..precision import LOW_PRECISION, check_low_precision
 from ..scaler import LossScaler
 from . import accelerate as _hp_accelerate
-from . import check_strategy, require
+from . import check_strategy, require, resolve_grad_accum_dtype
 
 __all__ = ["HalfprecCallback", "HalfprecTrainer", "HalfprecTrainerMixin", "check_training_args"]
 
@@ -124,7 +124,8 @@ class HalfprecTrainerMixin:
             ``"torch"`` (the exact path) or ``"triton"``; for an optimizer passed in ``optimizers=``, only when it
             is a plain torch one.
         grad_accum_dtype: ``torch.float32`` accumulates ``gradient_accumulation_steps`` micro-batches in fp32
-            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads.
+            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads; ``"auto"``: fp32 for bf16
+            with ``gradient_accumulation_steps > 1`` on one process.
     """
 
     def __init__(
@@ -133,7 +134,7 @@ class HalfprecTrainerMixin:
         halfprec_dtype: torch.dtype | None = None,
         loss_scaler: LossScaler | None = None,
         impl: str = "auto",
-        grad_accum_dtype: torch.dtype | None = None,
+        grad_accum_dtype: torch.dtype | str | None = "auto",
         **kwargs: Any,
     ) -> None:
         # refused before the Trainer builds anything on these arguments
@@ -185,7 +186,12 @@ class HalfprecTrainerMixin:
                 max_grad_norm=self._halfprec_max_grad_norm(None),
                 param_dtype=self.halfprec_dtype,
                 impl=_trainer_impl(optimizer, self.halfprec_impl) if built else self.halfprec_impl,
-                grad_accum_dtype=self.halfprec_grad_accum_dtype,
+                grad_accum_dtype=resolve_grad_accum_dtype(
+                    self.halfprec_grad_accum_dtype,
+                    optimizer,
+                    self.halfprec_dtype,
+                    self.args.gradient_accumulation_steps,
+                ),
             )
         else:
             mp.max_grad_norm = self._halfprec_max_grad_norm(mp)
