@@ -102,14 +102,10 @@ class Config:
     not combine with ``grad_accum_dtype="fp32"``)."""
 
     grad_accum_dtype: Literal["auto", "param", "fp32"] = "auto"
-    """Where micro-batch grads accumulate: the params' 16-bit ``.grad`` (``"param"``), or fp32 (``"fp32"``:
-    ``grad_accum_dtype=torch.float32`` of the optimizers: the master grads at stage 0, all-reduced in fp32 by the
-    optimizer across several processes (``process_group=``; the model is then not wrapped in DDP), an fp32 grad
-    buffer reduce-scattered in fp32 at stages 1/2). ``"auto"``: fp32 for bf16 with
-    ``gradient_accumulation_steps > 1`` (bf16 sums lose 2.6e-3 relative at 4 micro-batches, 8.4e-3 at 64), else
-    ``"param"``: fp16 (through the loss scale its 16-bit sums lose 3.3e-4 / 1.1e-3, one to two of its own roundings
-    of each grad, for 2 B/param less), one micro-batch (nothing to sum), and where fp32 is not available
-    (``reduce_dtype="param"``). ``accum_dtype()`` resolves it."""
+    """Where micro-batch grads accumulate: the params' 16-bit ``.grad`` (``"param"``), or fp32 (``"fp32"``, the
+    optimizers' ``grad_accum_dtype=torch.float32``: at stage 0 the master grads, all-reduced by the optimizer
+    across processes instead of DDP; at stages 1/2 an fp32 buffer, reduce-scattered in fp32). ``"auto"``:
+    :func:`auto_accum_dtype`'s rule, resolved by ``accum_dtype()``."""
 
     masters: Literal["fp32", "split"] = "fp32"
     """How the fused optimizers store the fp32 masters of bf16 params: fp32 buffers, or ``"split"``: the bf16 param
@@ -163,7 +159,7 @@ class Config:
 
     def accum_dtype(self) -> torch.dtype | None:
         """The optimizers' ``grad_accum_dtype`` this config asks for (at any world size: several ranks at stage 0
-        all-reduce the fp32 sums themselves)."""
+        all-reduce the fp32 sums themselves; at stages 1/2 ``reduce_dtype="param"`` rules fp32 sums out)."""
         if self.grad_accum_dtype == "auto":
             sharded_16 = self.zero_stage != 0 and self.reduce_dtype == "param"
             steps = self.gradient_accumulation_steps
@@ -227,9 +223,10 @@ Config.initial_scale = property(lambda self: self.init_scale, doc="Old name of `
 def auto_accum_dtype(
     param_dtype: torch.dtype, micro_batches: int, *, fp32_sums: bool = True
 ) -> torch.dtype | None:
-    """What ``grad_accum_dtype="auto"`` asks the optimizers for (why: ``Config.grad_accum_dtype``):
+    """What ``grad_accum_dtype="auto"`` asks the optimizers for, the engine's and the integrations' default:
     ``torch.float32`` for bf16 params summing several micro-batches where fp32 sums are possible (``fp32_sums``),
-    else None (the params' 16-bit ``.grad``)."""
+    else None, the params' 16-bit ``.grad``: bf16 sums lose 2.7e-3 relative at 4 micro-batches, fp16's go through
+    the loss scale (3.3e-4) for 2 B/param less, one micro-batch has nothing to sum (docs/guarantees.md)."""
     return torch.float32 if param_dtype == torch.bfloat16 and micro_batches > 1 and fp32_sums else None
 
 

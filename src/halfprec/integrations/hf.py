@@ -15,6 +15,7 @@ This overrides three private Trainer methods (``_clip_grad_norm``, ``_get_grad_n
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -32,20 +33,13 @@ __all__ = ["HalfprecCallback", "HalfprecTrainer", "HalfprecTrainerMixin", "check
 transformers = require("transformers", "hf")
 
 
-def _check_trainer_hooks() -> None:
-    # The mixin overrides these Trainer methods (three of them private); fail loudly, not silently, where a
-    # transformers version lays the loop out differently.
-    import inspect
+# The Trainer methods the mixin overrides (three of them private, and _maybe_log_save_evaluate): fail loudly, not
+# silently, where a transformers version lays the loop out differently.
+_HOOKS = ("compute_loss", "create_optimizer", "create_scheduler", "log", "_clip_grad_norm", "_get_grad_norm")
 
-    names = (
-        "compute_loss",
-        "create_optimizer",
-        "create_scheduler",
-        "log",
-        "_clip_grad_norm",
-        "_get_grad_norm",
-    )
-    missing = [n for n in names if not callable(getattr(transformers.Trainer, n, None))]
+
+def _check_trainer_hooks() -> None:
+    missing = [n for n in _HOOKS if not callable(getattr(transformers.Trainer, n, None))]
     log_step = getattr(transformers.Trainer, "_maybe_log_save_evaluate", None)
     if log_step is None or list(inspect.signature(log_step).parameters)[1:3] != ["tr_loss", "grad_norm"]:
         missing.append("_maybe_log_save_evaluate(tr_loss, grad_norm, ...)")
@@ -146,6 +140,7 @@ class HalfprecTrainerMixin:
         self._halfprec_loss_scaler = loss_scaler
         self._halfprec_checked: MixedPrecisionOptimizer | None = None  # the optimizer the scale check hooks
         self._halfprec_loss_hooks: list = []  # this training_step's scaling hooks on compute_loss's loss
+        self._halfprec_scaled = False  # since the last step: a backward was loss-scaled
         super().__init__(*args, **kwargs)
         check_training_args(self.args)
         if not any(isinstance(cb, HalfprecCallback) for cb in self.callback_handler.callbacks):
@@ -249,7 +244,7 @@ class HalfprecTrainerMixin:
 
     def _halfprec_check_scaled(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Step pre-hook: a step whose backward was not loss-scaled would apply grads ``loss_scale`` too small."""
-        scaled, self._halfprec_scaled = getattr(self, "_halfprec_scaled", False), False
+        scaled, self._halfprec_scaled = self._halfprec_scaled, False
         if not scaled and not optimizer.loss_scaler.is_unit:
             raise RuntimeError(
                 "the optimizer stepped after a backward that halfprec did not loss-scale: a training_step "

@@ -120,12 +120,10 @@ class _Common:
                 )
         else:
             with torch.no_grad():
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        if p in self._fp32:
-                            # back to fp32 so that param_dtype keeps it as the master; on the param's device
-                            # now (the Trainer moves the module after convert_module, the fp32 copy stayed)
-                            p.data = self._fp32[p].to(p.device)
+                for p in (p for group in optimizer.param_groups for p in group["params"] if p in self._fp32):
+                    # back to fp32 so that param_dtype keeps it as the master; on the param's device now (the
+                    # Trainer moves the module after convert_module, the fp32 copy stayed)
+                    p.data = self._fp32[p].to(p.device)
             mp = MixedPrecisionOptimizer(
                 optimizer,
                 loss_scaler=copy.deepcopy(self.loss_scaler),  # one per optimizer
@@ -210,19 +208,16 @@ class _HoldOnSkipScheduler(torch.optim.lr_scheduler.LRScheduler):
         self.__dict__["_mp"] = optimizer
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            scheduler = self.__dict__["_scheduler"]
-        except KeyError:  # copy/pickle look attributes up before __init__ ran: say they are not there
-            raise AttributeError(name) from None
-        return getattr(scheduler, name)
+        if "_scheduler" not in self.__dict__:  # copy/pickle look attributes up before __init__ ran
+            raise AttributeError(name)
+        return getattr(self.__dict__["_scheduler"], name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._scheduler, name, value)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._mp.step_was_skipped:
-            return
-        self._scheduler.step(*args, **kwargs)
+        if not self._mp.step_was_skipped:
+            self._scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return self._scheduler.get_last_lr()
