@@ -36,6 +36,8 @@ from ._oracle import (  # noqa: E402
     plain_loop,
 )
 
+_QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+
 
 class LitRegression(L.LightningModule):
     def __init__(self, seed=0, inf_at=(), halfprec_optimizer=None):
@@ -99,10 +101,7 @@ def _fit(
         plugins=[plugin],
         gradient_clip_val=CLIP,
         accumulate_grad_batches=accum,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
+        **_QUIET,
         num_sanity_val_steps=0,
         **kw,
     )
@@ -273,10 +272,7 @@ def test_manual_optimization_fp16():
         accelerator="cpu",
         max_epochs=1,
         plugins=[HalfprecPrecision("fp16", loss_scaler=make_scaler(dtype))],
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
+        **_QUIET,
     )
     trainer.fit(model, make_loader(batches))
     assert model.skipped == [False, True, False, False]
@@ -304,10 +300,7 @@ def test_clip_set_twice_is_an_error():
         max_epochs=1,
         plugins=[HalfprecPrecision("bf16")],
         gradient_clip_val=CLIP,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
+        **_QUIET,
     )
     with (
         pytest.raises(ValueError, match=r"max_grad_norm=0\.5 and the Trainer has gradient_clip_val=0\.05"),
@@ -323,10 +316,7 @@ def test_optimizer_wrapped_in_configure_optimizers_warns_that_masters_are_rounde
         accelerator="cpu",
         max_steps=1,
         plugins=[HalfprecPrecision("bf16")],
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
+        **_QUIET,
     )
     with pytest.warns(
         RuntimeWarning, match=r"MixedPrecisionOptimizer was built over params that the halfprec"
@@ -349,10 +339,7 @@ def test_second_fit_on_the_same_trainer_uses_only_its_own_optimizer():
         accelerator="cpu",
         max_epochs=1,
         plugins=[plugin],
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
+        **_QUIET,
     )
     trainer.fit(model, make_loader(batches))
     trainer.fit_loop.max_epochs = 2

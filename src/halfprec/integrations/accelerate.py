@@ -1,19 +1,14 @@
 """halfprec under HuggingFace Accelerate: halfprec owns the dtype and the loss scale, Accelerate the rest.
 
-Use ``Accelerator(mixed_precision="no")``, build the ``MixedPrecisionOptimizer`` before ``prepare`` (with
-:func:`wrap_optimizer`, whose ``grad_accum_dtype="auto"`` reads the accelerator's accumulation steps) and go
-through :func:`prepare` (or call :func:`attach` after your own ``accelerator.prepare``); the scaled entry point
-is ``accelerator.backward(mp.scale_loss(loss))``. The optimizer's own ``impl`` picks the path (``"auto"``: the
-fused one on CUDA). Clip with the optimizer's ``max_grad_norm`` (settable before any step; on the fused path
-the kernel's norm pass clips) and read the unscaled pre-clip norm from ``mp.grad_norm`` after the step:
-``accelerator.clip_grad_norm_`` calls ``torch.nn.utils.clip_grad_norm_`` on the params it is given, whose
-grads are still loss-scaled and 16-bit on either path. Usage and checkpoints: docs/integrations.md.
+Build the ``MixedPrecisionOptimizer`` (:func:`wrap_optimizer`) before :func:`prepare`, under
+``Accelerator(mixed_precision="no")``; the scaled entry point is ``accelerator.backward(mp.scale_loss(loss))``.
+Clip with the optimizer's ``max_grad_norm``: ``accelerator.clip_grad_norm_`` would clip the params' grads, which
+are loss-scaled and 16-bit on either path. Usage and checkpoints: docs/integrations.md.
 
-Why the link is needed: with ``mixed_precision="no"`` Accelerate's ``AcceleratedOptimizer.step_was_skipped``
+Why the link (:func:`attach`): with ``mixed_precision="no"`` Accelerate's ``AcceleratedOptimizer.step_was_skipped``
 is always False (it is set only around its own GradScaler), so ``AcceleratedScheduler.step`` and
 ``accelerator.optimizer_step_was_skipped`` (which the HF Trainer reads) would advance the LR schedule over
-halfprec's overflow skips. :func:`attach` registers a step post-hook that copies ``step_was_skipped`` into the
-``AcceleratedOptimizer`` after every real step.
+halfprec's overflow skips; a step post-hook copies ``step_was_skipped`` into the ``AcceleratedOptimizer``.
 """
 
 from __future__ import annotations

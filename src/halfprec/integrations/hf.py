@@ -1,16 +1,12 @@
 """halfprec under the HuggingFace ``Trainer``: the Trainer keeps its loop, halfprec owns the dtype and the scale.
 
-Usage: docs/integrations.md. Against the stock Trainer: ``create_optimizer`` wraps the optimizer in
-``MixedPrecisionOptimizer(param_dtype=halfprec_dtype, impl=impl)`` (``"auto"``: the fused path on CUDA);
-``max_grad_norm`` clips inside ``step()``, on the fused path in the kernel's norm pass (the Trainer's own
-clipping, ``accelerator.clip_grad_norm_``, would clip the scaled 16-bit grads), and the logged ``grad_norm`` is
-the optimizer's unscaled pre-clip norm; for fp16 a gradient hook on the loss that
-``compute_loss`` returns multiplies the incoming gradient by the loss scale (exact), so the logged loss stays
-unscaled; ``create_scheduler`` (called right after ``accelerator.prepare``) links halfprec's skipped steps to
-``accelerator.optimizer_step_was_skipped``, which the Trainer reads to hold the LR schedule.
-
-This overrides three private Trainer methods (``_clip_grad_norm``, ``_get_grad_norm``,
-``_maybe_log_save_evaluate``); tested with transformers 5.24.
+``create_optimizer`` wraps the optimizer in a ``MixedPrecisionOptimizer``, which clips at ``max_grad_norm``
+inside ``step()`` (the Trainer's ``accelerator.clip_grad_norm_`` would clip the scaled 16-bit grads) and reports
+the logged ``grad_norm``. For fp16 a gradient hook on the loss ``compute_loss`` returns multiplies the incoming
+gradient by the loss scale (exact), so the loss the Trainer logs stays unscaled. ``create_scheduler`` (called
+right after ``accelerator.prepare``) links the skipped steps to ``accelerator.optimizer_step_was_skipped``, which
+holds the LR schedule. Three overridden methods are private (``_clip_grad_norm``, ``_get_grad_norm``,
+``_maybe_log_save_evaluate``); tested with transformers 5.24. Usage: docs/integrations.md.
 """
 
 from __future__ import annotations
