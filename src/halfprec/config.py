@@ -25,10 +25,10 @@ from ._checks import (
     is_int,
 )
 from .deepspeed_config import read_deepspeed
-from .precision import Precision, check_precision
+from .precision import DTYPES, Precision, check_precision
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
-__all__ = ["OLD_NAMES", "Config", "check_fields", "config_name", "dynamic_scaling"]
+__all__ = ["OLD_NAMES", "Config", "auto_accum_dtype", "check_fields", "config_name", "dynamic_scaling"]
 
 
 class _NotGiven:
@@ -102,14 +102,10 @@ class Config:
     not combine with ``grad_accum_dtype="fp32"``)."""
 
     grad_accum_dtype: Literal["auto", "param", "fp32"] = "auto"
-    """Where micro-batch grads accumulate: the params' 16-bit ``.grad`` (``"param"``), or fp32 (``"fp32"``:
-    ``grad_accum_dtype=torch.float32`` of the optimizers: the master grads at stage 0, all-reduced in fp32 by the
-    optimizer across several processes (``process_group=``; the model is then not wrapped in DDP), an fp32 grad
-    buffer reduce-scattered in fp32 at stages 1/2). ``"auto"``: fp32 for bf16 with
-    ``gradient_accumulation_steps > 1`` (bf16 sums lose 2.6e-3 relative at 4 micro-batches, 8.4e-3 at 64), else
-    ``"param"``: fp16 (through the loss scale its 16-bit sums lose 3.3e-4 / 1.1e-3, one to two of its own roundings
-    of each grad, for 2 B/param less), one micro-batch (nothing to sum), and where fp32 is not available
-    (``reduce_dtype="param"``). ``accum_dtype()`` resolves it."""
+    """Where micro-batch grads accumulate: the params' 16-bit ``.grad`` (``"param"``), or fp32 (``"fp32"``, the
+    optimizers' ``grad_accum_dtype=torch.float32``: at stage 0 the master grads, all-reduced by the optimizer
+    across processes instead of DDP; at stages 1/2 an fp32 buffer, reduce-scattered in fp32). ``"auto"``:
+    :func:`auto_accum_dtype`'s rule, resolved by ``accum_dtype()``."""
 
     masters: Literal["fp32", "split"] = "fp32"
     """How the fused optimizers store the fp32 masters of bf16 params: fp32 buffers, or ``"split"``: the bf16 param
@@ -163,13 +159,12 @@ class Config:
 
     def accum_dtype(self) -> torch.dtype | None:
         """The optimizers' ``grad_accum_dtype`` this config asks for (at any world size: several ranks at stage 0
-        all-reduce the fp32 sums themselves)."""
-        choice = self.grad_accum_dtype
-        if choice == "auto":
+        all-reduce the fp32 sums themselves; at stages 1/2 ``reduce_dtype="param"`` rules fp32 sums out)."""
+        if self.grad_accum_dtype == "auto":
             sharded_16 = self.zero_stage != 0 and self.reduce_dtype == "param"
-            wanted = self.precision == "bf16" and self.gradient_accumulation_steps > 1
-            choice = "fp32" if wanted and not sharded_16 else "param"
-        return torch.float32 if choice == "fp32" else None
+            steps = self.gradient_accumulation_steps
+            return auto_accum_dtype(DTYPES[self.precision], steps, fp32_sums=not sharded_16)
+        return torch.float32 if self.grad_accum_dtype == "fp32" else None
 
     def _dynamic_settings(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in DYNAMIC_SETTINGS}
@@ -223,6 +218,16 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 _HINTS = get_type_hints(Config)
 # read access under the old name (the InitVar above only covers building)
 Config.initial_scale = property(lambda self: self.init_scale, doc="Old name of ``init_scale``.")  # type: ignore[assignment]
+
+
+def auto_accum_dtype(
+    param_dtype: torch.dtype, micro_batches: int, *, fp32_sums: bool = True
+) -> torch.dtype | None:
+    """What ``grad_accum_dtype="auto"`` asks the optimizers for, the engine's and the integrations' default:
+    ``torch.float32`` for bf16 params summing several micro-batches where fp32 sums are possible (``fp32_sums``),
+    else None, the params' 16-bit ``.grad``: bf16 sums lose 2.7e-3 relative at 4 micro-batches, fp16's go through
+    the loss scale (3.3e-4) for 2 B/param less, one micro-batch has nothing to sum (docs/guarantees.md)."""
+    return torch.float32 if param_dtype == torch.bfloat16 and micro_batches > 1 and fp32_sums else None
 
 
 def dynamic_scaling(precision: str, static_loss_scale: float | None) -> bool:

@@ -46,6 +46,10 @@ class DeepSpeedKey:
     quiet: Callable[[Any], bool] | None = None
     """For warn/error rows: values for which halfprec already does what the key asks (no warning, no error)."""
     quiet_text: str = ""
+    field: str = ""
+    """Mapped rows: the Config field set from the value (fp16/bf16.enabled: none, read together as precision)."""
+    convert: Callable[[Any, str, list[str]], Any] | None = None
+    """Mapped rows: (value, precision, notes) -> the field's value; None: the value as it is."""
 
 
 def _off(value: Any) -> bool:
@@ -64,6 +68,64 @@ _Z3 = "ZeRO-3 only: no effect at stage 0-2"
 _NO_OFFLOAD = "halfprec does not offload"
 _DTYPES = "('fp32' -> 'fp32'; the 16-bit precision -> 'param')"
 _K = DeepSpeedKey
+
+
+def _finite(key: str, value: Any, must: str, *, zero_ok: bool) -> None:
+    if not is_number(value) or not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{key} must be {must}, got {value!r}")
+
+
+def _loss_scale(value: Any, precision: str, notes: list[str]) -> float | None:
+    _finite("fp16.loss_scale", value, "0 (dynamic) or a power of two > 0", zero_ok=True)
+    return None if value == 0 else float(value)
+
+
+def _initial_scale(power: Any, precision: str, notes: list[str]) -> float:
+    if not is_int(power) or not -126 <= power <= 127:
+        raise ValueError(f"fp16.initial_scale_power must be an integer in [-126, 127], got {power!r}")
+    return 2.0**power
+
+
+def _min_scale(value: Any, precision: str, notes: list[str]) -> float:
+    _finite("fp16.min_loss_scale", value, "a finite number > 0", zero_ok=False)
+    rounded = 2.0 ** math.ceil(math.log2(value))
+    if rounded < value:  # log2 rounding at the edge
+        rounded *= 2.0
+    if rounded != value:
+        notes.append(f"fp16.min_loss_scale={value!r} is not a power of two; rounded up to {rounded!r}")
+    return rounded
+
+
+def _clipping(value: Any, precision: str, notes: list[str]) -> float | None:
+    _finite("gradient_clipping", value, "a finite number >= 0 (0 = no clipping)", zero_ok=True)
+    return None if value == 0 else float(value)
+
+
+def _dtype_choice(key: str, what: str, value: Any, precision: str) -> str:
+    """A DeepSpeed dtype name -> ``"fp32"`` or ``"param"`` (the configured 16-bit precision)."""
+    if value in ("fp32", "float32"):
+        return "fp32"
+    if value in ("fp16", "bf16") and value == precision:
+        return "param"
+    raise ValueError(
+        f"{key}={value!r} with precision={precision!r}: halfprec {what} in fp32 or in the params' dtype; use "
+        "'fp32'" + (f" or {precision!r}" if precision != "fp32" else "")
+    )
+
+
+def _reduce_dtype(value: Any, precision: str, notes: list[str]) -> str:
+    return "fp32" if value is None else _dtype_choice("communication_data_type", "reduces", value, precision)
+
+
+def _grad_accum_dtype(value: Any, precision: str, notes: list[str]) -> str:
+    if value is None:  # DeepSpeed's "not set": halfprec's default
+        return "auto"
+    return _dtype_choice("data_types.grad_accum_dtype", "accumulates micro-batch grads", value, precision)
+
+
+def _map(key: str, field: str, detail: str = "", convert: Callable | None = None) -> DeepSpeedKey:
+    """A row that sets ``field`` (the docs' table shows it followed by ``detail``)."""
+    return DeepSpeedKey(key, "mapped", field + detail, field=field, convert=convert)
 
 
 def _flag(key: str, action: Literal["warn", "error"], why: str) -> DeepSpeedKey:
@@ -86,20 +148,18 @@ _Z3_ONLY = """stage3_gather_fp16_weights_on_model_save memory_efficient_linear p
     override_module_apply save_muon_momentum_buffer_in_memory leaf_module""".split()  # noqa: SIM905
 
 DEEPSPEED_KEYS: tuple[DeepSpeedKey, ...] = (
-    _K("gradient_clipping", "mapped", "max_grad_norm (0 = no clipping = None)"),
-    _K("gradient_accumulation_steps", "mapped", "gradient_accumulation_steps"),
-    _K("communication_data_type", "mapped", f"reduce_dtype {_DTYPES}"),
-    _K("data_types.grad_accum_dtype", "mapped", f"grad_accum_dtype {_DTYPES}"),
+    _map("gradient_clipping", "max_grad_norm", " (0 = no clipping = None)", _clipping),
+    _map("gradient_accumulation_steps", "gradient_accumulation_steps"),
+    _map("communication_data_type", "reduce_dtype", f" {_DTYPES}", _reduce_dtype),
+    _map("data_types.grad_accum_dtype", "grad_accum_dtype", f" {_DTYPES}", _grad_accum_dtype),
     _K("fp16.enabled", "mapped", "precision='fp16'"),
-    _K("fp16.loss_scale", "mapped", "static_loss_scale (0 = dynamic = None; else a power of two)"),
-    _K("fp16.initial_scale_power", "mapped", f"{_INIT_SCALE} = 2**p"),
-    _K("fp16.loss_scale_window", "mapped", "growth_interval"),
-    _K(
-        "fp16.hysteresis",
-        "mapped",
-        "hysteresis (budget refilled on growth and on backoff; DeepSpeed: growth only)",
+    _map("fp16.loss_scale", "static_loss_scale", " (0 = dynamic = None; else a power of two)", _loss_scale),
+    _map("fp16.initial_scale_power", _INIT_SCALE, " = 2**p", _initial_scale),
+    _map("fp16.loss_scale_window", "growth_interval"),
+    _map(
+        "fp16.hysteresis", "hysteresis", " (budget refilled on growth and on backoff; DeepSpeed: growth only)"
     ),
-    _K("fp16.min_loss_scale", "mapped", "min_scale (rounded up to a power of two, with a warning)"),
+    _map("fp16.min_loss_scale", "min_scale", " (rounded up to a power of two, with a warning)", _min_scale),
     _flag("fp16.consecutive_hysteresis", "warn", "halfprec refills hysteresis only on growth and backoff"),
     _K(
         "fp16.auto_cast",
@@ -115,11 +175,11 @@ DEEPSPEED_KEYS: tuple[DeepSpeedKey, ...] = (
         "halfprec always keeps fp32 masters and does not offload",
     ),
     _K("bf16.enabled", "mapped", "precision='bf16' (legacy block name 'bfloat16' too)"),
-    _K("bf16.check_grad_overflow", "mapped", "skip_nonfinite"),
+    _map("bf16.check_grad_overflow", "skip_nonfinite"),
     _flag("bf16.immediate_grad_update", "warn", "halfprec accumulates grads in .grad until the step"),
     _flag("bf16.bf16_master_weights_and_grads", "error", "halfprec always keeps fp32 masters"),
     _flag("bf16.bf16_optimizer_states", "error", "halfprec keeps optimizer state on fp32 masters"),
-    _K("zero_optimization.stage", "mapped", "zero_stage (3 is an error pointing to FSDP2)"),
+    _map("zero_optimization.stage", "zero_stage", " (3 is an error pointing to FSDP2)"),
     _K("zero_optimization.offload_optimizer", "error", _NO_OFFLOAD, _no_offload, "device 'none'"),
     _K("zero_optimization.offload_param", "error", _NO_OFFLOAD, _no_offload, "device 'none'"),
     _flag("zero_optimization.cpu_offload", "error", f"{_NO_OFFLOAD} (deprecated key)"),
@@ -143,7 +203,7 @@ def render_deepspeed_table() -> str:
 
 
 _ROWS = {row.key: row for row in DEEPSPEED_KEYS}
-_TOP_KEYS = ("gradient_clipping", "gradient_accumulation_steps", "communication_data_type")
+_TOP_KEYS = tuple(key for key in _ROWS if "." not in key)
 _BLOCKS = ("fp16", "bf16", "bfloat16", "zero_optimization", "data_types")
 _OWNED_TOP = (*_BLOCKS, *_TOP_KEYS)
 _C = TypeVar("_C")
@@ -206,17 +266,17 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
     fields: dict[str, Any] = {"precision": precision}
     sources = {"precision": "fp16.enabled/bf16.enabled"}  # field -> DeepSpeed key, for Config's errors
     off = {"fp16", "bf16"} - {precision}  # the block of the precision not chosen: validated, not applied
-    unused = [k for k in flat if k.split(".")[0] in off and _ROWS[k].action == "mapped"]
-    unused = [k for k in unused if not k.endswith(".enabled")]
+    unused = [k for k in flat if k.split(".")[0] in off and _ROWS[k].field]
     if unused:
         notes.append(f"precision is {precision!r}, so these were not applied: {', '.join(unused)}")
-    for key, field, convert in _MAPPED:
-        if key.partition(".")[0] in off or key not in flat:
+    for row in DEEPSPEED_KEYS:
+        key, field = row.key, row.field
+        if not field or key.partition(".")[0] in off or key not in flat:
             continue
         if flat[key] == "auto":
             notes.append(f"{key}='auto': halfprec's default {field}={getattr(defaults, field)!r}")
             continue
-        fields[field] = flat[key] if convert is None else convert(flat[key], precision, notes)
+        fields[field] = flat[key] if row.convert is None else row.convert(flat[key], precision, notes)
         sources[field] = key
 
     ignored = [k for k in cfg if k not in _OWNED_TOP]
@@ -232,38 +292,6 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
             "Config.from_deepspeed:\n  - " + "\n  - ".join(notes), DeepSpeedConfigWarning, stacklevel=3
         )
     return config
-
-
-def _finite(key: str, value: Any, must: str, *, zero_ok: bool) -> Any:
-    if not is_number(value) or not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        raise ValueError(f"{key} must be {must}, got {value!r}")
-    return value
-
-
-def _loss_scale(value: Any, precision: str, notes: list[str]) -> float | None:
-    _finite("fp16.loss_scale", value, "0 (dynamic) or a power of two > 0", zero_ok=True)
-    return None if value == 0 else float(value)
-
-
-def _initial_scale(power: Any, precision: str, notes: list[str]) -> float:
-    if not is_int(power) or not -126 <= power <= 127:
-        raise ValueError(f"fp16.initial_scale_power must be an integer in [-126, 127], got {power!r}")
-    return 2.0**power
-
-
-def _min_scale(value: Any, precision: str, notes: list[str]) -> float:
-    _finite("fp16.min_loss_scale", value, "a finite number > 0", zero_ok=False)
-    rounded = 2.0 ** math.ceil(math.log2(value))
-    if rounded < value:  # log2 rounding at the edge
-        rounded *= 2.0
-    if rounded != value:
-        notes.append(f"fp16.min_loss_scale={value!r} is not a power of two; rounded up to {rounded!r}")
-    return rounded
-
-
-def _clipping(value: Any, precision: str, notes: list[str]) -> float | None:
-    _finite("gradient_clipping", value, "a finite number >= 0 (0 = no clipping)", zero_ok=True)
-    return None if value == 0 else float(value)
 
 
 def _precision(flat: dict[str, Any], notes: list[str]) -> str:
@@ -293,43 +321,3 @@ def _precision(flat: dict[str, Any], notes: list[str]) -> str:
         )
     notes.append(f"{' and '.join(autos)} = 'auto': halfprec's default precision='bf16'")
     return "bf16"
-
-
-def _dtype_choice(key: str, what: str, value: Any, precision: str) -> str:
-    """A DeepSpeed dtype name -> ``"fp32"`` or ``"param"`` (the configured 16-bit precision)."""
-    if value in ("fp32", "float32"):
-        return "fp32"
-    if value in ("fp16", "bf16") and value == precision:
-        return "param"
-    raise ValueError(
-        f"{key}={value!r} with precision={precision!r}: halfprec {what} in fp32 or in the params' dtype; use "
-        "'fp32'" + (f" or {precision!r}" if precision != "fp32" else "")
-    )
-
-
-def _reduce_dtype(value: Any, precision: str, notes: list[str]) -> str:
-    return "fp32" if value is None else _dtype_choice("communication_data_type", "reduces", value, precision)
-
-
-def _grad_accum_dtype(value: Any, precision: str, notes: list[str]) -> str:
-    # null is DeepSpeed's "not set": halfprec's default
-    if value is None:
-        return "auto"
-    return _dtype_choice("data_types.grad_accum_dtype", "accumulates micro-batch grads", value, precision)
-
-
-# The mapped keys other than fp16/bf16.enabled: (DeepSpeed key, Config field, converter taking the value, the
-# precision and the notes; None = the value as it is). fp16/bf16 keys apply only under their own precision.
-_MAPPED: tuple[tuple[str, str, Callable[[Any, str, list[str]], Any] | None], ...] = (
-    ("fp16.loss_scale", "static_loss_scale", _loss_scale),
-    ("fp16.initial_scale_power", _INIT_SCALE, _initial_scale),
-    ("fp16.loss_scale_window", "growth_interval", None),
-    ("fp16.hysteresis", "hysteresis", None),
-    ("fp16.min_loss_scale", "min_scale", _min_scale),
-    ("bf16.check_grad_overflow", "skip_nonfinite", None),
-    ("gradient_clipping", "max_grad_norm", _clipping),
-    ("gradient_accumulation_steps", "gradient_accumulation_steps", None),
-    ("zero_optimization.stage", "zero_stage", None),
-    ("communication_data_type", "reduce_dtype", _reduce_dtype),
-    ("data_types.grad_accum_dtype", "grad_accum_dtype", _grad_accum_dtype),
-)

@@ -11,14 +11,7 @@ import torch
 
 from ._checks import choice
 
-__all__ = [
-    "DTYPES",
-    "LOW_PRECISION",
-    "PRECISIONS",
-    "Precision",
-    "check_low_precision",
-    "check_precision",
-]
+__all__ = ["DTYPES", "LOW_PRECISION", "PRECISIONS", "Precision", "check_low_precision", "check_precision"]
 
 Precision = Literal["bf16", "fp16", "fp32"]
 """The dtype a model's weights are held in; the fp32 masters do not depend on it."""

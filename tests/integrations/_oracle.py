@@ -76,11 +76,20 @@ def make_scaler(dtype: torch.dtype):
 
 
 def make_optimizer(
-    model: nn.Module, dtype: torch.dtype, max_grad_norm: float | None = CLIP, impl: str = "torch"
+    model: nn.Module,
+    dtype: torch.dtype,
+    max_grad_norm: float | None = CLIP,
+    impl: str = "torch",
+    grad_accum_dtype: torch.dtype | None = None,
 ):
     inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     return halfprec.MixedPrecisionOptimizer(
-        inner, loss_scaler=make_scaler(dtype), max_grad_norm=max_grad_norm, param_dtype=dtype, impl=impl
+        inner,
+        loss_scaler=make_scaler(dtype),
+        max_grad_norm=max_grad_norm,
+        param_dtype=dtype,
+        impl=impl,
+        grad_accum_dtype=grad_accum_dtype,
     )
 
 
@@ -127,6 +136,7 @@ def plain_loop(
     cast_targets=False,
     impl="torch",
     device="cpu",
+    grad_accum_dtype=None,
 ):
     """The reference: ``mp.backward(loss / accum)`` per micro-batch, ``mp.step()`` at each boundary.
 
@@ -134,7 +144,7 @@ def plain_loop(
     """
     if model is None:
         model = make_model(device=device)
-        mp = make_optimizer(model, dtype, max_grad_norm, impl)
+        mp = make_optimizer(model, dtype, max_grad_norm, impl, grad_accum_dtype)
         sched = make_scheduler(mp)
     injector = InfInjector(model[0].weight, inf_at)
     rec = Record()

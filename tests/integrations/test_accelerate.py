@@ -20,7 +20,9 @@ from halfprec.integrations import accelerate as hp_accelerate  # noqa: E402
 from ..tolerances import approx  # noqa: E402
 from . import _oracle  # noqa: E402
 from ._oracle import (  # noqa: E402
+    CLIP,
     DTYPES,
+    LR,
     InfInjector,
     Record,
     assert_same_weights,
@@ -93,6 +95,39 @@ def test_matches_plain_loop(name, accum):
     # ... and clipped the norm to 0.05: the oracle checked each step's grads against clip_grad_norm_ (fp32)
     assert len(ref.clipped_norms) == 6 // accum
     assert all(n == approx(0.05, "clipped_norm") for n in ref.clipped_norms), ref.clipped_norms
+
+
+def test_wrap_optimizer_accumulates_bf16_in_fp32_as_the_plain_loop_asked_for_it():
+    dtype, batches = torch.bfloat16, make_batches(6)
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2, grad_accum_dtype=torch.float32)
+    accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=2)
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    mp = hp_accelerate.wrap_optimizer(accelerator, inner, param_dtype=dtype, max_grad_norm=CLIP, impl="torch")
+    model, opt, loader, sched = hp_accelerate.prepare(
+        accelerator, model, mp, make_loader(batches), make_scheduler(mp)
+    )
+    rec = Record()
+    _train(accelerator, model, mp, opt, loader, sched, dtype, rec)
+    assert mp.grad_accum_dtype is torch.float32 and rec == ref
+    assert_same_weights(model, mp, ref_model, ref_mp)
+
+
+@pytest.mark.parametrize(
+    ("name", "accum", "kwargs", "expected"),
+    [
+        ("bf16", 1, {}, None),  # one micro-batch: nothing to sum
+        ("fp16", 2, {}, None),  # the loss scale keeps 16-bit sums close
+        ("bf16", 2, {"grad_accum_dtype": None}, None),
+        ("fp16", 1, {"grad_accum_dtype": torch.float32}, torch.float32),
+    ],
+)
+def test_wrap_optimizer_grad_accum_dtype(name, accum, kwargs, expected):
+    accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=accum)
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=LR)
+    mp = hp_accelerate.wrap_optimizer(accelerator, inner, param_dtype=DTYPES[name], **kwargs)
+    assert mp.grad_accum_dtype is expected
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
@@ -192,7 +227,7 @@ def test_fused_optimizer_matches_plain_loop(name):
     # The fused optimizers own masters and a scale too; the link and the scaled entry point are the same.
     from halfprec.optim import FusedAdamW
 
-    from ._oracle import CLIP, LR, make_scaler
+    from ._oracle import make_scaler
 
     def fused(model, dtype):
         return FusedAdamW(

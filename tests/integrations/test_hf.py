@@ -129,7 +129,9 @@ def test_trainer_built_optimizer_matches_plain_loop(name, tmp_path):
     dtype, batches = DTYPES[name], make_batches(6)
     args = _args(tmp_path, 3, weight_decay=0.1)
     model = RegressionModel()
-    trainer = HalfprecTrainer(model=model, args=args, train_dataset=_dataset(batches), halfprec_dtype=dtype)
+    trainer = HalfprecTrainer(
+        model=model, args=args, train_dataset=_dataset(batches), halfprec_dtype=dtype, grad_accum_dtype=None
+    )  # 16-bit accumulation, as the plain loop
     trainer.train()
 
     ref_model = make_model()
@@ -170,6 +172,49 @@ def test_overflow_skip_holds_schedule(name, tmp_path, recwarn):
     assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "halfprec" in str(w.message)]
 
 
+def test_default_accumulates_bf16_in_fp32_as_the_plain_loop_asked_for_it(tmp_path):
+    dtype, batches = torch.bfloat16, make_batches(6)
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2, grad_accum_dtype=torch.float32)
+    model = RegressionModel()
+    inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    trainer = HalfprecTrainer(
+        model=model,
+        args=_args(tmp_path, 3),
+        train_dataset=_dataset(batches),
+        optimizers=(inner, make_scheduler(inner)),
+        halfprec_dtype=dtype,
+        impl="torch",
+    )
+    trainer.train()
+    mp = trainer.halfprec_optimizer
+    assert mp.grad_accum_dtype is torch.float32 and model.losses == ref.losses
+    assert _logged(trainer, "grad_norm") == ref.grad_norms
+    assert_same_weights(model.net, mp, ref_model, ref_mp)
+
+
+@pytest.mark.parametrize(
+    ("name", "accum", "kwargs", "expected"),
+    [
+        ("bf16", 2, {}, torch.float32),
+        ("bf16", 1, {}, None),  # one micro-batch: nothing to sum
+        ("fp16", 2, {}, None),  # the loss scale keeps 16-bit sums close
+        ("bf16", 2, {"grad_accum_dtype": None}, None),
+        ("fp16", 1, {"grad_accum_dtype": torch.float32}, torch.float32),
+    ],
+)
+def test_grad_accum_dtype_default_follows_gradient_accumulation_steps(
+    tmp_path, name, accum, kwargs, expected
+):
+    trainer = HalfprecTrainer(
+        model=RegressionModel(),
+        args=_args(tmp_path, 1, gradient_accumulation_steps=accum),
+        train_dataset=_dataset(make_batches(2)),
+        halfprec_dtype=DTYPES[name],
+        **kwargs,
+    )
+    assert trainer.create_optimizer().grad_accum_dtype is expected
+
+
 @pytest.mark.parametrize(("device", "impl"), _oracle.FUSED_PATHS)
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_fused_path_clips_in_the_kernel(name, device, impl, tmp_path):
@@ -191,6 +236,7 @@ def test_fused_path_clips_in_the_kernel(name, device, impl, tmp_path):
         halfprec_dtype=dtype,
         loss_scaler=make_scaler(dtype),
         impl=impl,
+        grad_accum_dtype=None,  # 16-bit accumulation, as the plain loop
     )
     injector = InfInjector(model.net[0].weight, inf_at)
     trainer.train()

@@ -36,6 +36,8 @@ from ._oracle import (  # noqa: E402
     plain_loop,
 )
 
+_QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+
 
 class LitRegression(L.LightningModule):
     def __init__(self, seed=0, inf_at=(), halfprec_optimizer=None):
@@ -74,20 +76,32 @@ class LitRegression(L.LightningModule):
 
 
 def _fit(
-    name, batches, *, epochs=1, seed=0, inf_at=(), ckpt_path=None, device="cpu", impl="auto", model=None, **kw
+    name,
+    batches,
+    *,
+    epochs=1,
+    seed=0,
+    inf_at=(),
+    ckpt_path=None,
+    device="cpu",
+    impl="auto",
+    model=None,
+    accum=2,
+    grad_accum_dtype=None,  # 16-bit accumulation, as the plain loop
+    **kw,
 ):
     model = LitRegression(seed, inf_at) if model is None else model
+    plugin = HalfprecPrecision(
+        name, loss_scaler=make_scaler(DTYPES[name]), impl=impl, grad_accum_dtype=grad_accum_dtype
+    )
     trainer = L.Trainer(
         accelerator=device,
         devices=1,
         max_epochs=epochs,
-        plugins=[HalfprecPrecision(name, loss_scaler=make_scaler(DTYPES[name]), impl=impl)],
+        plugins=[plugin],
         gradient_clip_val=CLIP,
-        accumulate_grad_batches=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
+        accumulate_grad_batches=accum,
+        **_QUIET,
         num_sanity_val_steps=0,
         **kw,
     )
@@ -120,6 +134,36 @@ def test_matches_plain_loop(name):
     # The last step's master grads (unscaled) were clipped to gradient_clip_val, from the logged pre-clip norm.
     post = torch.nn.utils.get_total_norm([m.grad for m in mp.master_params()])
     assert float(post) == pytest.approx(CLIP, rel=1e-5) and model.grad_norms[-1] > 10 * CLIP
+
+
+def test_default_accumulates_bf16_in_fp32_as_the_plain_loop_asked_for_it():
+    dtype, batches = torch.bfloat16, make_batches(6)
+    ref_model, ref_mp, _, ref = plain_loop(
+        dtype, batches, accum=2, cast_targets=True, grad_accum_dtype=torch.float32
+    )
+    trainer, model = _fit("bf16", batches, grad_accum_dtype="auto")
+    assert trainer.optimizers[0].grad_accum_dtype is torch.float32
+    _check_same(model, trainer, ref_model, ref_mp, ref)
+
+
+@pytest.mark.parametrize(
+    ("name", "accum", "grad_accum_dtype", "expected"),
+    [
+        ("bf16", 1, "auto", None),  # one micro-batch: nothing to sum
+        ("fp16", 2, "auto", None),  # the loss scale keeps 16-bit sums close
+        ("bf16", 2, None, None),  # explicit 16-bit
+        ("fp16", 1, torch.float32, torch.float32),  # explicit fp32
+    ],
+)
+def test_grad_accum_dtype_auto_and_explicit(name, accum, grad_accum_dtype, expected):
+    trainer, _ = _fit(name, make_batches(2), accum=accum, grad_accum_dtype=grad_accum_dtype)
+    assert trainer.optimizers[0].grad_accum_dtype is expected
+
+
+def test_grad_accum_dtype_default_is_auto():
+    assert HalfprecPrecision("bf16").grad_accum_dtype == "auto"
+    with pytest.raises(ValueError, match=r"grad_accum_dtype must be 'auto'.*torch\.float32, got 'fp32'"):
+        HalfprecPrecision("bf16", grad_accum_dtype="fp32")
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
@@ -228,10 +272,7 @@ def test_manual_optimization_fp16():
         accelerator="cpu",
         max_epochs=1,
         plugins=[HalfprecPrecision("fp16", loss_scaler=make_scaler(dtype))],
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
+        **_QUIET,
     )
     trainer.fit(model, make_loader(batches))
     assert model.skipped == [False, True, False, False]
@@ -259,10 +300,7 @@ def test_clip_set_twice_is_an_error():
         max_epochs=1,
         plugins=[HalfprecPrecision("bf16")],
         gradient_clip_val=CLIP,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
+        **_QUIET,
     )
     with (
         pytest.raises(ValueError, match=r"max_grad_norm=0\.5 and the Trainer has gradient_clip_val=0\.05"),
@@ -278,10 +316,7 @@ def test_optimizer_wrapped_in_configure_optimizers_warns_that_masters_are_rounde
         accelerator="cpu",
         max_steps=1,
         plugins=[HalfprecPrecision("bf16")],
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
+        **_QUIET,
     )
     with pytest.warns(
         RuntimeWarning, match=r"MixedPrecisionOptimizer was built over params that the halfprec"
@@ -304,10 +339,7 @@ def test_second_fit_on_the_same_trainer_uses_only_its_own_optimizer():
         accelerator="cpu",
         max_epochs=1,
         plugins=[plugin],
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
+        **_QUIET,
     )
     trainer.fit(model, make_loader(batches))
     trainer.fit_loop.max_epochs = 2

@@ -7,9 +7,12 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from ..optim.checks import check_grad_accum_dtype
+import torch
 
-__all__ = ["check_strategy", "require"]
+from ..config import auto_accum_dtype
+from ..optim.checks import check_grad_accum_dtype, world_size
+
+__all__ = ["check_strategy", "require", "resolve_grad_accum_dtype"]
 
 
 def require(package: str, adapter: str) -> ModuleType:
@@ -31,4 +34,25 @@ def check_strategy(impl: Any, grad_accum_dtype: Any) -> None:
             f"impl must be 'auto' (the fused path on CUDA, else the exact one), 'torch' (the exact path) or "
             f"'triton' (the fused path), got {impl!r}"
         )
-    check_grad_accum_dtype(grad_accum_dtype)
+    if grad_accum_dtype not in ("auto", None, torch.float32):
+        raise ValueError(
+            "grad_accum_dtype must be 'auto' (fp32 for bf16 params when the tool accumulates micro-batches), None "
+            f"(the params' 16-bit .grad) or torch.float32, got {grad_accum_dtype!r}"
+        )
+    if grad_accum_dtype is torch.float32:
+        check_grad_accum_dtype(grad_accum_dtype)
+
+
+def resolve_grad_accum_dtype(
+    choice: Any, optimizer: torch.optim.Optimizer, param_dtype: torch.dtype | None, micro_batches: int
+) -> torch.dtype | None:
+    """The ``grad_accum_dtype`` an adapter wraps ``optimizer`` with (its params cast to ``param_dtype``; None: they
+    are 16-bit already): ``"auto"`` is ``Config``'s rule for the tool's ``micro_batches``, 16-bit when several
+    processes train (the tool's DDP all-reduces the 16-bit ``.grad``, which fp32 accumulation releases); an
+    explicit value as it is."""
+    if choice != "auto":
+        return choice
+    if param_dtype is None:
+        bf16 = any(p.dtype == torch.bfloat16 for group in optimizer.param_groups for p in group["params"])
+        param_dtype = torch.bfloat16 if bf16 else torch.float16
+    return auto_accum_dtype(param_dtype, micro_batches, fp32_sums=world_size() == 1)

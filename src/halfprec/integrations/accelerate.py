@@ -1,28 +1,26 @@
 """halfprec under HuggingFace Accelerate: halfprec owns the dtype and the loss scale, Accelerate the rest.
 
-Use ``Accelerator(mixed_precision="no")``, build the ``MixedPrecisionOptimizer`` before ``prepare`` and go
-through :func:`prepare` (or call :func:`attach` after your own ``accelerator.prepare``); the scaled entry point
-is ``accelerator.backward(mp.scale_loss(loss))``. The optimizer's own ``impl`` picks the path (``"auto"``: the
-fused one on CUDA). Clip with the optimizer's ``max_grad_norm`` (settable before any step; on the fused path
-the kernel's norm pass clips) and read the unscaled pre-clip norm from ``mp.grad_norm`` after the step:
-``accelerator.clip_grad_norm_`` calls ``torch.nn.utils.clip_grad_norm_`` on the params it is given, whose
-grads are still loss-scaled and 16-bit on either path. Usage and checkpoints: docs/integrations.md.
+Build the ``MixedPrecisionOptimizer`` (:func:`wrap_optimizer`) before :func:`prepare`, under
+``Accelerator(mixed_precision="no")``; the scaled entry point is ``accelerator.backward(mp.scale_loss(loss))``.
+Clip with the optimizer's ``max_grad_norm``: ``accelerator.clip_grad_norm_`` would clip the params' grads, which
+are loss-scaled and 16-bit on either path. Usage and checkpoints: docs/integrations.md.
 
-Why the link is needed: with ``mixed_precision="no"`` Accelerate's ``AcceleratedOptimizer.step_was_skipped``
+Why the link (:func:`attach`): with ``mixed_precision="no"`` Accelerate's ``AcceleratedOptimizer.step_was_skipped``
 is always False (it is set only around its own GradScaler), so ``AcceleratedScheduler.step`` and
 ``accelerator.optimizer_step_was_skipped`` (which the HF Trainer reads) would advance the LR schedule over
-halfprec's overflow skips. :func:`attach` registers a step post-hook that copies ``step_was_skipped`` into the
-``AcceleratedOptimizer`` after every real step.
+halfprec's overflow skips; a step post-hook copies ``step_was_skipped`` into the ``AcceleratedOptimizer``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..optim.base import MixedPrecisionOptimizer
-from . import require
+import torch
 
-__all__ = ["attach", "check_accelerator", "prepare"]
+from ..optim.base import MixedPrecisionOptimizer
+from . import check_strategy, require, resolve_grad_accum_dtype
+
+__all__ = ["attach", "check_accelerator", "prepare", "wrap_optimizer"]
 
 _HOOK_ATTR = "_halfprec_skip_hook"
 
@@ -82,3 +80,20 @@ def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
     out = accelerator.prepare(*args, **kwargs)
     attach(accelerator)
     return out
+
+
+def wrap_optimizer(
+    accelerator: Any,
+    optimizer: torch.optim.Optimizer,
+    *,
+    param_dtype: torch.dtype | None = None,
+    grad_accum_dtype: torch.dtype | str | None = "auto",
+    **kwargs: Any,
+) -> MixedPrecisionOptimizer:
+    """``MixedPrecisionOptimizer(optimizer, param_dtype=..., **kwargs)`` accumulating as ``grad_accum_dtype``
+    says: ``"auto"`` (the default) is fp32 for bf16 with ``accelerator.gradient_accumulation_steps > 1`` on one
+    process, None the params' 16-bit ``.grad``, ``torch.float32`` fp32. Call it before :func:`prepare`."""
+    check_strategy(kwargs.get("impl", "auto"), grad_accum_dtype)
+    steps = accelerator.gradient_accumulation_steps
+    accum = resolve_grad_accum_dtype(grad_accum_dtype, optimizer, param_dtype, steps)
+    return MixedPrecisionOptimizer(optimizer, param_dtype=param_dtype, grad_accum_dtype=accum, **kwargs)

@@ -1,20 +1,17 @@
 """halfprec under the HuggingFace ``Trainer``: the Trainer keeps its loop, halfprec owns the dtype and the scale.
 
-Usage: docs/integrations.md. Against the stock Trainer: ``create_optimizer`` wraps the optimizer in
-``MixedPrecisionOptimizer(param_dtype=halfprec_dtype, impl=impl)`` (``"auto"``: the fused path on CUDA);
-``max_grad_norm`` clips inside ``step()``, on the fused path in the kernel's norm pass (the Trainer's own
-clipping, ``accelerator.clip_grad_norm_``, would clip the scaled 16-bit grads), and the logged ``grad_norm`` is
-the optimizer's unscaled pre-clip norm; for fp16 a gradient hook on the loss that
-``compute_loss`` returns multiplies the incoming gradient by the loss scale (exact), so the logged loss stays
-unscaled; ``create_scheduler`` (called right after ``accelerator.prepare``) links halfprec's skipped steps to
-``accelerator.optimizer_step_was_skipped``, which the Trainer reads to hold the LR schedule.
-
-This overrides three private Trainer methods (``_clip_grad_norm``, ``_get_grad_norm``,
-``_maybe_log_save_evaluate``); tested with transformers 5.24.
+``create_optimizer`` wraps the optimizer in a ``MixedPrecisionOptimizer``, which clips at ``max_grad_norm``
+inside ``step()`` (the Trainer's ``accelerator.clip_grad_norm_`` would clip the scaled 16-bit grads) and reports
+the logged ``grad_norm``. For fp16 a gradient hook on the loss ``compute_loss`` returns multiplies the incoming
+gradient by the loss scale (exact), so the loss the Trainer logs stays unscaled. ``create_scheduler`` (called
+right after ``accelerator.prepare``) links the skipped steps to ``accelerator.optimizer_step_was_skipped``, which
+holds the LR schedule. Three overridden methods are private (``_clip_grad_norm``, ``_get_grad_norm``,
+``_maybe_log_save_evaluate``); tested with transformers 5.24. Usage: docs/integrations.md.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -24,7 +21,7 @@ from ..optim.select import fused_unsupported_reason
 from ..precision import LOW_PRECISION, check_low_precision
 from ..scaler import LossScaler
 from . import accelerate as _hp_accelerate
-from . import check_strategy, require
+from . import check_strategy, require, resolve_grad_accum_dtype
 
 __all__ = ["HalfprecCallback", "HalfprecTrainer", "HalfprecTrainerMixin", "check_training_args"]
 
@@ -32,20 +29,13 @@ __all__ = ["HalfprecCallback", "HalfprecTrainer", "HalfprecTrainerMixin", "check
 transformers = require("transformers", "hf")
 
 
-def _check_trainer_hooks() -> None:
-    # The mixin overrides these Trainer methods (three of them private); fail loudly, not silently, where a
-    # transformers version lays the loop out differently.
-    import inspect
+# The Trainer methods the mixin overrides (three of them private, and _maybe_log_save_evaluate): fail loudly, not
+# silently, where a transformers version lays the loop out differently.
+_HOOKS = ("compute_loss", "create_optimizer", "create_scheduler", "log", "_clip_grad_norm", "_get_grad_norm")
 
-    names = (
-        "compute_loss",
-        "create_optimizer",
-        "create_scheduler",
-        "log",
-        "_clip_grad_norm",
-        "_get_grad_norm",
-    )
-    missing = [n for n in names if not callable(getattr(transformers.Trainer, n, None))]
+
+def _check_trainer_hooks() -> None:
+    missing = [n for n in _HOOKS if not callable(getattr(transformers.Trainer, n, None))]
     log_step = getattr(transformers.Trainer, "_maybe_log_save_evaluate", None)
     if log_step is None or list(inspect.signature(log_step).parameters)[1:3] != ["tr_loss", "grad_norm"]:
         missing.append("_maybe_log_save_evaluate(tr_loss, grad_norm, ...)")
@@ -124,7 +114,8 @@ class HalfprecTrainerMixin:
             ``"torch"`` (the exact path) or ``"triton"``; for an optimizer passed in ``optimizers=``, only when it
             is a plain torch one.
         grad_accum_dtype: ``torch.float32`` accumulates ``gradient_accumulation_steps`` micro-batches in fp32
-            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads.
+            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads; ``"auto"``: fp32 for bf16
+            with ``gradient_accumulation_steps > 1`` on one process.
     """
 
     def __init__(
@@ -133,7 +124,7 @@ class HalfprecTrainerMixin:
         halfprec_dtype: torch.dtype | None = None,
         loss_scaler: LossScaler | None = None,
         impl: str = "auto",
-        grad_accum_dtype: torch.dtype | None = None,
+        grad_accum_dtype: torch.dtype | str | None = "auto",
         **kwargs: Any,
     ) -> None:
         # refused before the Trainer builds anything on these arguments
@@ -145,6 +136,7 @@ class HalfprecTrainerMixin:
         self._halfprec_loss_scaler = loss_scaler
         self._halfprec_checked: MixedPrecisionOptimizer | None = None  # the optimizer the scale check hooks
         self._halfprec_loss_hooks: list = []  # this training_step's scaling hooks on compute_loss's loss
+        self._halfprec_scaled = False  # since the last step: a backward was loss-scaled
         super().__init__(*args, **kwargs)
         check_training_args(self.args)
         if not any(isinstance(cb, HalfprecCallback) for cb in self.callback_handler.callbacks):
@@ -185,7 +177,12 @@ class HalfprecTrainerMixin:
                 max_grad_norm=self._halfprec_max_grad_norm(None),
                 param_dtype=self.halfprec_dtype,
                 impl=_trainer_impl(optimizer, self.halfprec_impl) if built else self.halfprec_impl,
-                grad_accum_dtype=self.halfprec_grad_accum_dtype,
+                grad_accum_dtype=resolve_grad_accum_dtype(
+                    self.halfprec_grad_accum_dtype,
+                    optimizer,
+                    self.halfprec_dtype,
+                    self.args.gradient_accumulation_steps,
+                ),
             )
         else:
             mp.max_grad_norm = self._halfprec_max_grad_norm(mp)
@@ -243,7 +240,7 @@ class HalfprecTrainerMixin:
 
     def _halfprec_check_scaled(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Step pre-hook: a step whose backward was not loss-scaled would apply grads ``loss_scale`` too small."""
-        scaled, self._halfprec_scaled = getattr(self, "_halfprec_scaled", False), False
+        scaled, self._halfprec_scaled = self._halfprec_scaled, False
         if not scaled and not optimizer.loss_scaler.is_unit:
             raise RuntimeError(
                 "the optimizer stepped after a backward that halfprec did not loss-scale: a training_step "

@@ -29,10 +29,11 @@ import torch
 from ..optim.base import MixedPrecisionOptimizer
 from ..precision import DTYPES
 from ..scaler import LossScaler
-from . import check_strategy, require
+from . import check_strategy, require, resolve_grad_accum_dtype
 
 _FabricPrecision = require("lightning.fabric.plugins", "lightning").Precision
 _TrainerPrecision = require("lightning.pytorch.plugins.precision", "lightning").Precision
+_LightningModule = require("lightning.pytorch", "lightning").LightningModule
 apply_to_collection = require("lightning_utilities", "lightning").apply_to_collection
 
 __all__ = ["HalfprecFabricPrecision", "HalfprecPrecision", "setup_fabric"]
@@ -57,7 +58,7 @@ class _Common:
         loss_scaler: LossScaler | None = None,
         skip_nonfinite: bool = True,
         impl: str = "auto",
-        grad_accum_dtype: torch.dtype | None = None,
+        grad_accum_dtype: torch.dtype | str | None = "auto",
     ) -> None:
         if precision not in _LIGHTNING_NAME:  # the 16-bit ones: fp32 weights need no plugin
             raise ValueError(
@@ -101,10 +102,11 @@ class _Common:
 
     # --- wrapping ---------------------------------------------------------------------------------------
     def wrap_optimizer(
-        self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
+        self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None, micro_batches: int = 1
     ) -> MixedPrecisionOptimizer:
         """``optimizer`` as a ``MixedPrecisionOptimizer`` over the params this plugin cast (their fp32 values
-        become the masters); an already-built halfprec optimizer is used as it is."""
+        become the masters), accumulating ``micro_batches`` as ``grad_accum_dtype`` says; an already-built
+        halfprec optimizer is used as it is."""
         optimizer = _unwrap(optimizer)
         if isinstance(optimizer, MixedPrecisionOptimizer):
             mp = optimizer  # already owns masters and a loss scale (MixedPrecisionOptimizer, FusedAdamW, ...)
@@ -118,12 +120,10 @@ class _Common:
                 )
         else:
             with torch.no_grad():
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        if p in self._fp32:
-                            # back to fp32 so that param_dtype keeps it as the master; on the param's device
-                            # now (the Trainer moves the module after convert_module, the fp32 copy stayed)
-                            p.data = self._fp32[p].to(p.device)
+                for p in (p for group in optimizer.param_groups for p in group["params"] if p in self._fp32):
+                    # back to fp32 so that param_dtype keeps it as the master; on the param's device now (the
+                    # Trainer moves the module after convert_module, the fp32 copy stayed)
+                    p.data = self._fp32[p].to(p.device)
             mp = MixedPrecisionOptimizer(
                 optimizer,
                 loss_scaler=copy.deepcopy(self.loss_scaler),  # one per optimizer
@@ -131,7 +131,9 @@ class _Common:
                 skip_nonfinite=self.skip_nonfinite,
                 param_dtype=self.dtype,
                 impl=self.impl,
-                grad_accum_dtype=self.grad_accum_dtype,
+                grad_accum_dtype=resolve_grad_accum_dtype(
+                    self.grad_accum_dtype, optimizer, self.dtype, micro_batches
+                ),
             )
         if mp not in self._optimizers:
             self._optimizers.append(mp)
@@ -188,6 +190,12 @@ def _to_dtype(tensor: torch.Tensor, dst_type: torch.dtype) -> torch.Tensor:
     return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
 
 
+def _trainer(model: Any) -> Any:
+    """The Trainer ``connect`` runs under: ``model`` is the LightningModule, or (DDP) the module around it."""
+    module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return module.trainer if isinstance(module, _LightningModule) else None
+
+
 class _HoldOnSkipScheduler(torch.optim.lr_scheduler.LRScheduler):
     """A scheduler that forwards to ``scheduler`` but does not step after a skipped optimizer step.
 
@@ -200,19 +208,16 @@ class _HoldOnSkipScheduler(torch.optim.lr_scheduler.LRScheduler):
         self.__dict__["_mp"] = optimizer
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            scheduler = self.__dict__["_scheduler"]
-        except KeyError:  # copy/pickle look attributes up before __init__ ran: say they are not there
-            raise AttributeError(name) from None
-        return getattr(scheduler, name)
+        if "_scheduler" not in self.__dict__:  # copy/pickle look attributes up before __init__ ran
+            raise AttributeError(name)
+        return getattr(self.__dict__["_scheduler"], name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._scheduler, name, value)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._mp.step_was_skipped:
-            return
-        self._scheduler.step(*args, **kwargs)
+        if not self._mp.step_was_skipped:
+            self._scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return self._scheduler.get_last_lr()
@@ -250,11 +255,13 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         impl: ``"auto"`` (the fused optimizer on CUDA when it supports the optimizer, else the exact path),
             ``"torch"`` (the exact path: fp32 master grads that hooks and value clipping can edit) or ``"triton"``.
         grad_accum_dtype: ``torch.float32`` accumulates ``accumulate_grad_batches`` micro-batches in fp32
-            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads.
+            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads; ``"auto"``: fp32 for bf16
+            with ``accumulate_grad_batches > 1`` on one process (Fabric: only when told).
     """
 
     def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple[Any, list, list]:
-        trainer = getattr(model, "_trainer", None)
+        trainer = _trainer(model)
+        micro_batches = getattr(trainer, "accumulate_grad_batches", 1)
         clip_val = getattr(trainer, "gradient_clip_val", None)
         by_value = clip_val and getattr(trainer, "gradient_clip_algorithm", None) == "value"
         by_id: dict[int, MixedPrecisionOptimizer] = {}
@@ -262,7 +269,7 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         # every fit (and Tuner.lr_find) connects its optimizers anew: only this fit's are the plugin's
         self._optimizers = []
         for optimizer in optimizers:
-            mp = self.wrap_optimizer(optimizer)
+            mp = self.wrap_optimizer(optimizer, micro_batches=micro_batches)
             if mp.max_grad_norm is not None and clip_val:
                 raise ValueError(
                     f"the MixedPrecisionOptimizer clips at max_grad_norm={mp.max_grad_norm!r} and the Trainer has "
