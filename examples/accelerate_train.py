@@ -12,7 +12,6 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-import halfprec
 from halfprec.integrations import accelerate as hp_accelerate
 
 
@@ -29,9 +28,10 @@ def main() -> None:
     accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=args.accum)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1))  # built in fp32
     model.to(accelerator.device)  # before wrapping: the masters are made on the params' device
-    # param_dtype casts the model's params in place and keeps their fp32 values as the masters.
-    mp = halfprec.MixedPrecisionOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=3e-3), param_dtype=dtype, max_grad_norm=1.0
+    # a MixedPrecisionOptimizer: param_dtype casts the model's params in place and keeps their fp32 values as the
+    # masters; bf16 micro-batches are summed in fp32 (grad_accum_dtype="auto" reads the accumulation steps)
+    mp = hp_accelerate.wrap_optimizer(
+        accelerator, torch.optim.AdamW(model.parameters(), lr=3e-3), param_dtype=dtype, max_grad_norm=1.0
     )
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(mp, T_max=args.steps)
     x = torch.randn(args.steps * args.accum * 16, 32)
