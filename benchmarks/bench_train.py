@@ -202,7 +202,8 @@ def hf_run(model, dtype, data, args) -> tuple[list[float], list[float]]:
             return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
 
     total = args.warmup + args.steps
-    rows = [{"input_ids": x, "labels": x} for i in range(total) for x in data[i % len(data)].cpu()]
+    host = [batch.cpu() for batch in data]  # copied once, cycled as the other systems cycle ``data``
+    rows = [{"input_ids": x, "labels": x} for i in range(total) for x in host[i % len(host)]]
     with tempfile.TemporaryDirectory() as out:
         targs = TrainingArguments(
             out, max_steps=total, per_device_train_batch_size=args.batch, learning_rate=LR,
