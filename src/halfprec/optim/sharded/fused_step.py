@@ -47,12 +47,6 @@ def _rows(pieces: list, block: int) -> tuple[list[tuple], list[tuple]]:
     return aligned, loose
 
 
-def _shift(layout: Layout, b: int) -> int:
-    """Elements from local coordinates to this rank's shard of bucket ``b`` in the global flat buffer."""
-    bucket = layout.buckets[b]
-    return bucket.shard_range(layout.rank)[0] - bucket.local
-
-
 class FusedLocalStep:
     """Flat state buffers, update tables and device scratch for one sharded optimizer's fused local step."""
 
@@ -81,9 +75,10 @@ class FusedLocalStep:
         self.aligned = torch.tensor(aligned, dtype=torch.int64).reshape(-1, 3).to(dev)
         self.loose = torch.tensor(loose, dtype=torch.int64).reshape(-1, 3).to(dev)
         # per row: global offset of its bucket's shard on this rank minus the bucket's local offset
-        shifts = [_shift(layout, self.pieces[k].bucket) for rows in (aligned, loose) for _, _, k in rows]
-        self.shift = torch.tensor(shifts, dtype=torch.int64).to(dev)
-        self.shifts = self.shift[: len(aligned)], self.shift[len(aligned) :]
+        bucket_shift = [b.shard_range(layout.rank)[0] - b.local for b in layout.buckets]
+        shifts = [bucket_shift[self.pieces[k].bucket] for rows in (aligned, loose) for _, _, k in rows]
+        shift = torch.tensor(shifts, dtype=torch.int64).to(dev)
+        self.shifts = shift[: len(aligned)], shift[len(aligned) :]
         if param.dtype == torch.float32:  # the kernel takes fp32 params as their own masters: copied after
             self.shifts = None, None
         n = max(len(self.pieces), 1)

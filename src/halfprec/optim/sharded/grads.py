@@ -141,11 +141,11 @@ class GradReducer:
             if not self._sync:
                 return
         else:
+            bucket = layout.buckets[b]
             staging = self._staging.get(b)
             if staging is None:
-                bucket = layout.buckets[b]
                 staging = self._staging[b] = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
-            off = layout.offset_in_bucket(i)
+            off = layout.offsets[i] - bucket.start
             staging[off : off + layout.numels[i]].copy_(param.grad.reshape(-1))
             param.grad = None
         if not self._queued:
