@@ -399,13 +399,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         }
 
     def _param_entries(self) -> list[dict[str, Any]]:
+        held = {p for p in self._trainable if p.dtype != torch.float32}  # the params with an fp32 master
         return [
-            {
-                "shape": list(p.shape),
-                "dtype": str(p.dtype),
-                "master": p in self._index and p.dtype != torch.float32,
-            }
-            for p in self._model_params
+            {"shape": list(p.shape), "dtype": str(p.dtype), "master": p in held} for p in self._model_params
         ]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

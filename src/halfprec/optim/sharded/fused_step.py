@@ -139,25 +139,23 @@ class FusedLocalStep:
         if reason is not None:
             raise ValueError(f"the fused local step cannot run: {reason} when building the sharded optimizer")
         tell_schedulers(self.optimizer)
-        counts, flags = [], []
+        counts, flags = [0.0] * len(self.params), [0.0] * len(self.params)
         for k in range(len(self.params)):
             group = groups[self.group_of[k]]
             state = self._adopt(k, group)
             if used_anywhere[self.pieces[k].param] <= 0:
-                counts.append(0.0)
-                flags.append(0.0)
                 continue
+            flags[k] = 1.0
             if self.sgd:
                 # the kernel's first-step flag (count + 1 == 1) copies the grad into a new momentum buffer
                 had = state is not None and state.get("momentum_buffer") is not None
                 if not had and self.fused.group_state(group):
                     self._begin(k, group)
-                counts.append(1.0 if had else 0.0)
+                counts[k] = 1.0 if had else 0.0
             else:
                 state = state if state is not None and "step" in state else self._begin(k, group)
-                counts.append(float(state["step"]))
+                counts[k] = float(state["step"])
                 state["step"] += 1  # as torch advances it: a 0-d fp32 CPU tensor
-            flags.append(1.0)
         if not any(flags):  # no piece here got a grad (or this rank holds none): nothing to update
             return
         dev = torch.tensor([counts, flags], dtype=torch.float32).to(self.master.device, non_blocking=True)
