@@ -71,7 +71,7 @@ class Chunk:
         self.dtype = self.params[0].dtype
         self.offsets = list(itertools.accumulate((aligned(p.numel()) for p in self.params), initial=0))
         self.numel = self.offsets.pop()  # the total padded size
-        split = _split_storage(masters, self.dtype, flat_params)
+        split = masters == "split" and self.dtype != torch.float32  # fp32 params are their own masters
         self.data = None if split else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         self.low = torch.zeros(self.numel, dtype=torch.int16, device=self.device) if split else None
         self.master_views = [] if self.data is None else self.views(self.data)
@@ -80,22 +80,16 @@ class Chunk:
         self.grad_views: list[torch.Tensor] = []
         self.state: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            if not split:
-                for m, src in zip(self.master_views, sources, strict=True):
-                    m.copy_(src)
-            if not flat_params:
-                return
-            if self.dtype != torch.float32:
+            if flat_params and self.dtype != torch.float32:
                 self.param = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-                for k, (p, src) in enumerate(zip(self.params, sources, strict=True)):
-                    if split:
-                        self.load_master(k, src)  # the param becomes its master rounded ties away
-                    else:
-                        self.view(self.param, k).copy_(p.data)
-            for p, v in zip(
-                self.params, self.views(self.data if self.param is None else self.param), strict=True
-            ):
-                p.data = v
+                for p, view in zip(self.params, self.views(self.param), strict=True):
+                    view.copy_(p.data)
+            for k, src in enumerate(sources):
+                self.load_master(k, src)  # split: the param becomes its master rounded ties away
+            if flat_params:
+                flat = self.data if self.param is None else self.param
+                for p, view in zip(self.params, self.views(flat), strict=True):
+                    p.data = view
 
     def kernel_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(param, master) as the update kernels take them: fp32 chunks are their own params; split chunks pass
@@ -168,15 +162,13 @@ def chunk_params(
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault((p.device, p.dtype), []).append(i)
-    return [
-        (
-            Chunk(
-                [params[i] for i in idx], [sources[i] for i in idx], flat_params=flat_params, masters=masters
-            ),
-            idx,
+    placed = []
+    for idx in groups.values():
+        chunk = Chunk(
+            [params[i] for i in idx], [sources[i] for i in idx], flat_params=flat_params, masters=masters
         )
-        for idx in groups.values()
-    ]
+        placed.append((chunk, idx))
+    return placed
 
 
 def check_masters(masters: Any, dtypes: Iterable[torch.dtype | None] = ()) -> None:
@@ -188,15 +180,6 @@ def check_masters(masters: Any, dtypes: Iterable[torch.dtype | None] = ()) -> No
             "masters='split' keeps exact fp32 masters only for bf16 params, got torch.float16 params: fp16's "
             "exponent range is narrower than fp32's, so its split is not exact; use masters='fp32' (or bf16)"
         )
-
-
-def _split_storage(masters: str, dtype: torch.dtype, flat_params: bool) -> bool:
-    """Whether a chunk of ``dtype`` keeps split masters (fp32 params are their own masters)."""
-    check_masters(masters, [dtype])
-    if masters == "fp32" or dtype == torch.float32:
-        return False
-    assert flat_params, "split masters live beside the flat 16-bit param buffer"
-    return True
 
 
 class MasterStore:
@@ -352,6 +335,3 @@ class Layout:
             if begin < end:
                 self.piece_of[i] = Piece(i, bucket.index, begin - off, end - off, bucket.local + begin - lo_g)
         self.pieces = list(self.piece_of.values())  # layout order
-
-    def offset_in_bucket(self, i: int) -> int:
-        return self.offsets[i] - self.buckets[self.bucket_of[i]].start

@@ -1,17 +1,11 @@
-"""Split masters: an exact fp32 master held as the model's bf16 param ``P`` plus its low 16 bits ``L``.
+"""Split masters: an exact fp32 master held as the model's bf16 param ``P`` plus its low 16 bits ``L``
+(docs/split-masters.md).
 
-An fp32 bit pattern is a top half ``U`` (a bf16 bit pattern) and a low half ``L``. ``P`` is the master rounded to
-bf16 to nearest with ties away from zero, which on the bit pattern is ``U + 1`` when ``L >= 0x8000`` and ``U``
-otherwise (sign-magnitude: adding 1 to the pattern grows the magnitude, and the carry runs from the mantissa into
-the exponent, up to inf, by itself). So ``U`` is recovered exactly: ``P - 1`` when ``L >= 0x8000``, else ``P``.
-Ties to even cannot be used: with ``L == 0x8000`` an even ``P`` is either ``U`` kept (``U`` even) or ``U + 1``
-(``U`` odd), and nothing in ``P`` and ``L`` tells which; a 17th bit would. ``P`` differs from the usual
-round-to-nearest-even cast only on those ties with an even ``U`` (one ulp up instead of down).
-
-NaN masters: ``P + 1`` could carry out of the pattern (``0x7FFF`` becomes ``-0.0``), so a NaN's ``P`` is its top
-half made quiet (``| 0x40``, as the fused kernels round NaN today) and its ``L`` loses bit 15; the master stays
-a NaN with the same sign, only its payload may change. Every other fp32 value, infinities, signed zeros and
-subnormals included, is kept bit for bit.
+``P`` is the master rounded to bf16 to nearest, ties away from zero: on the bit pattern, the top half ``U`` plus 1
+when ``L >= 0x8000`` (the carry runs into the exponent, up to inf, by itself), so ``U`` is recovered exactly from
+``P`` and ``L``; with ties to even nothing would tell which way a tie went. A NaN's ``P`` is its top half made quiet
+(``| 0x40``, as the fused kernels round NaN: ``U + 1`` could carry out of the pattern) and its ``L`` loses bit 15, so
+only its payload may change; every other fp32 value is kept bit for bit.
 
 The fused kernels do the same arithmetic in registers (``kernels/update.py``); these torch functions are the
 reference and serve checkpoints, which save a split master as the fp32 value it represents.

@@ -13,12 +13,9 @@ update kernel), ``STATE_NAMES`` (its elementwise state, a flat fp32 buffer per c
 group's hyper-parameter row), ``group_state(group)`` and ``initial_value(name, group)`` (the state a group's params
 hold, and its value at a param's first update).
 
-Checkpoints are in the exact path's format, so they move between the paths; ``load_state_dict()`` also takes a
-plain torch optimizer state dict.
-
-``masters="split"``: bf16 params keep their exact fp32 masters as the param plus its low 16 bits (``Chunk``,
-``optim/split.py``), 2 bytes per param instead of 4; every master read or write goes through the chunk
-(``master_params`` returns joined copies), and checkpoints hold the fp32 values, so they load under either storage.
+Checkpoints are in the exact path's format and hold fp32 masters (split ones joined), so they move between the
+paths and master storages; ``load_state_dict()`` also takes a plain torch optimizer state dict. Every master read
+or write goes through the chunk (``layout.Chunk``), which knows its storage.
 """
 
 from __future__ import annotations
@@ -59,7 +56,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     """The fused strategy of ``MixedPrecisionOptimizer``: it owns its param groups (``optimizer`` is None) and
     holds its state in flat buffers, allocated at the first update. Every subclass takes, after its
     hyper-parameters, the keyword-only options of ``MixedPrecisionOptimizer`` and ``masters``: ``"fp32"``
-    (default) or ``"split"``, exact fp32 masters of bf16 params in 2 bytes per param (the module docstring;
+    (default) or ``"split"``, exact fp32 masters of bf16 params in 2 bytes per param (docs/split-masters.md;
     ValueError for fp16 params).
 
     Clipping is the finalize program's: ``max_grad_norm`` is read at every step, so a caller may set it for the
@@ -128,7 +125,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
 
     def _build(self) -> None:
         cfg = settings()
-        # the model's params in group order, frozen ones included (what the state dict indexes)
         self._model_params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
         trainable, group_of, originals = [], [], {}
         for gi, group in enumerate(self.param_groups):
@@ -162,7 +158,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         # frozen when built: never trained
         self._frozen = [p for p in self._model_params if p not in self._index]
         sources = [originals.get(p, p.data) for p in trainable]
-        # one chunk per dtype
         placed = chunk_params(trainable, sources, flat_params=True, masters=self.masters)
         self._chunks: list[Chunk] = [chunk for chunk, _ in placed]
         # per chunk: the rows of the norm and update kernels (layout.build_table)
@@ -360,12 +355,12 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         ``masters="split"`` joined copies of the bf16 params' masters (writing to those changes nothing)."""
         return [chunk.master(local) for chunk, local in self._where]
 
+    @torch.no_grad()
     def refresh_masters(self) -> None:
         """Copy the model's current weights into the masters (after an external weights-only load; split
         masters: the low halves become zero)."""
-        with torch.no_grad():
-            for chunk in self._chunks:
-                chunk.reset_masters()
+        for chunk in self._chunks:
+            chunk.reset_masters()
 
     def flush_reports(self) -> None:
         """Wait for and log the skip reports of all steps so far (syncs)."""
@@ -406,13 +401,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         return self._run_hooks("_optimizer_state_dict_post_hooks", out)
 
     def _param_entries(self) -> list[dict[str, Any]]:
+        held = {p for p in self._trainable if p.dtype != torch.float32}  # the params with an fp32 master
         return [
-            {
-                "shape": list(p.shape),
-                "dtype": str(p.dtype),
-                "master": p in self._index and p.dtype != torch.float32,
-            }
-            for p in self._model_params
+            {"shape": list(p.shape), "dtype": str(p.dtype), "master": p in held} for p in self._model_params
         ]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

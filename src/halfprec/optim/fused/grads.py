@@ -9,8 +9,8 @@ marks live in ``flags`` (int32 per param, on the device), which the finalize pro
 With ``accum_dtype=torch.float32`` a 16-bit chunk's grad buffer is fp32: the hook copies a param's first grad of
 the step into its fp32 view, adds later ones (one fp32 rounding each, in micro-batch order) and releases the
 16-bit ``.grad``; the view becomes the ``.grad`` of the param's fp32 master (split masters have none: the buffer
-alone holds the sum). The marks are the accumulation: a step or
-``zero_grad`` clears them, so the next grad starts a new sum whoever clears ``.grad``.
+alone holds the sum). The marks are the accumulation: a step or ``zero_grad`` clears them, so the next grad starts
+a new sum whoever clears ``.grad``.
 
 A chunk's flat grad buffer lives from the first grad of a step (or the step, for a chunk that got none) to
 ``zero_grad(set_to_none=True)``, which frees it with every view, so the next forward runs without it (2 B/param,
@@ -77,6 +77,7 @@ class GradViews:
                     self._view_ptrs[i] = chunk.grad_views[local].data_ptr()
         return chunk.grad_views
 
+    @torch.no_grad()
     def mark(self, i: int) -> None:
         """Param ``i`` got a grad: make ``.grad`` its view of the flat buffer (copying a fresh tensor in), or add it
         into its fp32 view and release it."""
@@ -87,14 +88,12 @@ class GradViews:
         view = self.views(chunk)[local]
         g = p.grad
         if self._accumulates[i]:
-            with torch.no_grad():
-                view.add_(g) if self._marked[i] else view.copy_(g)
+            view.add_(g) if self._marked[i] else view.copy_(g)
             p.grad = None
             if chunk.master_views:  # split masters have no fp32 master tensor to hold it
                 chunk.master_views[local].grad = view
         elif g is not None and g.data_ptr() != view.data_ptr():
-            with torch.no_grad():
-                view.copy_(g)
+            view.copy_(g)
             p.grad = view
         self.flags[i].fill_(1)
         self._marked[i] = True

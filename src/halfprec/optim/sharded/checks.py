@@ -67,8 +67,6 @@ def named_trainable(
     names, params, groups, seen = [], [], [], set()
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            if not isinstance(p, torch.Tensor) or not p.is_floating_point():
-                raise ValueError("optimizer params must be floating-point tensors")
             if id(p) in seen:
                 raise ValueError(f"param of shape {tuple(p.shape)} appears twice in the optimizer's groups")
             seen.add(id(p))

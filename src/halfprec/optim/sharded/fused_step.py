@@ -47,12 +47,6 @@ def _rows(pieces: list, block: int) -> tuple[list[tuple], list[tuple]]:
     return aligned, loose
 
 
-def _shift(layout: Layout, b: int) -> int:
-    """Elements from local coordinates to this rank's shard of bucket ``b`` in the global flat buffer."""
-    bucket = layout.buckets[b]
-    return bucket.shard_range(layout.rank)[0] - bucket.local
-
-
 class FusedLocalStep:
     """Flat state buffers, update tables and device scratch for one sharded optimizer's fused local step."""
 
@@ -81,9 +75,10 @@ class FusedLocalStep:
         self.aligned = torch.tensor(aligned, dtype=torch.int64).reshape(-1, 3).to(dev)
         self.loose = torch.tensor(loose, dtype=torch.int64).reshape(-1, 3).to(dev)
         # per row: global offset of its bucket's shard on this rank minus the bucket's local offset
-        shifts = [_shift(layout, self.pieces[k].bucket) for rows in (aligned, loose) for _, _, k in rows]
-        self.shift = torch.tensor(shifts, dtype=torch.int64).to(dev)
-        self.shifts = self.shift[: len(aligned)], self.shift[len(aligned) :]
+        bucket_shift = [b.shard_range(layout.rank)[0] - b.local for b in layout.buckets]
+        shifts = [bucket_shift[self.pieces[k].bucket] for rows in (aligned, loose) for _, _, k in rows]
+        shift = torch.tensor(shifts, dtype=torch.int64).to(dev)
+        self.shifts = shift[: len(aligned)], shift[len(aligned) :]
         if param.dtype == torch.float32:  # the kernel takes fp32 params as their own masters: copied after
             self.shifts = None, None
         n = max(len(self.pieces), 1)
@@ -144,25 +139,23 @@ class FusedLocalStep:
         if reason is not None:
             raise ValueError(f"the fused local step cannot run: {reason} when building the sharded optimizer")
         tell_schedulers(self.optimizer)
-        counts, flags = [], []
+        counts, flags = [0.0] * len(self.params), [0.0] * len(self.params)
         for k in range(len(self.params)):
             group = groups[self.group_of[k]]
             state = self._adopt(k, group)
             if used_anywhere[self.pieces[k].param] <= 0:
-                counts.append(0.0)
-                flags.append(0.0)
                 continue
+            flags[k] = 1.0
             if self.sgd:
                 # the kernel's first-step flag (count + 1 == 1) copies the grad into a new momentum buffer
                 had = state is not None and state.get("momentum_buffer") is not None
                 if not had and self.fused.group_state(group):
                     self._begin(k, group)
-                counts.append(1.0 if had else 0.0)
+                counts[k] = 1.0 if had else 0.0
             else:
                 state = state if state is not None and "step" in state else self._begin(k, group)
-                counts.append(float(state["step"]))
+                counts[k] = float(state["step"])
                 state["step"] += 1  # as torch advances it: a 0-d fp32 CPU tensor
-            flags.append(1.0)
         if not any(flags):  # no piece here got a grad (or this rank holds none): nothing to update
             return
         dev = torch.tensor([counts, flags], dtype=torch.float32).to(self.master.device, non_blocking=True)

@@ -130,24 +130,22 @@ class GradReducer:
         if self.accumulate:
             self.grad_view(i).add_(param.grad)  # fp32 += 16-bit: the exact upcast, one fp32 rounding
             param.grad = None
-            if not self._sync:
-                return
         elif self.stage == 1:
             view = self.grad_view(i)
             if param.grad.data_ptr() != view.data_ptr():
                 # p.grad was None (or replaced): autograd made a fresh tensor holding this backward's grad
                 view.copy_(param.grad)
                 param.grad = view
-            if not self._sync:
-                return
         else:
+            bucket = layout.buckets[b]
             staging = self._staging.get(b)
             if staging is None:
-                bucket = layout.buckets[b]
                 staging = self._staging[b] = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
-            off = layout.offset_in_bucket(i)
+            off = layout.offsets[i] - bucket.start
             staging[off : off + layout.numels[i]].copy_(param.grad.reshape(-1))
             param.grad = None
+        if self.whole_grads and not self._sync:
+            return
         if not self._queued:
             self._queued = True
             self.overlapped = 0

@@ -21,12 +21,9 @@ A step (every rank takes the same decisions, made from all-reduced values):
    the fused update kernel of ``fused_step.py``, which applies the clip coefficient as it reads the grads and
    writes the 16-bit shard itself), then all-gather every bucket.
 
-Split masters (``masters="split"``, bf16 params, the fused local step): the rank keeps the low 16 bits of its
-shards' masters and the 16-bit param shard is their high half (``masters.py``); checkpoints and
-``master_params()`` see the fp32 values they represent.
-
 ``state_dict()`` is the rank-local state, loaded at the same world size and layout only; checkpoints that
-reshard across world sizes: ``halfprec.distributed.checkpoint``. Both hold fp32 masters, split or not.
+reshard across world sizes: ``halfprec.distributed.checkpoint``. Both hold fp32 masters, split (``masters.py``)
+or not.
 """
 
 from __future__ import annotations
@@ -229,10 +226,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """This rank's fp32 pieces (1-D), in inner param-group order (split masters: joined copies, held until the
         next step; writing to them changes nothing)."""
         self._masters.join()
-        return self._pieces()
-
-    def _pieces(self) -> list[torch.nn.Parameter]:
-        return [p for g in self.param_groups for p in g["params"]]
+        return self._index_params()
 
     @torch.no_grad()
     def refresh_masters(self) -> None:
@@ -400,7 +394,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         inner = state_dict["optimizer"]
         self._masters.release()
         self.optimizer.load_state_dict(inner)
-        restore_state_dtypes(self.optimizer, inner["state"], self._pieces())
+        restore_state_dtypes(self.optimizer, inner["state"], self._index_params())
         self._masters.load(state_dict["masters"])
         self.restore_counters(state_dict["scaler"], state_dict["skipped_steps"])
         self._s.unscaled = False
