@@ -13,8 +13,8 @@ Systems:
   autocast   fp32 model under ``torch.autocast``, ``torch.optim.AdamW(fused=True)``; fp16 with ``GradScaler``
   halfprec   ``halfprec.initialize`` (16-bit model, fused optimizer on CUDA)
   hf         the HF ``Trainer`` with halfprec (``HalfprecTrainer``, its AdamW on halfprec's fused path, clipping
-             in the kernel, constant LR, logging every step, the batches in the others' order), timed from step
-             begin to step end by a callback
+             in the kernel, constant LR, the Trainer's default logging (every 500 steps; the losses are kept on the
+             device), the batches in the others' order), timed from step begin to step end by a callback
   deepspeed  DeepSpeed ZeRO-0 with its FusedAdam (``gradient_clipping: 1.0``), when it is installed
   deepspeed-reset  the same, with the Adam state DeepSpeed's fp16 wrapper creates at construction (a step on zero
              grads) reset before training: a diagnostic of that construction step (fp16 only)
@@ -22,6 +22,8 @@ Systems:
   deepspeed-scaled  DeepSpeed fp16 with the loss multiplied by its loss scale before ``engine.backward``: 0.19.8's
              ZeRO-0 ``engine.backward`` does not scale the loss (it scales only for ZeRO optimizers), while its
              ``FP16_Optimizer.step`` divides the grads by the scale (upstream PR deepspeedai/DeepSpeed#8393)
+  halfprec-sched  ``halfprec`` with a constant ``LambdaLR`` scheduler: the engine reads each step's skip flag to
+             hold the schedule (one host sync per step): a diagnostic of that sync's cost
   halfprec-keep  ``MixedPrecisionOptimizer`` in a plain loop with ``zero_grad(set_to_none=False)``: the grad buffer
              kept between steps (the engine frees it before each forward): a diagnostic of that buffer's cost
 """
@@ -47,6 +49,7 @@ SYSTEMS = (
     "deepspeed-noclip",
     "halfprec-keep",
     "deepspeed-scaled",
+    "halfprec-sched",
 )
 LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
 
@@ -99,14 +102,15 @@ def autocast_runner(model, dtype):
     return step, lambda: (last[0], scaler.get_scale() if scaler is not None else None)
 
 
-def halfprec_runner(model, dtype, clip=CLIP):
+def halfprec_runner(model, dtype, clip=CLIP, scheduled=False):
     import torch
 
     import halfprec
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    engine = halfprec.initialize(model, opt, precision=precision, max_grad_norm=clip)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0) if scheduled else None
+    engine = halfprec.initialize(model, opt, precision=precision, max_grad_norm=clip, lr_scheduler=sched)
 
     def step(x):
         loss = engine(input_ids=x, labels=x).loss
@@ -177,7 +181,7 @@ def deepspeed_runner(model, dtype, batch: int, *, reset: bool, clip=CLIP, scaled
     return step, lambda: (engine.get_global_grad_norm(), None if scaler is None else scaler.cur_scale)
 
 
-def hf_run(model, dtype, data, args) -> tuple[list[float], list[float]]:
+def hf_run(model, dtype, data, args, callbacks=()) -> tuple[list[float], list[float]]:
     """(ms per step, loss per step) of ``args.warmup + args.steps`` HF Trainer steps over ``data``'s rows."""
     import tempfile
 
@@ -196,10 +200,17 @@ def hf_run(model, dtype, data, args) -> tuple[list[float], list[float]]:
         def on_step_end(self, *_args, **_kwargs):
             events[-1][1].record()
 
+    losses = []
+
     class InOrder(HalfprecTrainer):
         # the other systems' batch order: the Trainer's default shuffle alone moves the last loss by ~0.9
         def _get_train_sampler(self, train_dataset=None):
             return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+        def compute_loss(self, *a, **kw):
+            loss = super().compute_loss(*a, **kw)
+            losses.append(loss.detach())  # kept on the device: logging every step would sync every step
+            return loss
 
     total = args.warmup + args.steps
     host = [batch.cpu() for batch in data]  # copied once, cycled as the other systems cycle ``data``
@@ -207,16 +218,15 @@ def hf_run(model, dtype, data, args) -> tuple[list[float], list[float]]:
     with tempfile.TemporaryDirectory() as out:
         targs = TrainingArguments(
             out, max_steps=total, per_device_train_batch_size=args.batch, learning_rate=LR,
-            weight_decay=WEIGHT_DECAY, max_grad_norm=CLIP, lr_scheduler_type="constant", logging_steps=1,
+            weight_decay=WEIGHT_DECAY, max_grad_norm=CLIP, lr_scheduler_type="constant",
             save_strategy="no", report_to="none", disable_tqdm=True,
         )  # fmt: skip
         trainer = InOrder(
-            model=model, args=targs, train_dataset=rows, halfprec_dtype=dtype, callbacks=[Timer()]
+            model=model, args=targs, train_dataset=rows, halfprec_dtype=dtype, callbacks=[Timer(), *callbacks]
         )
         trainer.train()
     torch.cuda.synchronize()
-    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-    return [a.elapsed_time(b) for a, b in events[args.warmup :]], losses
+    return [a.elapsed_time(b) for a, b in events[args.warmup :]], [float(v) for v in losses]
 
 
 def child(system: str, dtype_name: str, args) -> dict:
@@ -241,7 +251,8 @@ def child(system: str, dtype_name: str, args) -> dict:
     elif system == "halfprec-keep":
         step, probe = keep_runner(model, dtype)
     elif system.startswith("halfprec"):
-        step, probe = halfprec_runner(model, dtype, None if system.endswith("-noclip") else CLIP)
+        clip = None if system.endswith("-noclip") else CLIP
+        step, probe = halfprec_runner(model, dtype, clip, scheduled=system == "halfprec-sched")
     else:
         clip = 0.0 if system.endswith("-noclip") else CLIP
         step, probe = deepspeed_runner(

@@ -104,3 +104,20 @@ def test_fused_check_state_dict_names_the_first_mismatching_param():
         FusedAdamW(b).check_state_dict(saved)
     with pytest.raises(ValueError, match=r"not a halfprec optimizer state dict"):
         FusedAdamW(b).check_state_dict({"state": {}, "param_groups": []})
+
+
+def test_deferred_grad_norm_is_the_steps_norm_on_both_strategies():
+    # step_results().grad_norm_deferred (what the HF link hands the Trainer): a device tensor on the fused path,
+    # taken without waiting and read after later steps, the float on the exact path; both the step's grad_norm
+    runs = {impl: build("fp16", impl=impl) for impl in ("triton", "torch")}
+    taken = {impl: [] for impl in runs}
+    for _ in range(3):
+        for impl, engine in runs.items():
+            train(engine, 1)
+            results = engine.optimizer.step_results()
+            taken[impl].append((results.grad_norm_deferred, results.grad_norm))
+    assert all(torch.is_tensor(d) and d.shape == () for d, _ in taken["triton"])
+    assert all(isinstance(d, float) and d == n for d, n in taken["torch"])
+    for (fused, fused_norm), (_, exact_norm) in zip(taken["triton"], taken["torch"], strict=True):
+        assert float(fused) == fused_norm
+        torch.testing.assert_close(fused_norm, exact_norm, **tol("grad_norm"))

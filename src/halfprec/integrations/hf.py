@@ -87,11 +87,19 @@ def _trainer_impl(optimizer: torch.optim.Optimizer, impl: str) -> str:
 
 
 class HalfprecCallback(transformers.TrainerCallback):
-    """Checks, when training starts, that the Trainer really trains through halfprec.
+    """Checks, when training starts, that the Trainer really trains through halfprec; frees the optimizer's grad
+    buffers after each step.
 
     ``HalfprecTrainerMixin`` adds it; it catches a ``HalfprecTrainer`` whose ``create_optimizer`` was
     overridden to return a plain optimizer, and ``TrainingArguments`` changed after construction.
     """
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        # The Trainer clears grads with model.zero_grad(), which leaves the optimizer's flat grad buffer (2 B/param,
+        # 4 with fp32 accumulation) alive through the next forward; zero_grad frees it, as the engine does.
+        mp = _unwrap(optimizer)
+        if mp is not None:
+            mp.zero_grad(set_to_none=True)
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         check_training_args(args)
@@ -264,7 +272,9 @@ class HalfprecTrainerMixin:
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
         mp = self.halfprec_optimizer
         if mp is not None:
-            grad_norm = mp.grad_norm  # unscaled, before clipping; None when neither clipping nor checking ran
+            # unscaled, before clipping; None when neither clipping nor checking ran. On the fused path a device
+            # tensor, which the Trainer reads (a host sync) only on the steps it logs.
+            grad_norm = mp.step_results().grad_norm_deferred
         return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
 

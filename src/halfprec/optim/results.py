@@ -63,6 +63,11 @@ class StepResults:
     grad_norm: float | None
     step_loss_scale: float | None
 
+    @property
+    def grad_norm_deferred(self) -> float | None:
+        """``grad_norm`` without waiting for the step: here the float (the fused record's is a device tensor)."""
+        return self.grad_norm
+
 
 @dataclass
 class StepState:

@@ -88,6 +88,11 @@ class DeviceResults:
     step_loss_scale = property(lambda self: self._read(4))
 
     @property
+    def grad_norm_deferred(self) -> torch.Tensor | None:
+        """``grad_norm`` as a 0-d device tensor: taking it does not wait for the step, ``float()`` of it does."""
+        return self.scalars[1] if self.stepped else None
+
+    @property
     def step_was_skipped(self) -> bool:
         value = bool(self._read(0))
         self.reporter.drain()
