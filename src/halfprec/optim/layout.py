@@ -19,7 +19,7 @@ import torch
 
 from ..kernels.slots import ALIGN
 from ..precision import LOW_PRECISION
-from .split import join_master, split_master
+from .split import join_master, store_split
 
 __all__ = [
     "ALIGN", "LOW_PRECISION", "MASTERS", "PAD", "aligned", "build_table", "check_masters", "chunk_params",
@@ -109,13 +109,8 @@ class Chunk:
         param is rounded by ``round_params``)."""
         if self.low is None:
             self.master_views[k].copy_(value)
-            return
-        dst_param, dst_low = self.view(self.param, k), self.view(self.low, k)
-        param, low = split_master(
-            value.detach().to(device=self.device, dtype=torch.float32).reshape(dst_low.shape)
-        )
-        dst_param.copy_(param)
-        dst_low.copy_(low)
+        else:
+            store_split(value, self.view(self.param, k), self.view(self.low, k))
 
     def round_params(self) -> None:
         """Round the fp32 masters into the 16-bit params (to nearest even); split params already are theirs."""

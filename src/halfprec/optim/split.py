@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["join_master", "split_master"]
+__all__ = ["join_master", "split_master", "store_split"]
 
 _LOW = 0xFFFF
 _HALF = 0x8000
@@ -33,6 +33,13 @@ def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     param = torch.where(nan, high | _QUIET, high + (low >= _HALF).to(torch.int64))
     low = torch.where(nan, low & (_HALF - 1), low)
     return _signed(param, 16).view(torch.bfloat16), _signed(low, 16)
+
+
+def store_split(master: torch.Tensor, param: torch.Tensor, low: torch.Tensor) -> None:
+    """Write the split of ``master`` (any float tensor of their size) into ``param`` and ``low``."""
+    high, bits = split_master(master.detach().to(low.device, torch.float32).reshape(low.shape))
+    param.copy_(high)
+    low.copy_(bits)
 
 
 def join_master(param: torch.Tensor, low: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ Each algorithm is a subclass that keeps this protocol, which the sharded fused l
 (``sharded/fused_step.py``) reads too: ``KIND`` (the ``kernels.slots.Kind`` picking the finalize branch and the
 update kernel), ``STATE_NAMES`` (its elementwise state, a flat fp32 buffer per chunk), ``hp_row(group)`` (the
 group's hyper-parameter row), ``group_state(group)`` and ``initial_value(name, group)`` (the state a group's params
-hold, and its value at a param's first update).
+hold, and its value at a param's first update), ``step_count(state)`` (the kernels' count of a torch-format entry).
 
 Checkpoints are in the exact path's format and hold fp32 masters (split ones joined), so they move between the
 paths and master storages; ``load_state_dict()`` also takes a plain torch optimizer state dict. Every master read
@@ -202,6 +202,11 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         """The value state ``name`` starts from at a param's first update, as torch creates it."""
         return 0.0
 
+    @classmethod
+    def step_count(cls, state: dict[str, Any] | None) -> float | None:
+        """The step count the kernels take from a param's torch-format state (None: it has no state yet)."""
+        return float(state["step"]) if state and "step" in state else None
+
     def _ensure_state(self, *, reset: bool = False) -> None:
         """Allocate the state buffers (at every step, and a load or export), as torch does at a param's first update;
         the first call or a ``reset`` (a load) starts them at zero, and eager state at its initial value."""
@@ -241,8 +246,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
 
     def _import_state(self, i: int, saved: dict[str, Any]) -> float:
         """Copy a torch-format state entry into the buffers; return the step count to set."""
-        step = float(saved.get("step", 0.0))
-        if step == 0:
+        step = self.step_count(saved)
+        if not step:
             return 0.0  # no state yet (Adagrad's constructor-made one: keep ours, a 16-bit copy is not exact)
         adopt_views(dict(saved), self.STATE_NAMES, lambda name: self._state_view(name, i))
         return step

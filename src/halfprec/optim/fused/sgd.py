@@ -85,7 +85,7 @@ class FusedSGD(FusedOptimizer):
             return {}
         return {"momentum_buffer": self._state_view("momentum_buffer", i).clone()}
 
-    def _import_state(self, i: int, saved: dict[str, Any]) -> float:
-        if saved.get("momentum_buffer") is None:
-            return 0.0
-        return super()._import_state(i, saved | {"step": 1.0})  # torch keeps no count: one step at least
+    @classmethod
+    def step_count(cls, state: dict[str, Any] | None) -> float | None:
+        # torch keeps no count; the kernels' first step (count 0) copies the grad into a new momentum buffer
+        return 1.0 if state and state.get("momentum_buffer") is not None else None

@@ -146,15 +146,11 @@ class FusedLocalStep:
             if used_anywhere[self.pieces[k].param] <= 0:
                 continue
             flags[k] = 1.0
-            if self.sgd:
-                # the kernel's first-step flag (count + 1 == 1) copies the grad into a new momentum buffer
-                had = state is not None and state.get("momentum_buffer") is not None
-                if not had and self.fused.group_state(group):
-                    self._begin(k, group)
-                counts[k] = 1.0 if had else 0.0
-            else:
-                state = state if state is not None and "step" in state else self._begin(k, group)
-                counts[k] = float(state["step"])
+            count = self.fused.step_count(state)
+            if count is None and self.fused.group_state(group):  # SGD without momentum keeps no state
+                state = self._begin(k, group)
+            counts[k] = count or 0.0
+            if not self.sgd:
                 state["step"] += 1  # as torch advances it: a 0-d fp32 CPU tensor
         if not any(flags):  # no piece here got a grad (or this rank holds none): nothing to update
             return

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from ..layout import Bucket, Layout
-from ..split import join_master, split_master
+from ..split import join_master, split_master, store_split
 
 __all__ = ["ShardMasters"]
 
@@ -101,9 +101,8 @@ class ShardMasters:
             self.fp32.copy_(masters)
             return
         for b, lo, hi in self.shards():
-            high, low = split_master(masters[b.local : b.local + b.shard].to(self.device, torch.float32))
-            self.param[lo:hi].copy_(high)
-            self.low[b.local : b.local + b.shard].copy_(low)
+            local = slice(b.local, b.local + b.shard)
+            store_split(masters[local], self.param[lo:hi], self.low[local])
 
     def restore(self) -> None:
         """Split: keep what was written into the joined pieces (a checkpoint load) and release them."""
