@@ -17,6 +17,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from halfprec.integrations import accelerate as hp_accelerate  # noqa: E402
 
+from ..allocations import NewStorageBytes  # noqa: E402
 from ..tolerances import approx  # noqa: E402
 from . import _oracle  # noqa: E402
 from ._oracle import (  # noqa: E402
@@ -256,3 +257,16 @@ def test_fused_optimizer_matches_plain_loop(name):
     assert seen == [False, True, False] and rec == ref
     for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("device", "impl"), _oracle.FUSED_PATHS)
+def test_prepare_allocates_no_optimizer_state(device, impl):
+    # prepare() round-trips the optimizer's state dict (device placement) before any step; the fused optimizer
+    # used to allocate its AdamW moments there (8 B/param): state only at the first update (design invariant 1)
+    accelerator = Accelerator(cpu=device == "cpu", mixed_precision="no")
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).to(device)
+    mp = make_optimizer(model, torch.bfloat16, impl=impl)
+    n = sum(p.numel() for p in model.parameters())
+    with NewStorageBytes() as counter:
+        hp_accelerate.prepare(accelerator, model, mp)
+    assert counter.total <= 4 * n + 4096 * len(list(model.parameters())), counter.total / n  # masters' copies

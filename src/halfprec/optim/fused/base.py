@@ -224,6 +224,12 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                     self._state_view(name, i).fill_(self.initial_value(name, group))
         self._state_ready = True
 
+    def _drop_state(self) -> None:
+        """Back to before the first update: the state buffers come into being at the next step."""
+        for chunk in self._chunks:
+            chunk.state.clear()
+        self._state_ready = False
+
     def _launch_update(self, k: int) -> None:
         from ...kernels.update import update
 
@@ -378,8 +384,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     def state_dict(self) -> dict[str, Any]:
         self._run_hooks("_optimizer_state_dict_pre_hooks")
         self._reporter.drain(wait=True)
-        self._ensure_state()
         steps = self._steps.cpu().tolist()
+        if self._EAGER_STATE or any(steps):  # before the first update there is nothing to export
+            self._ensure_state()
         state: dict[int, dict[str, Any]] = {}
         masters: dict[int, torch.Tensor] = {}
         for k, p in enumerate(self._model_params):  # the state dict's param indices
@@ -436,8 +443,12 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             group.update(new)
         steps = [0.0] * len(self._trainable)
         with torch.no_grad():
-            self._ensure_state(reset=True)
             saved_state = {int(k): v for k, v in inner["state"].items()}
+            stepped = any(self.step_count(v) for v in saved_state.values())
+            if stepped or self._EAGER_STATE or self._grads.pinned:  # pinned: a CUDA graph holds the buffers
+                self._ensure_state(reset=True)
+            else:  # a state dict from before the first update (Accelerate's prepare() round-trips one)
+                self._drop_state()
             for k, p in enumerate(self._model_params):
                 i = self._index.get(p)
                 if i is not None and k in saved_state:
