@@ -3,13 +3,16 @@
 pytest-examples finds the blocks and runs each as a module (with tracebacks pointing at the Markdown line). Each
 block runs in its own empty working directory, so the checkpoints and files it writes go there. Blocks are
 whole programs: nothing is injected into their globals. A block that starts a process group (docs/distributed.md)
-gets the environment torchrun would give it, for a world of one process.
+runs in a fresh Python process with the environment torchrun would give it, for a world of one process
+(re-initialising a process group in one process can hang: pytorch/pytorch#55967, #74666).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -61,20 +64,32 @@ def test_block_runs(example, eval_example, tmp_path, monkeypatch):
     for module in re.findall(r"^(?:from|import) (accelerate|transformers|lightning)\b", example.source, re.M):
         pytest.importorskip(module, reason=f"{module} is in the [integrations] extra")
     monkeypatch.chdir(tmp_path)
+    if "init_process_group" in example.source:
+        _run_as_torchrun_would(example, tmp_path)
+        return
     # pytest-examples runs the block as __main__ and leaves it in sys.modules; later spawned processes read it.
     monkeypatch.setitem(sys.modules, "__main__", sys.modules["__main__"])
     threads = torch.get_num_threads()
-    distributed = "init_process_group" in example.source
-    if distributed:
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1"}
-        for name, value in {**env, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
-            monkeypatch.setenv(name, value)
     try:
         eval_example.run(example)
     finally:
         torch.set_num_threads(threads)
-        if distributed and torch.distributed.is_initialized():  # the block failed before tearing it down
-            torch.distributed.destroy_process_group()
+
+
+def _run_as_torchrun_would(example, cwd: Path) -> None:
+    """Run a block that starts a process group as rank 0 of a world of one, in a process of its own."""
+    script = cwd / "block.py"
+    # Blank lines first, so that a traceback's line numbers are the Markdown file's.
+    script.write_text("\n" * (example.start_line) + example.source)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{_id(example)} did not finish in {e.timeout} s:\n{e.stderr}") from None
+    assert done.returncode == 0, f"{_id(example)} exited {done.returncode}:\n{done.stderr[-4000:]}"
 
 
 def test_readme_test_command_is_what_ci_runs():
