@@ -24,6 +24,11 @@ Systems:
              ``FP16_Optimizer.step`` divides the grads by the scale (upstream PR deepspeedai/DeepSpeed#8393)
   halfprec-sched  ``halfprec`` with a constant ``LambdaLR`` scheduler: the engine reads each step's skip flag to
              hold the schedule (one host sync per step): a diagnostic of that sync's cost
+  hf-nosync  ``hf`` with two of the Trainer's own per-step host syncs turned off by its settings:
+             Accelerate's batch transfer made non-blocking (``accelerator_config={"non_blocking": True}``, from
+             pinned memory) and the nan/inf loss filter (``logging_nan_inf_filter=False``): a diagnostic of how
+             much of the gap between ``hf`` and ``halfprec`` is the Trainer's syncs (halfprec's link keeps one,
+             the skip flag the Trainer reads to hold the LR schedule)
   halfprec-keep  ``MixedPrecisionOptimizer`` in a plain loop with ``zero_grad(set_to_none=False)``: the grad buffer
              kept between steps (the engine frees it before each forward): a diagnostic of that buffer's cost
 """
@@ -50,6 +55,7 @@ SYSTEMS = (
     "halfprec-keep",
     "deepspeed-scaled",
     "halfprec-sched",
+    "hf-nosync",
 )
 LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
 
@@ -181,8 +187,9 @@ def deepspeed_runner(model, dtype, batch: int, *, reset: bool, clip=CLIP, scaled
     return step, lambda: (engine.get_global_grad_norm(), None if scaler is None else scaler.cur_scale)
 
 
-def hf_run(model, dtype, data, args, callbacks=()) -> tuple[list[float], list[float]]:
-    """(ms per step, loss per step) of ``args.warmup + args.steps`` HF Trainer steps over ``data``'s rows."""
+def hf_run(model, dtype, data, args, callbacks=(), nosync=False) -> tuple[list[float], list[float]]:
+    """(ms per step, loss per step) of ``args.warmup + args.steps`` HF Trainer steps over ``data``'s rows;
+    ``nosync``: the ``hf-nosync`` settings."""
     import tempfile
 
     import torch
@@ -220,6 +227,8 @@ def hf_run(model, dtype, data, args, callbacks=()) -> tuple[list[float], list[fl
             out, max_steps=total, per_device_train_batch_size=args.batch, learning_rate=LR,
             weight_decay=WEIGHT_DECAY, max_grad_norm=CLIP, lr_scheduler_type="constant",
             save_strategy="no", report_to="none", disable_tqdm=True,
+            **({"accelerator_config": {"non_blocking": True}, "dataloader_pin_memory": True,
+                "logging_nan_inf_filter": False} if nosync else {}),
         )  # fmt: skip
         trainer = InOrder(
             model=model, args=targs, train_dataset=rows, halfprec_dtype=dtype, callbacks=[Timer(), *callbacks]
@@ -234,11 +243,11 @@ def child(system: str, dtype_name: str, args) -> dict:
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     model = llama(args.seed)
-    if system == "hf":
+    if system.startswith("hf"):
         data = batches(args.batch, args.seq)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        ms, losses = hf_run(model, dtype, data, args)
+        ms, losses = hf_run(model, dtype, data, args, nosync=system == "hf-nosync")
         median = statistics.median(ms)
         return {
             "system": system, "dtype": dtype_name, "ms_per_step": median,
