@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 import halfprec
 from halfprec import checkpoint as ckpt
 
-from .engine_util import TiedLM, build, snapshot, train
+from ..engine_util import TiedLM, build, snapshot, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _child(*args, **kwargs):

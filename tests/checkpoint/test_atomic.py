@@ -23,8 +23,8 @@ from halfprec.checkpoint.consolidate import consolidate
 from halfprec.checkpoint.export import export
 from halfprec.distributed import checkpoint as dckpt
 
-from .engine_util import build, train
-from .test_checkpoint import KILL, _child
+from ..engine_util import build, train
+from .test_directory import KILL, _child
 
 
 class _Crash:
