@@ -217,20 +217,11 @@ EXEMPT = {
 # tests/distributed/, beside the launcher and worker (_launch.py, _worker.py) whose session-wide launches they
 # share. tests/optim/fused/ belongs to another branch today: its owner moves those files.
 ELSEWHERE = {
-    "checkpoint/consolidate.py": (["tests/distributed/test_checkpoint.py"], "multi-process checkpoints"),
+    "checkpoint/consolidate.py": (
+        ["tests/distributed/test_checkpoint.py", "tests/checkpoint/test_safe_dcp.py"],
+        "multi-process checkpoints; single-process reads beside the safe reader",
+    ),
     "checkpoint/dcp.py": (["tests/distributed/test_checkpoint.py"], "multi-process checkpoints"),
-    "checkpoint/formats.py": (
-        ["tests/checkpoint/test_directory.py", "tests/checkpoint/test_atomic.py"],
-        "through save/load/export: every reader asks it",
-    ),
-    "checkpoint/plain.py": (
-        ["tests/checkpoint/test_directory.py"],
-        "through the engine's checkpoint directory",
-    ),
-    "checkpoint/read.py": (
-        ["tests/checkpoint/test_directory.py"],
-        "through the engine's checkpoint directory",
-    ),
     "cli/bench_step.py": (["tests/cli/test_bench.py", "tests/optim/test_gpu.py"], "the bench's rows (GPU)"),
     "kernels/lamb.py": (["tests/optim/fused/test_lamb.py"], "through FusedLamb against the reference LAMB"),
     "optim/fused/results.py": (["tests/optim/fused/test_base.py"], "the fused skip log and device results"),
