@@ -222,7 +222,6 @@ ELSEWHERE = {
         "multi-process checkpoints; single-process reads beside the safe reader",
     ),
     "checkpoint/dcp.py": (["tests/distributed/test_checkpoint.py"], "multi-process checkpoints"),
-    "cli/bench_step.py": (["tests/cli/test_bench.py", "tests/optim/test_gpu.py"], "the bench's rows (GPU)"),
     "kernels/lamb.py": (["tests/optim/fused/test_lamb.py"], "through FusedLamb against the reference LAMB"),
     "optim/fused/results.py": (["tests/optim/fused/test_base.py"], "the fused skip log and device results"),
     "optim/fused/grads.py": (
