@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from halfprec.cli.main import main
 
-from .engine_util import TiedLM, build, train
+from ..engine_util import TiedLM, build, train
 
 
 def test_export_writes_masters_under_every_state_dict_key(tmp_path, capsys):

@@ -9,7 +9,7 @@ import pytest
 
 from halfprec import checkpoint as ckpt
 
-from .engine_util import build, train
+from ..engine_util import build, train
 
 _RULE = "letters, digits, '.', '_' and '-', starting with a letter or digit"
 

@@ -7,11 +7,9 @@ A crash is injected at each ``os.rename``/``os.replace`` of an overwriting save 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +21,8 @@ from halfprec.checkpoint.consolidate import consolidate
 from halfprec.checkpoint.export import export
 from halfprec.distributed import checkpoint as dckpt
 
-from .engine_util import build, train
-from .test_checkpoint import KILL, _child
+from ..engine_util import build, train
+from .test_directory import KILL, _child
 
 
 class _Crash:
@@ -207,29 +205,3 @@ def test_every_checkpoint_file_gets_the_mode_of_the_umask(tmp_path, umask):
     files = [*path.iterdir(), tmp_path / "w.safetensors", *(tmp_path / "dcp").iterdir()]
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
     assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
-
-
-def test_the_writer_records_the_layout_and_legacy_checkpoints_still_load(tmp_path):
-    engine = build("bf16")
-    train(engine, 1)
-    path = engine.save_checkpoint(tmp_path / "ck")
-    manifest = ckpt.read_manifest(path)
-    assert manifest["layout"] == ckpt.ENGINE
-    # as written before the layout was recorded: no "layout" key, digest re-sealed
-    manifest.pop("layout")
-    manifest["manifest_sha256"] = ckpt._manifest_digest(manifest)
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    assert ckpt.layout_of(path) == ckpt.ENGINE
-    build("bf16", seed=3).load_checkpoint(tmp_path / "ck")
-    export(path, tmp_path / "w.safetensors")
-
-    model, mp = _mp()
-    dckpt.save(mp, tmp_path / "dcp", named_parameters=model)
-    assert json.loads((tmp_path / "dcp" / "manifest.json").read_text())["format"] == ckpt.DCP_FORMAT
-    assert ckpt.layout_of(tmp_path / "dcp") == ckpt.DCP
-    (tmp_path / "dcp" / "manifest.json").unlink()  # a DCP checkpoint written before it had a manifest
-    assert ckpt.layout_of(tmp_path / "dcp") == ckpt.DCP
-    export(tmp_path / "dcp", tmp_path / "d.safetensors")
-    fresh_model, fresh = _mp()
-    dckpt.load(fresh, tmp_path / "dcp", named_parameters=fresh_model)
-    assert ckpt.layout_of(Path(tmp_path / "nothing")) is None

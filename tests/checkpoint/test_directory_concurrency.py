@@ -14,7 +14,7 @@ import torch
 from halfprec import checkpoint as ckpt
 from halfprec.checkpoint.directory import locked
 
-from .engine_util import build, train
+from ..engine_util import build, train
 
 _FORK = mp.get_context("fork")
 
