@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.test_checkpoint_load import assert_refused_unchanged, assert_same_tree, copy_tree, engine_snapshot
+from tests.test_engine_load import assert_refused_unchanged, assert_same_tree, copy_tree, engine_snapshot
 
 from halfprec import MixedPrecisionOptimizer
 from halfprec.distributed import ShardedMixedPrecisionOptimizer, checkpoint
