@@ -3,13 +3,17 @@ cost per param on the host.
 
     python benchmarks/host_bound.py            # on a CUDA machine: bench_train's Llama under halfprec and autocast
     python benchmarks/host_bound.py --hooks    # anywhere: a fused optimizer's post-accumulate-grad hooks, per param
+    python benchmarks/host_bound.py --profile  # on a CUDA machine: where the host's time goes, plain loop vs HF
 
 For each system and dtype: 5 warm-up steps, then 15 steps timed by CUDA events (the GPU timeline, idle gaps
 included) and by the host's time to enqueue each step, then 8 steps each between two ``synchronize()``. When the
 enqueue time matches the event time, the host sets the pace: the GPU waits for launches, and the host's speed (on
 a shared machine, its neighbours') moves the step time. ``--hooks`` times the backward of a 148-param fp16 MLP
 with tiny layers (kernel time negligible) with and without a fused optimizer's grad hooks, on the CPU (the Triton
-interpreter is imported but runs no kernel in a backward).
+interpreter is imported but runs no kernel in a backward). ``--profile`` runs halfprec's plain loop and the HF
+Trainer (bench_train's ``halfprec`` and ``hf`` systems, bf16 and fp16) under ``cProfile`` for the timed steps and
+prints, per step, the host time inside the Trainer's steps and between them (without the profiler) and the
+functions with the most host time (with it; cProfile slows Python-heavy code, so read its figures as shares).
 """
 
 from __future__ import annotations
@@ -97,6 +101,113 @@ def hook_cost(rounds: int = 300) -> None:
           f"{(b - a) / n * 1e3:.1f} us per param")  # fmt: skip
 
 
+def _top(profile, steps: int, count: int = 25) -> str:
+    import io
+    import pstats
+
+    out = io.StringIO()
+    stats = pstats.Stats(profile, stream=out)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:count]  # by own time
+    lines = ["| own ms/step | cumulative ms/step | calls/step | function |", "|---|---|---|---|"]
+    for (path, line, name), (_cc, calls, own, cum, _callers) in rows:
+        where = f"{os.path.basename(path)}:{line}" if line else path
+        lines.append(
+            f"| {own / steps * 1e3:.2f} | {cum / steps * 1e3:.2f} | {calls / steps:.0f} | {name} ({where}) |"
+        )
+    return "\n".join(lines)
+
+
+def _plain_loop(dtype, profile, steps: int, warmup: int) -> float:
+    """ms/step of halfprec's plain loop over ``steps`` steps, under ``profile`` when given."""
+    import bench_train
+    import torch
+
+    model = bench_train.llama(0)
+    step, _ = bench_train.halfprec_runner(model, dtype)
+    data = bench_train.batches(8, 1024)
+    for i in range(warmup):
+        step(data[i % len(data)])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    if profile is not None:
+        profile.enable()
+    for i in range(steps):
+        step(data[i % len(data)])
+    torch.cuda.synchronize()
+    if profile is not None:
+        profile.disable()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def _hf_phases(dtype, profile, steps: int, warmup: int) -> tuple[float, float, float]:
+    """The HF Trainer's ms/step (synchronized at both ends) and the host's median ms inside a step (begin ->
+    end) and between steps (end -> next begin), over ``steps`` steps, under ``profile`` when given."""
+    import types
+
+    import bench_train
+    import torch
+    from transformers import TrainerCallback
+
+    marks: list[tuple[str, float]] = []
+
+    class Phases(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == warmup:
+                torch.cuda.synchronize()
+                if profile is not None:
+                    profile.enable()
+            marks.append(("begin", time.perf_counter()))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            marks.append(("end", time.perf_counter()))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            torch.cuda.synchronize()
+            marks.append(("begin", time.perf_counter()))  # the end of the last step's "between"
+            if profile is not None:
+                profile.disable()
+
+    model = bench_train.llama(0)
+    args = types.SimpleNamespace(warmup=warmup, steps=steps, batch=8)
+    bench_train.hf_run(model, dtype, bench_train.batches(8, 1024), args, callbacks=[Phases()])
+    timed = [t for _, t in marks[2 * warmup :]]  # begin, end, begin, end, ..., final
+    inside = [b - a for a, b in zip(timed[0::2], timed[1::2], strict=False)]
+    between = [b - a for a, b in zip(timed[1::2], timed[2::2], strict=False)]
+    total = (timed[-1] - timed[0]) / steps * 1e3
+    return total, statistics.median(inside) * 1e3, statistics.median(between) * 1e3
+
+
+def profile_table(steps: int = 15, warmup: int = 5) -> None:
+    import cProfile
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    for dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype)[6:]
+        plain = _plain_loop(dtype, None, steps, warmup)
+        total, inside, between = _hf_phases(dtype, None, steps, warmup)
+        print(
+            f"\n### {name}, not profiled: plain loop {plain:.1f} ms/step; HF Trainer {total:.1f} ms/step, host "
+            f"inside a step {inside:.1f} ms, between steps {between:.2f} ms (medians); both synchronized at the ends",
+            flush=True,
+        )
+        profile = cProfile.Profile()
+        plain = _plain_loop(dtype, profile, steps, warmup)
+        print(
+            f"\n### {name}, plain loop under cProfile: {plain:.1f} ms/step\n\n{_top(profile, steps)}",
+            flush=True,
+        )
+        profile = cProfile.Profile()
+        total, inside, between = _hf_phases(dtype, profile, steps, warmup)
+        print(
+            f"\n### {name}, HF Trainer under cProfile: {total:.1f} ms/step (inside {inside:.1f}, between "
+            f"{between:.2f})\n\n{_top(profile, steps)}",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -104,8 +215,15 @@ def main() -> None:
     parser.add_argument(
         "--hooks", action="store_true", help="the grad hooks' host cost per param (any machine)"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="host time by function, halfprec's plain loop vs the HF Trainer",
+    )
     args = parser.parse_args()
-    if args.hooks:
+    if args.profile:
+        profile_table()
+    elif args.hooks:
         hook_cost()
     else:
         gpu_table()
