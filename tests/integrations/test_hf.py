@@ -311,6 +311,33 @@ def test_trainer_frees_the_flat_grad_buffer_after_each_step(tmp_path):
     assert 1.9 < freed < 2.1, (freed, probe.before_step, probe.at_begin, n)
 
 
+def test_flop_count_equals_the_trainers_counting_the_params_once(tmp_path, monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    rows = [{"input_ids": torch.arange(8), "labels": torch.arange(8)}] * 4
+    args = _args(tmp_path, 2, per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    trainer = HalfprecTrainer(model=model, args=args, train_dataset=rows, halfprec_dtype=torch.bfloat16)
+    counted = []
+    monkeypatch.setattr(
+        model, "num_parameters", lambda **kw: counted.append(kw) or type(model).num_parameters(model, **kw)
+    )
+    inputs = {"input_ids": torch.zeros(3, 7, dtype=torch.long)}
+    expected = Trainer.floating_point_ops(trainer, inputs)
+    assert expected == 6 * 21 * sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    assert [trainer.floating_point_ops(inputs) for _ in range(3)] == [expected] * 3
+    assert counted == [{"exclude_embeddings": True}] * 2  # the Trainer's call above, then ours once
+    assert (
+        trainer.floating_point_ops({"x": torch.zeros(3)})
+        == Trainer.floating_point_ops(trainer, {"x": 0})
+        == 0
+    )
+
+
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_resume_from_checkpoint_bit_exact(name, tmp_path):
     dtype, batches = DTYPES[name], make_batches(8)

@@ -145,6 +145,7 @@ class HalfprecTrainerMixin:
         self._halfprec_checked: MixedPrecisionOptimizer | None = None  # the optimizer the scale check hooks
         self._halfprec_loss_hooks: list = []  # this training_step's scaling hooks on compute_loss's loss
         self._halfprec_scaled = False  # since the last step: a backward was loss-scaled
+        self._halfprec_flop_params: tuple[Any, int] | None = None  # (model, its non-embedding param count)
         super().__init__(*args, **kwargs)
         check_training_args(self.args)
         if not any(isinstance(cb, HalfprecCallback) for cb in self.callback_handler.callbacks):
@@ -255,6 +256,18 @@ class HalfprecTrainerMixin:
                 "override must call super().training_step(...), or scale the loss itself: "
                 "self.accelerator.backward(self.halfprec_scale_loss(loss))"
             )
+
+    # --- host time per step -----------------------------------------------------------------------------
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """The Trainer's count (6 x input tokens x non-embedding params), the param count taken once per model:
+        the Trainer's own walks every module twice at every step (about 1 ms of host time per step for a
+        16-layer Llama on the H200's host, where the step is host-bound: benchmarks/RESULTS.md)."""
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if main not in inputs or not hasattr(self.model, "num_parameters"):
+            return super().floating_point_ops(inputs)
+        if self._halfprec_flop_params is None or self._halfprec_flop_params[0] is not self.model:
+            self._halfprec_flop_params = (self.model, self.model.num_parameters(exclude_embeddings=True))
+        return 6 * inputs[main].numel() * self._halfprec_flop_params[1]
 
     # --- clipping and the logged norm (halfprec clips inside step(), on the fp32 master grads) -----------
     def _clip_grad_norm(self, model):
