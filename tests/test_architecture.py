@@ -228,7 +228,11 @@ ELSEWHERE = {
     "optim/sharded/checks.py": (["tests/distributed/test_errors.py"], "multi-process tests"),
     "optim/sharded/fused_step.py": (["tests/distributed/test_fused.py"], "multi-process tests"),
     "optim/sharded/grads.py": (
-        ["tests/distributed/test_surface.py", "tests/distributed/test_sharded.py"],
+        [
+            "tests/distributed/test_surface.py",
+            "tests/distributed/test_sharded.py",
+            "tests/distributed/test_raised.py",
+        ],
         "same",
     ),
     "optim/sharded/optimizer.py": (["tests/distributed/test_sharded.py"], "multi-process tests"),

@@ -868,6 +868,13 @@ def scenario_engine_zero0(out: str) -> dict:
     return run(out)
 
 
+def scenario_raised(out: str) -> dict:
+    """A backward that raises part-way, caught, then training goes on, against its oracle (``_raised.py``)."""
+    from _raised import scenario_raised as run
+
+    return run(out)
+
+
 def scenario_split(out: str, configs: list, steps: int, more: int) -> dict:
     """Split masters against fp32 masters, checkpoints between them (``_split.py``)."""
     from _split import scenario_split as run

@@ -26,11 +26,19 @@ first (as DDP does, so the sum cannot overflow) and sums in the 16-bit dtype.
 Shard dtype (``shard_dtype``): fp32, or with ``"param"`` for the fused local step the 16-bit dtype itself, read
 by the update kernel as it is (2 B/param less; stage 2 then adds micro-batches in 16 bits, as stage 1 does). At
 stage 1 and world size 1 a 16-bit shard is the whole grad buffer itself: nothing to reduce, no copy.
+
+A backward that raises (caught by the user: an OOM retry loop) keeps the grads it produced, as in torch: the next
+backward adds to them and a step applies them; ``zero_grad()`` drops them. Autograd drops the callbacks of a
+backward that raised, so the reducer holds only a weak reference to its callback: dead before it ran, it tells the
+next grad hook or ``finish()`` to end that pass (launch its remaining buckets, wait every reduction), and
+``zero_grad()`` waits its reductions and forgets it. Every rank must raise at the same point, as every rank must
+run the same backward: one rank raising alone desyncs the collectives (a hang or a crash, as with DDP).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -87,7 +95,12 @@ class GradReducer:
         self._next = 0
         self._staging: dict[int, torch.Tensor] = {}
         self._pending: list = []
-        self._queued = False
+        self._callback: weakref.ref | None = None  # the end-of-backward callback this pass queued
+
+    def _settle(self) -> None:
+        """End the pass of a backward that raised after queueing its callback (autograd dropped it unrun)."""
+        if self._callback is not None and self._callback() is None:
+            self._end_of_backward()
 
     def _ensure_shard(self) -> torch.Tensor:
         if self.grad_shard is None and self._aliased:
@@ -109,6 +122,7 @@ class GradReducer:
     @torch.no_grad()
     def on_grad(self, i: int) -> None:
         """The grad hook of param ``i``: copy (and at a bucket's last grad, reduce) its grad."""
+        self._settle()
         if self.frozen:
             raise RuntimeError(
                 "a backward ran after unscale_() and before step(): its grads would not reach this step. Call "
@@ -146,10 +160,11 @@ class GradReducer:
             param.grad = None
         if self.whole_grads and not self._sync:
             return
-        if not self._queued:
-            self._queued = True
+        if self._callback is None:
             self.overlapped = 0
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            callback = self._end_of_backward  # a new bound method: autograd's engine holds the only reference
+            self._callback = weakref.ref(callback)
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
         self._ready[b] += 1
         while self._next < len(self._ready) and self._ready[self._next] >= self._expected[self._next]:
             self._launch(self._next)
@@ -211,6 +226,7 @@ class GradReducer:
     @torch.no_grad()
     def finish(self) -> torch.Tensor:
         """Make the grad shard hold the (summed) reduction of every grad since ``zero_grad``."""
+        self._settle()
         if self.whole_grads and not self.up_to_date:
             self._next = 0
             self._end_of_backward()
@@ -234,7 +250,11 @@ class GradReducer:
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the grads. ``set_to_none=False`` keeps the ``used`` flags, as torch keeps zero grads: a param
-        that has had a grad since the last ``set_to_none=True`` call is then stepped with a zero grad."""
+        that has had a grad since the last ``set_to_none=True`` call is then stepped with a zero grad. The
+        reductions of a backward that raised are waited (they may write the shard) and the pass forgotten."""
+        for work, *_ in self._pending:
+            work.wait()
+        self._reset_pass()
         if self.flat_grad is not None:
             self.flat_grad.zero_()
             for i, p in enumerate(self.params):
