@@ -211,11 +211,15 @@ def _set_to_none(model, name: str) -> None:
 MARKS = {
     "three backwards": ([_backward] * 3, {0, 1, 2, 3}),
     ".grad = None after the backward": ([_backward, lambda m, o: _set_to_none(m, "b.bias")], {0, 1, 2}),
-    "a grad assigned by hand": ([_backward, lambda m, o: set_by_hand(m, ["unused.weight"], 0, 1.0)], {0, 1, 2, 3, 4}),
+    "a grad assigned by hand": (
+        [_backward, lambda m, o: set_by_hand(m, ["unused.weight"], 0, 1.0)],
+        {0, 1, 2, 3, 4},
+    ),
     "zero_grad()": ([_backward, lambda m, o: o.zero_grad()], set()),
     "zero_grad(set_to_none=False)": ([_backward, lambda m, o: o.zero_grad(set_to_none=False)], set()),
     "a backward after zero_grad(set_to_none=False)": (
-        [_backward, lambda m, o: o.zero_grad(set_to_none=False), _backward], {0, 1, 2, 3}
+        [_backward, lambda m, o: o.zero_grad(set_to_none=False), _backward],
+        {0, 1, 2, 3},
     ),
     "a raised backward": ([_raised_backward], {2, 3}),  # b's hooks ran, a's did not
     "a backward after a raised one": ([_raised_backward, _backward], {0, 1, 2, 3}),
