@@ -5,9 +5,9 @@ first backward, or after ``zero_grad(set_to_none=True)``/``model.zero_grad()``),
 view and re-attaches it. Outside graph capture, ``step()`` also adopts a ``.grad`` assigned by hand and unmarks
 params whose ``.grad`` was set to None. An unmarked param is not updated and its counter does not advance. The
 marks live in ``flags`` (int32 per param, on the device), which the finalize program reads and clears, and on the
-host in ``_marked``, so a hook writes the device mark only when it changes (a launch on CUDA) and ``step()``
-reads the host copy. Once a CUDA graph was captured (``pinned``) the hooks write it every time: a replay's step
-clears it and runs no Python.
+host in ``_marked`` (what ``step()`` reads without a sync), so a hook writes the device mark only when it changes
+(each write is a launch on CUDA). Once a CUDA graph was captured (``pinned``) the hooks write it every time: a
+replay's step clears it and runs no Python.
 
 The hook is the backward's hottest Python (once per param per backward; a step can be host-bound): it runs with
 grad mode off, except in a ``create_graph=True`` backward, which alone pays for ``torch.no_grad()``.
@@ -62,7 +62,7 @@ class GradViews:
         self._accumulates = [accum_dtype not in (None, chunk.dtype) for chunk, _ in where]
         self.where = list(where)
         self.flags = torch.zeros(max(len(self.params), 1), dtype=torch.int32, device=device)
-        self._flags = self.flags.unbind()  # made once: indexing flags costs each hook a view
+        self._flag_views = self.flags.unbind()  # made once: indexing flags costs each hook a view
         self._cuda = self.flags.is_cuda
         self._marked = [False] * len(self.params)
         # where each param's grad view starts, once its chunk's grad buffer is made: one int compare per param in
@@ -109,7 +109,7 @@ class GradViews:
             view.copy_(g)
             p.grad = view
         if pinned or not self._marked[i]:
-            self._flags[i].fill_(1)
+            self._flag_views[i].fill_(1)
             self._marked[i] = True
 
     def held(self, i: int) -> torch.Tensor | None:
@@ -133,7 +133,7 @@ class GradViews:
                 )
             g = p.grad
             if g is None and self._marked[i] and not self._accumulates[i]:
-                self._flags[i].fill_(0)
+                self._flag_views[i].fill_(0)
                 self._marked[i] = False
             elif g is not None and g.data_ptr() != self._view_ptrs[i]:
                 self.mark(i)
