@@ -309,9 +309,9 @@ def test_a_captured_step_needs_the_buffers_and_then_keeps_them():
     assert not any(ref.expired() for ref in held)  # the graph reads these addresses
 
 
-def _warmed_up(backwards_after_step: int):
-    """A model and its optimizer warmed up on a side stream (as torch.cuda.graphs asks): one backward and step,
-    then ``backwards_after_step`` backwards (their grads and marks stay)."""
+def _warmed_up():
+    """A model and its optimizer warmed up on a side stream (as torch.cuda.graphs asks): a backward, a step and a
+    backward, whose grads and marks stay."""
     model = torch.nn.Linear(64, 64).cuda().half()
     mp = FusedAdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"))
     x = torch.randn(8, 64, device="cuda", dtype=torch.float16)
@@ -320,8 +320,7 @@ def _warmed_up(backwards_after_step: int):
     with torch.cuda.stream(side):
         mp.backward(model(x).float().pow(2).mean())
         mp.step()
-        for _ in range(backwards_after_step):
-            mp.backward(model(x).float().pow(2).mean())
+        mp.backward(model(x).float().pow(2).mean())
     torch.cuda.current_stream().wait_stream(side)
     return model, mp, x
 
@@ -330,7 +329,7 @@ def _warmed_up(backwards_after_step: int):
 @pytest.mark.parametrize("captured", ["backward", "zero_grad(set_to_none=False)"])
 def test_buffers_a_captured_backward_or_zero_grad_writes_stay(captured):
     # the grad buffers exist before the capture, so the captured code makes none: it still writes them
-    model, mp, x = _warmed_up(backwards_after_step=1)
+    model, mp, x = _warmed_up()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         if captured == "backward":
@@ -347,7 +346,7 @@ def test_buffers_a_captured_backward_or_zero_grad_writes_stay(captured):
 def test_a_captured_backward_marks_its_params_at_every_replay():
     # the warm-up's last backward leaves the params marked on the host when the capture starts: the captured
     # hooks must write the marks all the same, since each replay's step clears them
-    model, mp, x = _warmed_up(backwards_after_step=1)
+    model, mp, x = _warmed_up()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         mp.backward(model(x).float().pow(2).mean())
