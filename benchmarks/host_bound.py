@@ -10,10 +10,11 @@ included) and by the host's time to enqueue each step, then 8 steps each between
 enqueue time matches the event time, the host sets the pace: the GPU waits for launches, and the host's speed (on
 a shared machine, its neighbours') moves the step time. ``--hooks`` times the backward of a 148-param fp16 MLP
 with tiny layers (kernel time negligible) with and without a fused optimizer's grad hooks, on the CPU (the Triton
-interpreter is imported but runs no kernel in a backward). ``--profile`` runs halfprec's plain loop and the HF
-Trainer (bench_train's ``halfprec`` and ``hf`` systems, bf16 and fp16) under ``cProfile`` for the timed steps and
-prints, per step, the host time inside the Trainer's steps and between them (without the profiler) and the
-functions with the most host time (with it; cProfile slows Python-heavy code, so read its figures as shares).
+interpreter is imported but runs no kernel in a backward), after ``zero_grad(set_to_none=True)`` and ``False``.
+``--profile`` runs halfprec's plain loop and the HF Trainer (bench_train's ``halfprec`` and ``hf`` systems, bf16
+and fp16) under ``cProfile`` for the timed steps and prints, per step, the host time inside the Trainer's steps and
+between them (without the profiler) and the functions with the most host time (with it; cProfile slows
+Python-heavy code, so read its figures as shares).
 """
 
 from __future__ import annotations
@@ -83,22 +84,25 @@ def hook_cost(rounds: int = 300) -> None:
         torch.manual_seed(0)
         return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(74)]).half()
 
-    def backward_ms(model, opt=None) -> float:
+    def backward_ms(model, set_to_none: bool, opt=None) -> float:
         x, times = torch.randn(4, 8).half(), []
         for _ in range(rounds):
             loss = model(x).float().square().mean()
             start = time.perf_counter()
             loss.backward()
             times.append(time.perf_counter() - start)
-            (opt or model).zero_grad(set_to_none=True)
+            (opt or model).zero_grad(set_to_none=set_to_none)
         return statistics.median(times) * 1e3
 
-    plain, hooked = mlp(), mlp()
-    opt = FusedAdamW(hooked.parameters(), lr=1e-3)
-    n = len(list(plain.parameters()))
-    a, b = backward_ms(plain), backward_ms(hooked, opt)
-    print(f"{n} params: backward {a:.2f} ms plain, {b:.2f} ms with a fused optimizer's grad hooks: "
-          f"{(b - a) / n * 1e3:.1f} us per param")  # fmt: skip
+    # set_to_none=True frees the flat grad buffer: each hook copies its fresh grad in; False keeps it: each hook
+    # only marks its param (autograd accumulates into the view)
+    for set_to_none in (True, False):
+        plain, hooked = mlp(), mlp()
+        opt = FusedAdamW(hooked.parameters(), lr=1e-3)
+        n = len(list(plain.parameters()))
+        a, b = backward_ms(plain, set_to_none), backward_ms(hooked, set_to_none, opt)
+        print(f"{n} params, zero_grad(set_to_none={set_to_none}): backward {a:.2f} ms plain, {b:.2f} ms with a "
+              f"fused optimizer's grad hooks: {(b - a) / n * 1e3:.1f} us per param", flush=True)  # fmt: skip
 
 
 def _top(profile, steps: int, count: int = 25) -> str:

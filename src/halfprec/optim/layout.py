@@ -71,6 +71,12 @@ class Chunk:
         self.dtype = self.params[0].dtype
         self.offsets = list(itertools.accumulate((aligned(p.numel()) for p in self.params), initial=0))
         self.numel = self.offsets.pop()  # the total padded size
+        # each param's (shape, contiguous strides, offset): one as_strided call makes its view of a flat buffer,
+        # where a slice and a view take two (a chunk's grad views are made at every step after zero_grad())
+        self._geometry = [
+            (p.shape, torch.empty(p.shape, device="meta").stride(), off)
+            for p, off in zip(self.params, self.offsets, strict=True)
+        ]
         split = masters == "split" and self.dtype != torch.float32  # fp32 params are their own masters
         self.data = None if split else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         self.low = torch.zeros(self.numel, dtype=torch.int16, device=self.device) if split else None
@@ -125,11 +131,12 @@ class Chunk:
             self.data.copy_(self.param)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [self.view(flat, k) for k in range(len(self.params))]
+        base = flat.storage_offset()
+        return [flat.as_strided(shape, stride, base + off) for shape, stride, off in self._geometry]
 
     def view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
-        p, off = self.params[k], self.offsets[k]
-        return flat[off : off + p.numel()].view(p.shape)
+        shape, stride, off = self._geometry[k]
+        return flat.as_strided(shape, stride, flat.storage_offset() + off)
 
     def make_grad(self, dtype: torch.dtype) -> None:
         self.grad = torch.zeros(self.numel, dtype=dtype, device=self.device)

@@ -179,6 +179,85 @@ def test_a_captured_step_needs_the_buffer_and_pins_it():
     assert chunk.grad is buffer  # the graph reads its address: kept for good
 
 
+class _Raise(torch.autograd.Function):
+    """Identity forward; its backward raises, after the layers above it got their grads (a backward that fails
+    midway, e.g. out of memory)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed midway")
+
+
+def _raised_backward(model, mp) -> None:
+    loss = model.b(_Raise.apply(model.a(batch(9, 0).half()).float())).pow(2).mean()
+    with pytest.raises(RuntimeError, match="backward failed midway"):
+        mp.backward(loss)
+
+
+def _backward(model, mp) -> None:
+    mp.backward(model(batch(9, 1)).float().pow(2).mean())
+
+
+def _set_to_none(model, name: str) -> None:
+    model.get_parameter(name).grad = None
+
+
+# what runs before a step, and the params it updates (of a.weight, a.bias, b.weight, b.bias, unused.weight,
+# unused.bias): the marks the hooks, step() and zero_grad() keep
+MARKS = {
+    "three backwards": ([_backward] * 3, {0, 1, 2, 3}),
+    ".grad = None after the backward": ([_backward, lambda m, o: _set_to_none(m, "b.bias")], {0, 1, 2}),
+    "a grad assigned by hand": (
+        [_backward, lambda m, o: set_by_hand(m, ["unused.weight"], 0, 1.0)],
+        {0, 1, 2, 3, 4},
+    ),
+    "zero_grad()": ([_backward, lambda m, o: o.zero_grad()], set()),
+    "zero_grad(set_to_none=False)": ([_backward, lambda m, o: o.zero_grad(set_to_none=False)], set()),
+    "a backward after zero_grad(set_to_none=False)": (
+        [_backward, lambda m, o: o.zero_grad(set_to_none=False), _backward],
+        {0, 1, 2, 3},
+    ),
+    "a raised backward": ([_raised_backward], {2, 3}),  # b's hooks ran, a's did not
+    "a backward after a raised one": ([_raised_backward, _backward], {0, 1, 2, 3}),
+}
+
+
+@pytest.mark.parametrize("accum", [None, FP32])
+@pytest.mark.parametrize("case", MARKS)
+def test_a_step_updates_the_params_marked_since_the_last_one(case, accum):
+    (model, mp), _ = build(FusedAdamW, accum)
+
+    def steps() -> list[float]:
+        state = mp.state_dict()["optimizer"]["state"]
+        return [float(state.get(k, {}).get("step", 0.0)) for k in range(6)]
+
+    actions, updated = MARKS[case]
+    for action in actions:
+        action(model, mp)
+    mp.step()
+    assert steps() == [1.0 if k in updated else 0.0 for k in range(6)]
+    mp.step()  # the step consumed the marks: the grads it keeps are not new
+    assert steps() == [1.0 if k in updated else 0.0 for k in range(6)]
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_a_create_graph_backward_leaves_the_grad_buffers_out_of_autograd():
+    # the hooks run with grad mode on in a create_graph=True backward: their copies must not be recorded (the
+    # flat buffers would require grad and hold the graph)
+    (model, mp), (twin, ref) = build(FusedAdamW, None)
+    for _ in range(2):
+        mp.backward(model(batch(0, 0)).float().pow(2).mean(), create_graph=True)
+        ref.backward(twin(batch(0, 0)).float().pow(2).mean())
+    assert not any(g.requires_grad for g in grads_held(model, mp))
+    mp.step()
+    ref.step()
+    assert_same_bits(mp, ref, model, twin)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("accum", [None, FP32])
 def test_the_forward_peak_drops_by_the_grad_buffer(accum):
@@ -228,3 +307,52 @@ def test_a_captured_step_needs_the_buffers_and_then_keeps_them():
     mp.zero_grad()
     gc.collect()
     assert not any(ref.expired() for ref in held)  # the graph reads these addresses
+
+
+def _warmed_up():
+    """A model and its optimizer warmed up on a side stream (as torch.cuda.graphs asks): a backward, a step and a
+    backward, whose grads and marks stay."""
+    model = torch.nn.Linear(64, 64).cuda().half()
+    mp = FusedAdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"))
+    x = torch.randn(8, 64, device="cuda", dtype=torch.float16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mp.backward(model(x).float().pow(2).mean())
+        mp.step()
+        mp.backward(model(x).float().pow(2).mean())
+    torch.cuda.current_stream().wait_stream(side)
+    return model, mp, x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("captured", ["backward", "zero_grad(set_to_none=False)"])
+def test_buffers_a_captured_backward_or_zero_grad_writes_stay(captured):
+    # the grad buffers exist before the capture, so the captured code makes none: it still writes them
+    model, mp, x = _warmed_up()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        if captured == "backward":
+            mp.backward(model(x).float().pow(2).mean())
+        else:
+            mp.zero_grad(set_to_none=False)
+    held = [StorageWeakRef(p.grad.untyped_storage()) for p in model.parameters()]
+    mp.zero_grad()
+    gc.collect()
+    assert not any(ref.expired() for ref in held)  # the graph writes these addresses
+
+
+@pytest.mark.gpu
+def test_a_captured_backward_marks_its_params_at_every_replay():
+    # the warm-up's last backward leaves the params marked on the host when the capture starts: the captured
+    # hooks must write the marks all the same, since each replay's step clears them
+    model, mp, x = _warmed_up()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mp.backward(model(x).float().pow(2).mean())
+        mp.step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    state = mp.state_dict()["optimizer"]["state"]
+    assert [float(state[k]["step"]) for k in (0, 1)] == [4.0, 4.0]  # the warm-up's step and 3 replays

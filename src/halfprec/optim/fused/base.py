@@ -338,12 +338,12 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             self._sq[:off], self._bad[:off], scale, self._scalars, self.max_grad_norm, flags, self._steps,
             self._pgroup, self._hyper.table, self._pscal, check=self._checks_grads, kind=self.KIND, scaler=fused_scaler,
         )  # fmt: skip
+        self._grads.consumed()
         for k in range(len(self._chunks)):
             self._launch_update(k)
         if fused_scaler is None and type(self.loss_scaler).update is not LossScaler.update:
             self.loss_scaler.update(self._scalars[0])
             self._scalars[5].copy_(self.loss_scaler.scale)
-        self._grads.consumed()
         if not capturing:
             self._reporter.record(self._scalars)
             if self._replaced is not None and (replaced := self._replaced()) is not None:

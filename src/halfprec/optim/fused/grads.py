@@ -4,7 +4,13 @@ A post-accumulate-grad hook marks the param and, when ``.grad`` is not its view 
 first backward, or after ``zero_grad(set_to_none=True)``/``model.zero_grad()``), copies the fresh grad into the
 view and re-attaches it. Outside graph capture, ``step()`` also adopts a ``.grad`` assigned by hand and unmarks
 params whose ``.grad`` was set to None. An unmarked param is not updated and its counter does not advance. The
-marks live in ``flags`` (int32 per param, on the device), which the finalize program reads and clears.
+marks live in ``flags`` (int32 per param, on the device), which the finalize program reads and clears, and on the
+host in ``_marked`` (what ``step()`` reads without a sync), so a hook writes the device mark only when it changes
+(each write is a launch on CUDA). Once a CUDA graph was captured (``pinned``) the hooks write it every time: a
+replay's step clears it and runs no Python.
+
+The hook is the backward's hottest Python (once per param per backward; a step can be host-bound): it runs with
+grad mode off, except in a ``create_graph=True`` backward, which alone pays for ``torch.no_grad()``.
 
 With ``accum_dtype=torch.float32`` a 16-bit chunk's grad buffer is fp32: the hook copies a param's first grad of
 the step into its fp32 view, adds later ones (one fp32 rounding each, in micro-batch order) and releases the
@@ -15,8 +21,8 @@ a new sum whoever clears ``.grad``.
 A chunk's flat grad buffer lives from the first grad of a step (or the step, for a chunk that got none) to
 ``zero_grad(set_to_none=True)``, which frees it with every view, so the next forward runs without it (2 B/param,
 4 with fp32 accumulation). ``zero_grad(set_to_none=False)`` keeps it, zeroed; a step keeps it (and ``.grad``) until
-then; ``model.zero_grad()`` cannot reach it, so it stays and the next backward reuses it. Once a step was captured
-in a CUDA graph the buffers stay for good: the graph reads their addresses.
+then; ``model.zero_grad()`` cannot reach it, so it stays and the next backward reuses it. Once a backward, step or
+``zero_grad`` was captured in a CUDA graph the buffers stay for good: the graph reads their addresses.
 
 ZeRO-0 (``process_group=``, ``optim/accumulate.py``): at the step, ``all_reduce`` zeroes the views of params that got
 no grad on this rank, replaces each flat fp32 buffer by the mean over the ranks of their sums and sums the marks
@@ -56,6 +62,8 @@ class GradViews:
         self._accumulates = [accum_dtype not in (None, chunk.dtype) for chunk, _ in where]
         self.where = list(where)
         self.flags = torch.zeros(max(len(self.params), 1), dtype=torch.int32, device=device)
+        self._flag_views = self.flags.unbind()  # made once: indexing flags costs each hook a view
+        self._cuda = self.flags.is_cuda
         self._marked = [False] * len(self.params)
         # where each param's grad view starts, once its chunk's grad buffer is made: one int compare per param in
         # adopt(), which is host time on a skipped step
@@ -65,27 +73,32 @@ class GradViews:
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(weak_hook(self.mark, i))
 
+    def _pin_if_capturing(self) -> bool:
+        """``pinned``, set now if a CUDA graph is being captured: the graph writes the grad buffers and marks."""
+        if not self.pinned and self._cuda and torch.cuda.is_current_stream_capturing():
+            self.pinned = True
+        return self.pinned
+
     def views(self, chunk: Chunk) -> list[torch.Tensor]:
         """The chunk's grad views, its flat grad buffer made at the first grad it gets in a step."""
         if chunk.grad is None:
-            self.pinned = (
-                self.pinned or stream_capturing()
-            )  # made in a captured backward: the graph writes it
             chunk.make_grad(self.accum_dtype or chunk.dtype)
             for i, (c, local) in enumerate(self.where):
                 if c is chunk:
                     self._view_ptrs[i] = chunk.grad_views[local].data_ptr()
         return chunk.grad_views
 
-    @torch.no_grad()
     def mark(self, i: int) -> None:
         """Param ``i`` got a grad: make ``.grad`` its view of the flat buffer (copying a fresh tensor in), or add it
         into its fp32 view and release it."""
-        p = self.params[i]
-        chunk, local = self.where[i]
+        if torch.is_grad_enabled():  # a create_graph=True backward, or a call from outside a backward
+            with torch.no_grad():
+                return self.mark(i)
+        p, (chunk, local) = self.params[i], self.where[i]
         if p.dtype != chunk.dtype:
             return  # cast after the optimizer was built: step() refuses it (checks.check_dtypes)
-        view = self.views(chunk)[local]
+        pinned = self._pin_if_capturing()  # before the buffer is made: a captured backward makes it
+        view = (self.views(chunk) if chunk.grad is None else chunk.grad_views)[local]
         g = p.grad
         if self._accumulates[i]:
             view.add_(g) if self._marked[i] else view.copy_(g)
@@ -95,8 +108,9 @@ class GradViews:
         elif g is not None and g.data_ptr() != view.data_ptr():
             view.copy_(g)
             p.grad = view
-        self.flags[i].fill_(1)
-        self._marked[i] = True
+        if pinned or not self._marked[i]:
+            self._flag_views[i].fill_(1)
+            self._marked[i] = True
 
     def held(self, i: int) -> torch.Tensor | None:
         """The grad param ``i`` holds now: its ``.grad``, or with fp32 accumulation its fp32 sum so far."""
@@ -119,7 +133,7 @@ class GradViews:
                 )
             g = p.grad
             if g is None and self._marked[i] and not self._accumulates[i]:
-                self.flags[i].fill_(0)
+                self._flag_views[i].fill_(0)
                 self._marked[i] = False
             elif g is not None and g.data_ptr() != self._view_ptrs[i]:
                 self.mark(i)
@@ -153,7 +167,7 @@ class GradViews:
         self.flags.clamp_(max=1)
 
     def consumed(self) -> None:
-        """A step read the marks (the finalize program cleared ``flags``)."""
+        """The finalize program read and cleared ``flags`` (call it right after, so the host copy follows)."""
         self._marked = [False] * len(self.params)
         for (chunk, local), accumulates in zip(self.where, self._accumulates, strict=True):
             if accumulates and chunk.master_views:
@@ -163,6 +177,7 @@ class GradViews:
         """``zero_grad``: ``.grad`` to None and the flat buffers freed (kept when pinned or during capture), or
         the buffers zeroed with ``.grad`` kept as views (None when the view is wider than the param: fp32
         accumulation)."""
+        self._pin_if_capturing()  # a captured zero_grad(set_to_none=False) writes the buffers
         if set_to_none:
             for p in self.params:
                 p.grad = None
@@ -174,7 +189,7 @@ class GradViews:
                     p.grad = view if view.dtype == p.dtype else None
         self.flags.zero_()
         self.consumed()  # the masters' .grad (fp32 accumulation) let go of their views
-        if set_to_none and not (self.pinned or stream_capturing()):
+        if set_to_none and not self.pinned:
             for chunk in chunks:
                 chunk.free_grad()
             self._view_ptrs = [None] * len(self.params)
