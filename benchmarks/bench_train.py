@@ -29,6 +29,9 @@ Systems:
              pinned memory) and the nan/inf loss filter (``logging_nan_inf_filter=False``): a diagnostic of how
              much of the gap between ``hf`` and ``halfprec`` is the Trainer's syncs (halfprec's link keeps one,
              the skip flag the Trainer reads to hold the LR schedule)
+  hf-nolink  ``hf`` with halfprec's Accelerate link removed once training starts: the Trainer then never reads
+             the skip flag (a host sync right after every step, ``accelerator.optimizer_step_was_skipped``); it
+             would advance the LR schedule over skipped steps (constant here): a diagnostic of that sync's cost
   halfprec-keep  ``MixedPrecisionOptimizer`` in a plain loop with ``zero_grad(set_to_none=False)``: the grad buffer
              kept between steps (the engine frees it before each forward): a diagnostic of that buffer's cost
 """
@@ -56,6 +59,7 @@ SYSTEMS = (
     "deepspeed-scaled",
     "halfprec-sched",
     "hf-nosync",
+    "hf-nolink",
 )
 LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
 
@@ -187,9 +191,11 @@ def deepspeed_runner(model, dtype, batch: int, *, reset: bool, clip=CLIP, scaled
     return step, lambda: (engine.get_global_grad_norm(), None if scaler is None else scaler.cur_scale)
 
 
-def hf_run(model, dtype, data, args, callbacks=(), nosync=False) -> tuple[list[float], list[float]]:
+def hf_run(
+    model, dtype, data, args, callbacks=(), nosync=False, nolink=False
+) -> tuple[list[float], list[float]]:
     """(ms per step, loss per step) of ``args.warmup + args.steps`` HF Trainer steps over ``data``'s rows;
-    ``nosync``: the ``hf-nosync`` settings."""
+    ``nosync``, ``nolink``: the ``hf-nosync``, ``hf-nolink`` settings."""
     import tempfile
 
     import torch
@@ -206,6 +212,10 @@ def hf_run(model, dtype, data, args, callbacks=(), nosync=False) -> tuple[list[f
 
         def on_step_end(self, *_args, **_kwargs):
             events[-1][1].record()
+
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            if nolink:  # the handle halfprec.integrations.accelerate keeps on the AcceleratedOptimizer
+                optimizer._halfprec_skip_hook.remove()
 
     losses = []
 
@@ -247,7 +257,9 @@ def child(system: str, dtype_name: str, args) -> dict:
         data = batches(args.batch, args.seq)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        ms, losses = hf_run(model, dtype, data, args, nosync=system == "hf-nosync")
+        ms, losses = hf_run(
+            model, dtype, data, args, nosync=system == "hf-nosync", nolink=system == "hf-nolink"
+        )
         median = statistics.median(ms)
         return {
             "system": system, "dtype": dtype_name, "ms_per_step": median,
