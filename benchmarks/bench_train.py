@@ -32,6 +32,7 @@ Systems:
   hf-nolink  ``hf`` with halfprec's Accelerate link removed once training starts: the Trainer then never reads
              the skip flag (a host sync right after every step, ``accelerator.optimizer_step_was_skipped``); it
              would advance the LR schedule over skipped steps (constant here): a diagnostic of that sync's cost
+  hf-quiet  ``hf-nosync`` and ``hf-nolink`` together: the Trainer with none of those per-step host syncs
   halfprec-keep  ``MixedPrecisionOptimizer`` in a plain loop with ``zero_grad(set_to_none=False)``: the grad buffer
              kept between steps (the engine frees it before each forward): a diagnostic of that buffer's cost
 """
@@ -60,6 +61,7 @@ SYSTEMS = (
     "halfprec-sched",
     "hf-nosync",
     "hf-nolink",
+    "hf-quiet",
 )
 LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
 
@@ -258,7 +260,12 @@ def child(system: str, dtype_name: str, args) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         ms, losses = hf_run(
-            model, dtype, data, args, nosync=system == "hf-nosync", nolink=system == "hf-nolink"
+            model,
+            dtype,
+            data,
+            args,
+            nosync=system in ("hf-nosync", "hf-quiet"),
+            nolink=system in ("hf-nolink", "hf-quiet"),
         )
         median = statistics.median(ms)
         return {
