@@ -57,7 +57,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=_id)
+def _marked(example):
+    # a block marked test="cuda" is a GPU test: `pytest -m gpu` on the device runs it
+    cuda = example.prefix_settings().get("test") == "cuda"
+    return pytest.param(example, id=_id(example), marks=[pytest.mark.gpu] if cuda else [])
+
+
+@pytest.mark.parametrize("example", [_marked(e) for e in EXAMPLES])
 def test_block_runs(example, eval_example, tmp_path, monkeypatch):
     if example.prefix_settings().get("test") == "cuda" and not torch.cuda.is_available():
         pytest.skip("the block needs a CUDA device")
