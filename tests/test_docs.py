@@ -58,15 +58,13 @@ def _free_port() -> int:
 
 
 def _marked(example):
-    # a block marked test="cuda" is a GPU test: `pytest -m gpu` on the device runs it
+    # a block marked test="cuda" is a GPU test: skipped without CUDA (conftest), run by `pytest -m gpu`
     cuda = example.prefix_settings().get("test") == "cuda"
     return pytest.param(example, id=_id(example), marks=[pytest.mark.gpu] if cuda else [])
 
 
 @pytest.mark.parametrize("example", [_marked(e) for e in EXAMPLES])
 def test_block_runs(example, eval_example, tmp_path, monkeypatch):
-    if example.prefix_settings().get("test") == "cuda" and not torch.cuda.is_available():
-        pytest.skip("the block needs a CUDA device")
     for module in re.findall(r"^(?:from|import) (accelerate|transformers|lightning)\b", example.source, re.M):
         pytest.importorskip(module, reason=f"{module} is in the [integrations] extra")
     monkeypatch.chdir(tmp_path)
