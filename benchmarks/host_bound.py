@@ -4,6 +4,7 @@ cost per param on the host.
     python benchmarks/host_bound.py            # on a CUDA machine: bench_train's Llama under halfprec and autocast
     python benchmarks/host_bound.py --hooks    # anywhere: a fused optimizer's post-accumulate-grad hooks, per param
     python benchmarks/host_bound.py --profile  # on a CUDA machine: where the host's time goes, plain loop vs HF
+    python benchmarks/host_bound.py --timeline # on a CUDA machine: GPU busy and idle time, host syncs, plain vs HF
 
 For each system and dtype: 5 warm-up steps, then 15 steps timed by CUDA events (the GPU timeline, idle gaps
 included) and by the host's time to enqueue each step, then 8 steps each between two ``synchronize()``. When the
@@ -14,7 +15,11 @@ interpreter is imported but runs no kernel in a backward), after ``zero_grad(set
 ``--profile`` runs halfprec's plain loop and the HF Trainer (bench_train's ``halfprec`` and ``hf`` systems, bf16
 and fp16) under ``cProfile`` for the timed steps and prints, per step, the host time inside the Trainer's steps and
 between them (without the profiler) and the functions with the most host time (with it; cProfile slows
-Python-heavy code, so read its figures as shares).
+Python-heavy code, so read its figures as shares). ``--timeline`` runs the plain loop, ``hf`` and ``hf-quiet``
+(bench_train's systems) once under ``torch.profiler`` (CUDA activity only) and prints, per step, the GPU's busy
+time (the union of its kernels, copies and fills), its idle time, and the host's blocking calls (stream, event
+and device synchronizations, blocking copies); then once under ``torch.cuda.set_sync_debug_mode("warn")`` and
+lists every synchronizing call site with the code that made it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 
 def gpu_table() -> None:
@@ -143,9 +149,10 @@ def _plain_loop(dtype, profile, steps: int, warmup: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def _hf_phases(dtype, profile, steps: int, warmup: int) -> tuple[float, float, float]:
+def _hf_phases(dtype, profile, steps: int, warmup: int, **hf) -> tuple[float, float, float]:
     """The HF Trainer's ms/step (synchronized at both ends) and the host's median ms inside a step (begin ->
-    end) and between steps (end -> next begin), over ``steps`` steps, under ``profile`` when given."""
+    end) and between steps (end -> next begin), over ``steps`` steps, under ``profile`` when given (an object
+    with ``enable()`` and ``disable()``); ``hf``: ``bench_train.hf_run``'s settings."""
     import types
 
     import bench_train
@@ -173,12 +180,130 @@ def _hf_phases(dtype, profile, steps: int, warmup: int) -> tuple[float, float, f
 
     model = bench_train.llama(0)
     args = types.SimpleNamespace(warmup=warmup, steps=steps, batch=8)
-    bench_train.hf_run(model, dtype, bench_train.batches(8, 1024), args, callbacks=[Phases()])
+    bench_train.hf_run(model, dtype, bench_train.batches(8, 1024), args, callbacks=[Phases()], **hf)
     timed = [t for _, t in marks[2 * warmup :]]  # begin, end, begin, end, ..., final
     inside = [b - a for a, b in zip(timed[0::2], timed[1::2], strict=False)]
     between = [b - a for a, b in zip(timed[1::2], timed[2::2], strict=False)]
     total = (timed[-1] - timed[0]) / steps * 1e3
     return total, statistics.median(inside) * 1e3, statistics.median(between) * 1e3
+
+
+class _Timeline:
+    """``torch.profiler`` with CUDA activity, as an ``enable()``/``disable()`` pair; ``summary()`` after it."""
+
+    SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+    def __init__(self, steps: int):
+        import torch
+
+        self.steps = steps
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+
+    def enable(self) -> None:
+        self.prof.start()
+
+    def disable(self) -> None:
+        self.prof.stop()
+
+    def summary(self) -> str:
+        import json
+        import tempfile
+        from collections import Counter
+
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            self.prof.export_chrome_trace(f.name)
+            events = [e for e in json.loads(Path(f.name).read_text())["traceEvents"] if e.get("ph") == "X"]
+        device = sorted(
+            (e["ts"], e["ts"] + e["dur"])
+            for e in events
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+        )
+        busy, end = 0.0, float("-inf")
+        for a, b in device:  # the union of the device's intervals
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        span = device[-1][1] - device[0][0]
+        count, waited = Counter(), Counter()
+        for e in events:
+            if e.get("cat") == "cuda_runtime" and e["name"] in self.SYNCS:
+                count[e["name"]] += 1
+                waited[e["name"]] += e["dur"]
+        syncs = ", ".join(
+            f"{n} x{count[n] / self.steps:.1f} ({waited[n] / self.steps / 1e3:.2f} ms)" for n in sorted(count)
+        )
+        per = self.steps * 1e3
+        return (
+            f"GPU span {span / per:.1f} ms/step, busy {busy / per:.1f}, idle {(span - busy) / per:.1f}; "
+            f"{len(device) / self.steps:.0f} device ops/step; host blocking calls per step: {syncs or 'none'}"
+        )
+
+
+class _SyncSites:
+    """``set_sync_debug_mode("warn")`` as an ``enable()``/``disable()`` pair, counting each synchronizing call
+    by the code that made it (the innermost three frames outside torch)."""
+
+    def __init__(self, steps: int):
+        from collections import Counter
+
+        self.steps, self.sites, self._saved = steps, Counter(), None
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        import traceback
+
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if f"{os.sep}torch{os.sep}" not in f.filename and os.path.basename(f.filename) != "warnings.py"
+        ]
+        where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[::-1][:3])
+        self.sites[f"{str(message)[:40]}... at {where}"] += 1
+
+    def enable(self) -> None:
+        import warnings
+
+        import torch
+
+        self._saved = (warnings.showwarning, warnings.filters[:])
+        warnings.simplefilter("always")
+        warnings.showwarning = self._record
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def disable(self) -> None:
+        import warnings
+
+        import torch
+
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning, warnings.filters[:] = self._saved
+
+    def summary(self) -> str:
+        rows = [f"  - {n / self.steps:.1f}/step: {site}" for site, n in self.sites.most_common()]
+        return "\n".join(rows) or "  - none"
+
+
+def timeline_table(steps: int = 10, warmup: int = 5) -> None:
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    runs = (
+        ("plain loop", lambda dtype, probe: _plain_loop(dtype, probe, steps, warmup)),
+        ("hf", lambda dtype, probe: _hf_phases(dtype, probe, steps, warmup)[0]),
+        (
+            "hf-quiet",
+            lambda dtype, probe: _hf_phases(dtype, probe, steps, warmup, nosync=True, nolink=True)[0],
+        ),
+    )
+    for dtype in (torch.bfloat16, torch.float16):
+        for name, run in runs:
+            timeline = _Timeline(steps)
+            ms = run(dtype, timeline)
+            print(
+                f"\n### {str(dtype)[6:]}, {name}: {ms:.1f} ms/step under the profiler\n{timeline.summary()}"
+            )
+            sites = _SyncSites(steps)
+            run(dtype, sites)
+            print(f"synchronizing calls (sync debug mode):\n{sites.summary()}", flush=True)
+            torch.cuda.empty_cache()
 
 
 def profile_table(steps: int = 15, warmup: int = 5) -> None:
@@ -224,8 +349,13 @@ def main() -> None:
         action="store_true",
         help="host time by function, halfprec's plain loop vs the HF Trainer",
     )
+    parser.add_argument(
+        "--timeline", action="store_true", help="GPU busy/idle time and host syncs, plain loop vs HF"
+    )
     args = parser.parse_args()
-    if args.profile:
+    if args.timeline:
+        timeline_table()
+    elif args.profile:
         profile_table()
     elif args.hooks:
         hook_cost()
