@@ -6,15 +6,16 @@ DeepSpeed ZeRO-0, in interleaved rounds.
 Every (round, system, dtype) runs in its own process (peak memory is per process; nothing is shared between
 systems), rounds interleaved because the device's speed drifts. Each run builds the same model from the same seed,
 trains it with AdamW (lr 3e-4, weight decay 0.1, clipping at 1.0) on the same token batches, and reports the median
-ms/step after the warm-up steps (CUDA events), tokens/s, the peak memory allocated during training and the loss
-of the last step. ``--trace`` adds every step's loss, loss scale and grad norm to the JSON.
+ms/step after the warm-up steps (CUDA events, from one step's start to the next's), tokens/s, the peak memory
+allocated during training and the loss of the last step. ``--trace`` adds every step's loss, loss scale and grad norm to the JSON.
 
 Systems:
   autocast   fp32 model under ``torch.autocast``, ``torch.optim.AdamW(fused=True)``; fp16 with ``GradScaler``
   halfprec   ``halfprec.initialize`` (16-bit model, fused optimizer on CUDA)
   hf         the HF ``Trainer`` with halfprec (``HalfprecTrainer``, its AdamW on halfprec's fused path, clipping
              in the kernel, constant LR, the Trainer's default logging (every 500 steps; the losses are kept on the
-             device), the batches in the others' order), timed from step begin to step end by a callback
+             device), the batches in the others' order), timed from one step's begin to the next's by a callback
+             (so the batch fetch between steps counts)
   deepspeed  DeepSpeed ZeRO-0 with its FusedAdam (``gradient_clipping: 1.0``), when it is installed
   deepspeed-reset  the same, with the Adam state DeepSpeed's fp16 wrapper creates at construction (a step on zero
              grads) reset before training: a diagnostic of that construction step (fp16 only)
@@ -247,7 +248,14 @@ def hf_run(
         )
         trainer.train()
     torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in events[args.warmup :]], [float(v) for v in losses]
+    return periods(events[args.warmup :]), [float(v) for v in losses]
+
+
+def periods(events: list[tuple]) -> list[float]:
+    """ms from each step's begin event to the next step's (to its own end event for the last step): a step's
+    time with whatever the host does between steps (the Trainer fetches the next batch there)."""
+    ends = [b for b, _ in events[1:]] + [events[-1][1]]
+    return [begin.elapsed_time(end) for (begin, _), end in zip(events, ends, strict=True)]
 
 
 def child(system: str, dtype_name: str, args) -> dict:
@@ -306,7 +314,7 @@ def child(system: str, dtype_name: str, args) -> dict:
         if args.trace:
             probes.append(probe())
     torch.cuda.synchronize()
-    ms = [a.elapsed_time(b) for a, b in events[args.warmup :]]
+    ms = periods(events[args.warmup :])
 
     def num(v):
         return None if v is None else float(v)

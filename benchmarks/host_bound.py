@@ -240,7 +240,7 @@ class _Timeline:
 
 class _SyncSites:
     """``set_sync_debug_mode("warn")`` as an ``enable()``/``disable()`` pair, counting each synchronizing call
-    by the code that made it (the innermost three frames outside torch)."""
+    by the code that made it (the innermost five frames outside torch)."""
 
     def __init__(self, steps: int):
         from collections import Counter
@@ -253,9 +253,10 @@ class _SyncSites:
         frames = [
             f
             for f in traceback.extract_stack()[:-1]
-            if f"{os.sep}torch{os.sep}" not in f.filename and os.path.basename(f.filename) != "warnings.py"
+            if f"site-packages{os.sep}torch{os.sep}" not in f.filename
+            and os.path.basename(f.filename) != "warnings.py"
         ]
-        where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[::-1][:3])
+        where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[::-1][:5])
         self.sites[f"{str(message)[:40]}... at {where}"] += 1
 
     def enable(self) -> None:
