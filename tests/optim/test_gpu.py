@@ -103,6 +103,63 @@ def test_engine_step_without_a_scheduler_does_not_sync_with_the_host():
     assert record.step == 3 and not record.skipped and record.grad_norm > 0
 
 
+def test_reading_the_skip_flag_waits_for_the_norm_pass_not_the_update_pass():
+    # the step stages its record before the update pass: an LR scheduler (or the HF Trainer) that reads
+    # step_was_skipped right after step() leaves the update pass running while the host goes on
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(2**26, device="cuda", dtype=torch.bfloat16)) for _ in range(3)]
+    fused = FusedAdamW(params, lr=1e-3, max_grad_norm=1.0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    fused.step()  # state allocated, kernels compiled
+    for bad in (False, True, False):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if bad:
+            params[1].grad[7] = float("nan")
+        torch.cuda.synchronize()
+        fused.step()
+        skipped = fused.step_was_skipped
+        running = not torch.cuda.current_stream().query()  # 3 x 64M params: the update pass takes ~1 ms
+        norm, scale = fused.grad_norm, fused.step_loss_scale
+        torch.cuda.synchronize()
+        assert skipped is bad and skipped == bool(fused.found_inf.item())
+        if not bad:  # a skipped step's update programs return at once
+            assert running
+            assert norm == fused.step_results().grad_norm and norm > 0
+        assert scale == 1.0
+
+
+def test_after_a_capture_the_skip_flag_is_read_from_the_device():
+    # a replay stages no record: once a step was captured, step_was_skipped reads the device scalars
+    torch.manual_seed(0)
+    model = (
+        torch.nn.Sequential(torch.nn.Linear(64, 257), torch.nn.Tanh(), torch.nn.Linear(257, 3)).cuda().half()
+    )
+    opt = FusedAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+    x = torch.randn(16, 64, device="cuda").half()
+
+    def backward(scale):
+        opt.zero_grad()
+        opt.backward(model(x).float().pow(2).mean() * scale)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backward(1.0)
+        opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    assert not opt.step_was_skipped
+    backward(1.0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for scale, skipped in ((float("inf"), True), (1.0, False), (float("nan"), True)):
+        backward(scale)
+        graph.replay()
+        assert opt.step_was_skipped is skipped
+
+
 def test_captured_step_replays_with_a_changing_lr():
     torch.manual_seed(0)
     models = [

@@ -339,15 +339,20 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             self._pgroup, self._hyper.table, self._pscal, check=self._checks_grads, kind=self.KIND, scaler=fused_scaler,
         )  # fmt: skip
         self._grads.consumed()
+        scaler_after = fused_scaler is None and type(self.loss_scaler).update is not LossScaler.update
+        if capturing:
+            self._reporter.captured()
+        elif not scaler_after:  # staged before the update pass: reading the skip flag need not wait for it
+            self._reporter.record(self._scalars)
         for k in range(len(self._chunks)):
             self._launch_update(k)
-        if fused_scaler is None and type(self.loss_scaler).update is not LossScaler.update:
+        if scaler_after:
             self.loss_scaler.update(self._scalars[0])
             self._scalars[5].copy_(self.loss_scaler.scale)
-        if not capturing:
-            self._reporter.record(self._scalars)
-            if self._replaced is not None and (replaced := self._replaced()) is not None:
-                tell_schedulers(replaced)
+            if not capturing:
+                self._reporter.record(self._scalars)
+        if not capturing and self._replaced is not None and (replaced := self._replaced()) is not None:
+            tell_schedulers(replaced)
         self._s.stepped = True
 
     def adopt_scheduler_target(self, optimizer: torch.optim.Optimizer) -> None:

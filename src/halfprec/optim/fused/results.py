@@ -2,10 +2,16 @@
 
 Both read the first six device scalars the finalize program writes: found_inf, grad norm, clip coefficient,
 skipped count, loss scale used, loss scale after. ``DeviceResults`` is the fused optimizers'
-``results.StepState`` (the same attribute names; reading one syncs). ``SkipReporter`` copies them into a pinned
-host buffer with one non-blocking copy per step and records an event; completed records are logged at a later
-step, or when the caller reads a result (which syncs anyway), each skip once. Buffers and events are reused, so a
-step allocates nothing (a skipped step is mostly host time).
+``results.StepState`` (the same attribute names). ``SkipReporter`` copies them into a pinned host buffer with one
+non-blocking copy per step and records an event; completed records are logged at a later step, or when the caller
+reads a result, each skip once. Buffers and events are reused, so a step allocates nothing (a skipped step is
+mostly host time).
+
+The step stages its record right after the finalize program, before the update pass, when nothing after it
+writes those slots. Reading ``step_was_skipped``, ``grad_norm`` or ``step_loss_scale`` then waits for that record
+only: the update pass stays queued and runs while the host goes on (an LR scheduler that holds on skipped steps,
+the HF Trainer's loop, the next batch). Once a step was captured in a CUDA graph, a replay records nothing, so
+every read goes to the device scalars and waits for the stream.
 """
 
 from __future__ import annotations
@@ -30,9 +36,11 @@ class SkipReporter:
         self._free: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._dynamic = scaler.is_dynamic
         self._min_scale = getattr(scaler, "min_scale", 1.0)
+        self._last: tuple[torch.Tensor, torch.cuda.Event] | None = None  # the latest step's record
+        self._graphed = False  # a step was captured: replays record nothing, so _last may be stale
 
     def record(self, scalars: torch.Tensor) -> None:
-        """Stage ``scalars[:6]`` for a later report."""
+        """Stage ``scalars[:6]`` for a later report (a CUDA-graph capture calls ``captured()`` instead)."""
         staged = scalars[:_WIDTH]
         if staged.device.type != "cuda":
             self._process(staged.cpu())
@@ -47,6 +55,20 @@ class SkipReporter:
         buf.copy_(staged, non_blocking=True)
         event.record()
         self._pending.append((buf, event))
+        self._last = (buf, event)
+
+    def captured(self) -> None:
+        """A step is being captured in a CUDA graph: from now on ``latest`` is None."""
+        self._graphed = True
+
+    def latest(self, slot: int) -> float | None:
+        """Slot ``slot`` of the latest step's record, waiting only for that record's copy; None when there is
+        none to trust (no CUDA record yet, or a step was captured in a graph)."""
+        if self._graphed or self._last is None:
+            return None
+        buf, event = self._last  # not reused before the next record(), which replaces _last
+        event.synchronize()
+        return float(buf[slot])
 
     def drain(self, wait: bool = False) -> None:
         """Report the records whose copy has landed (``wait``: all of them, waiting for their copies)."""
@@ -76,13 +98,18 @@ class DeviceResults:
 
     unscaled = False  # the fused step never unscales grads in place
 
-    def __init__(self, scalars: torch.Tensor, reporter: SkipReporter) -> None:
+    def __init__(self, scalars: torch.Tensor, reporter: SkipReporter, *, live: bool = True) -> None:
         self.scalars = scalars
         self.reporter = reporter
+        self.live = live  # the optimizer's own record, whose latest step the reporter staged (not a snapshot)
         self.stepped = False  # set by the first step: until then the per-step results are None
 
     def _read(self, slot: int) -> float | None:
-        return float(self.scalars[slot].item()) if self.stepped else None
+        """Slots 0, 1 and 4 (found_inf, grad norm, loss scale used): a load_state_dict writes none of them."""
+        if not self.stepped:
+            return None
+        staged = self.reporter.latest(slot) if self.live else None
+        return float(self.scalars[slot].item()) if staged is None else staged
 
     grad_norm = property(lambda self: self._read(1))
     step_loss_scale = property(lambda self: self._read(4))
@@ -104,6 +131,6 @@ class DeviceResults:
 
     def snapshot(self) -> DeviceResults:
         """This step's results in a device copy (no host sync): read when first needed, after later steps."""
-        kept = DeviceResults(self.scalars[:_WIDTH].clone(), self.reporter)
+        kept = DeviceResults(self.scalars[:_WIDTH].clone(), self.reporter, live=False)
         kept.stepped = self.stepped
         return kept
