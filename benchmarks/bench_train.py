@@ -7,7 +7,9 @@ Every (round, system, dtype) runs in its own process (peak memory is per process
 systems), rounds interleaved because the device's speed drifts. Each run builds the same model from the same seed,
 trains it with AdamW (lr 3e-4, weight decay 0.1, clipping at 1.0) on the same token batches, and reports the median
 ms/step after the warm-up steps (CUDA events, from one step's start to the next's), tokens/s, the peak memory
-allocated during training and the loss of the last step. ``--trace`` adds every step's loss, loss scale and grad norm to the JSON.
+allocated during training, the loss of the last step, and the host's time to enqueue one tiny kernel, measured
+before the run (the step is host-paced, and the device's host speed varies). ``--trace`` adds every step's loss,
+loss scale and grad norm to the JSON.
 
 Systems:
   autocast   fp32 model under ``torch.autocast``, ``torch.optim.AdamW(fused=True)``; fp16 with ``GradScaler``
@@ -258,10 +260,31 @@ def periods(events: list[tuple]) -> list[float]:
     return [begin.elapsed_time(end) for (begin, _), end in zip(events, ends, strict=True)]
 
 
+def launch_us(count: int = 2000, reps: int = 5) -> float:
+    """The host's time to enqueue one tiny kernel (median of ``reps`` bursts of ``count``), in us: the resource
+    that paces a step this short. The device's host speed differs between machines and drifts within a call
+    (RESULTS.md, ninth session), so each run reports it next to its step time."""
+    import time
+
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(count):
+            x.add_(1)
+        times.append((time.perf_counter() - start) / count * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def child(system: str, dtype_name: str, args) -> dict:
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    launch = launch_us()
     model = llama(args.seed)
     if system.startswith("hf"):
         data = batches(args.batch, args.seq)
@@ -281,6 +304,7 @@ def child(system: str, dtype_name: str, args) -> dict:
             "tokens_per_s": args.batch * args.seq / (median * 1e-3),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "final_loss": float(losses[-1]),
             "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
+            "launch_us": launch,
         }  # fmt: skip
     if system == "autocast":
         step, probe = autocast_runner(model, dtype)
@@ -329,6 +353,7 @@ def child(system: str, dtype_name: str, args) -> dict:
         "final_loss": float(losses[-1]),
         "params": sum(p.numel() for p in model.parameters()),
         "torch": torch.__version__,
+        "launch_us": launch,
         **getattr(step, "info", {}),
     }
     if hasattr(step, "skipped"):
@@ -353,13 +378,13 @@ def available(system: str) -> bool:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| round | system | dtype | ms/step | tokens/s | peak GiB | loss after N steps |",
-        "|---|---|---|---|---|---|---|",
+        "| round | system | dtype | ms/step | tokens/s | peak GiB | loss after N steps | host us/launch |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.get('round', 'best')} | {r['system']} | {r['dtype']} | {r['ms_per_step']:.1f} | "
-            f"{r['tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | {r['final_loss']:.3f} |"
+            f"{r['tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | {r['final_loss']:.3f} | {r.get('launch_us', float('nan')):.1f} |"
         )
     return "\n".join(lines)
 
