@@ -384,7 +384,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r.get('round', 'best')} | {r['system']} | {r['dtype']} | {r['ms_per_step']:.1f} | "
-            f"{r['tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | {r['final_loss']:.3f} | {r.get('launch_us', float('nan')):.1f} |"
+            f"{r['tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | {r['final_loss']:.3f} | "
+            f"{r.get('launch_us', float('nan')):.1f} |"
         )
     return "\n".join(lines)
 
