@@ -263,7 +263,7 @@ def periods(events: list[tuple]) -> list[float]:
 def launch_us(count: int = 2000, reps: int = 5) -> float:
     """The host's time to enqueue one tiny kernel (median of ``reps`` bursts of ``count``), in us: the resource
     that paces a step this short. The device's host speed differs between machines and drifts within a call
-    (RESULTS.md, ninth session), so each run reports it next to its step time."""
+    (RESULTS.md, eighth session), so each run reports it next to its step time."""
     import time
 
     import torch
