@@ -360,7 +360,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         write into the shared group dicts, and check that its ``step()`` ran before theirs."""
         self._replaced = weakref.ref(optimizer)
 
-    # --- results (reading one syncs) --------------------------------------------------------------------
+    # --- results (reading one waits: results.py) ------------------------------------------------------
     @property
     def found_inf(self) -> torch.Tensor:
         """0-d device tensor: 1.0 when the last step was skipped (no sync)."""

@@ -8,7 +8,8 @@ reads a result, each skip once. Buffers and events are reused, so a step allocat
 mostly host time).
 
 The step stages its record right after the finalize program, before the update pass, when nothing after it
-writes those slots. Reading ``step_was_skipped``, ``grad_norm`` or ``step_loss_scale`` then waits for that record
+writes those slots (with the built-in scalers; a scaler whose own ``update`` runs after the update pass is staged
+after it). Reading ``step_was_skipped``, ``grad_norm`` or ``step_loss_scale`` then waits for that record
 only: the update pass stays queued and runs while the host goes on (an LR scheduler that holds on skipped steps,
 the HF Trainer's loop, the next batch). Once a step was captured in a CUDA graph, a replay records nothing, so
 every read goes to the device scalars and waits for the stream.
@@ -53,7 +54,7 @@ class SkipReporter:
             buf = torch.empty(_WIDTH, dtype=staged.dtype, pin_memory=True)
             event = torch.cuda.Event()
         buf.copy_(staged, non_blocking=True)
-        event.record()
+        event.record(torch.cuda.current_stream(staged.device))  # the copy's stream, whatever the current device
         self._pending.append((buf, event))
         self._last = (buf, event)
 
@@ -62,8 +63,9 @@ class SkipReporter:
         self._graphed = True
 
     def latest(self, slot: int) -> float | None:
-        """Slot ``slot`` of the latest step's record, waiting only for that record's copy; None when there is
-        none to trust (no CUDA record yet, or a step was captured in a graph)."""
+        """Slot ``slot`` of the latest step's record, waiting only for that record's copy (an event wait, which
+        ``torch.cuda.set_sync_debug_mode`` does not report); None when there is none to trust (no CUDA record
+        yet, or a step was captured in a graph)."""
         if self._graphed or self._last is None:
             return None
         buf, event = self._last  # not reused before the next record(), which replaces _last
