@@ -94,7 +94,7 @@ def initialize(
     ``overrides`` replace fields of ``config`` (e.g. ``precision="fp16", max_grad_norm=1.0``). An fp32 model is
     cast to the configured precision here, and the masters start from its original fp32 weights.
     ``lr_scheduler`` is stepped after every step that was not skipped; on the fused path, telling which were is one
-    host sync per step (without a scheduler ``engine.step()`` does not wait for the GPU).
+    host wait per step, for the step's norm pass (without a scheduler ``engine.step()`` does not wait for the GPU).
     """
     if config is None:
         config = Config()
@@ -277,7 +277,7 @@ class Engine:
         self.optimizer.step()
         self._stepped_micro = self.micro_step
         self.global_step += 1
-        # read only for a scheduler, which must not advance on a skipped step (a host sync on CUDA)
+        # read only for a scheduler, which must not advance on a skipped step (on CUDA the host waits for the norm pass)
         if self.lr_scheduler is not None and not self.optimizer.step_was_skipped:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
