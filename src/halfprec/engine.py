@@ -277,7 +277,7 @@ class Engine:
         self.optimizer.step()
         self._stepped_micro = self.micro_step
         self.global_step += 1
-        # read only for a scheduler, which must not advance on a skipped step (on CUDA the host waits for the norm pass)
+        # read only for a scheduler, which must not advance on a skipped step (on CUDA: a wait for the norm pass)
         if self.lr_scheduler is not None and not self.optimizer.step_was_skipped:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
