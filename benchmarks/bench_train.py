@@ -8,7 +8,9 @@ systems), rounds interleaved because the device's speed drifts. Each run builds 
 trains it with AdamW (lr 3e-4, weight decay 0.1, clipping at 1.0) on the same token batches, and reports the median
 ms/step after the warm-up steps (CUDA events, from one step's start to the next's), tokens/s, the peak memory
 allocated during training, the loss of the last step, and the host's time to enqueue one tiny kernel, measured
-before the run (the step is host-paced, and the device's host speed varies). ``--trace`` adds every step's loss,
+before the run (and after it, in the JSON: the step is host-paced, and the device's host speed varies). Every
+system runs the model with ``use_cache=False``, as the HF Trainer does. ``--cpus`` pins the runs to cores; the
+summary gives each system's tokens/s over halfprec's in the same round and dtype. ``--trace`` adds every step's loss,
 loss scale and grad norm to the JSON.
 
 Systems:
@@ -76,6 +78,7 @@ def llama(seed: int):
     config = LlamaConfig(
         vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
         num_key_value_heads=16, max_position_embeddings=1024, tie_word_embeddings=False, attn_implementation="sdpa",
+        use_cache=False,  # training builds no KV cache: the HF Trainer sets the same (TrainingArguments.use_cache)
     )  # fmt: skip
     torch.manual_seed(seed)
     with torch.device("cuda"):
@@ -280,9 +283,21 @@ def launch_us(count: int = 2000, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def core_speeds(cores: list[int]) -> dict[int, float]:
+    """``launch_us`` with this process pinned to each of ``cores`` in turn (the launching thread is the one
+    pinned): whether the device's host has fast and slow cores."""
+    speeds = {}
+    for core in cores:
+        os.sched_setaffinity(0, {core})
+        speeds[core] = launch_us(count=1000, reps=5)
+    return speeds
+
+
 def child(system: str, dtype_name: str, args) -> dict:
     import torch
 
+    if args.cpus:
+        os.sched_setaffinity(0, args.cpus)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     launch = launch_us()
     model = llama(args.seed)
@@ -304,7 +319,7 @@ def child(system: str, dtype_name: str, args) -> dict:
             "tokens_per_s": args.batch * args.seq / (median * 1e-3),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "final_loss": float(losses[-1]),
             "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
-            "launch_us": launch,
+            "launch_us": launch, "launch_us_after": launch_us(),
         }  # fmt: skip
     if system == "autocast":
         step, probe = autocast_runner(model, dtype)
@@ -354,6 +369,7 @@ def child(system: str, dtype_name: str, args) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
         "torch": torch.__version__,
         "launch_us": launch,
+        "launch_us_after": launch_us(),
         **getattr(step, "info", {}),
     }
     if hasattr(step, "skipped"):
@@ -374,6 +390,35 @@ def available(system: str) -> bool:
     except ImportError:
         return False
     return True
+
+
+def pick_cpus(spec: str) -> set[int]:
+    """The cores ``--cpus`` names; for 'auto', the two where a probe process enqueues fastest."""
+    if not spec:
+        return set()
+    if spec != "auto":
+        return {int(c) for c in spec.split(",")}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--cpus", "probe"], capture_output=True, text=True, check=True
+    )
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    speeds = {int(k): v for k, v in json.loads(line[len("RESULT ") :]).items()}
+    print("host us/launch per core: " + ", ".join(f"{c}: {v:.1f}" for c, v in sorted(speeds.items())))
+    chosen = set(sorted(speeds, key=speeds.get)[:2])
+    print(f"pinning every run to cores {sorted(chosen)}", flush=True)
+    return chosen
+
+
+def paired(rows: list[dict]) -> dict[tuple[str, str], list[float]]:
+    """Each system's tokens/s over halfprec's in the same round and dtype, per round: runs next to each other in
+    time, so the host's drift over a call cancels more than between best rounds."""
+    base = {(r["round"], r["dtype"]): r["tokens_per_s"] for r in rows if r["system"] == "halfprec"}
+    out: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        ref = base.get((r["round"], r["dtype"]))
+        if ref and r["system"] != "halfprec":
+            out.setdefault((r["system"], r["dtype"]), []).append(r["tokens_per_s"] / ref)
+    return out
 
 
 def table(rows: list[dict]) -> str:
@@ -405,9 +450,17 @@ def main() -> None:
     parser.add_argument(
         "--trace", action="store_true", help="every step's loss, scale and grad norm in the JSON"
     )
+    parser.add_argument(
+        "--cpus", default="", help="pin every run to these cores (e.g. 2,3), or 'auto': the two cores where a "
+        "probe enqueues fastest (the step is host-paced; pinning also stops the launching thread migrating)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="write every run's result here")
     parser.add_argument("--child", nargs=2, metavar=("SYSTEM", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cpus == "probe":  # internal: the 'auto' probe's child
+        print("RESULT " + json.dumps(core_speeds(sorted(os.sched_getaffinity(0)))), flush=True)
+        return
+    args.cpus = pick_cpus(args.cpus)
     if args.child:
         print("RESULT " + json.dumps(child(*args.child, args)), flush=True)
         return
@@ -422,6 +475,7 @@ def main() -> None:
     dtypes = [d for d in args.dtypes.split(",") if d]
     rows, failures = [], []
     passthrough = [f"--{k}={getattr(args, k)}" for k in ("steps", "warmup", "batch", "seq", "seed")]
+    passthrough += [f"--cpus={','.join(map(str, sorted(args.cpus)))}"] if args.cpus else []
     for rnd in range(1, args.rounds + 1):
         for system in systems:
             for dtype in dtypes:
@@ -448,8 +502,18 @@ def main() -> None:
         "\nBest round of each:\n"
         + table([{k: v for k, v in r.items() if k != "round"} for r in best.values()])
     )
+    ratios = paired(rows)
+    if ratios:
+        print(
+            "\nTokens/s against halfprec's run of the same round and dtype (median over rounds; each round):"
+        )
+        for (system, dtype), values in ratios.items():
+            each = " ".join(f"{v:.3f}" for v in values)
+            print(f"| {system} | {dtype} | {statistics.median(values):.3f} | {each} |")
     if args.json:
-        args.json.write_text(json.dumps({"runs": rows, "failures": failures}, indent=1))
+        args.json.write_text(
+            json.dumps({"runs": rows, "failures": failures, "cpus": sorted(args.cpus)}, indent=1)
+        )
     if failures:
         sys.exit(1)
 
