@@ -14,6 +14,7 @@ import gc
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import halfprec
 from halfprec.optim import FusedAdagrad, FusedAdamW, FusedLamb, FusedSGD
@@ -177,6 +178,61 @@ def test_a_captured_step_needs_the_buffer_and_pins_it():
     buffer = chunk.grad
     grads.clear([chunk], set_to_none=True)
     assert chunk.grad is buffer  # the graph reads its address: kept for good
+
+
+class _Writes(TorchDispatchMode):
+    """Counts the in-place ops on ``target``'s storage."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        super().__init__()
+        self.ptr, self.count = target.untyped_storage().data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        first = args[0] if args else None
+        in_place = func.overloadpacket.__name__.endswith("_")  # fill_, copy_, zero_ (a slice is a view)
+        if in_place and isinstance(first, torch.Tensor) and first.untyped_storage().data_ptr() == self.ptr:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _three_params():
+    params = [torch.nn.Parameter(torch.randn(n).to(DEVICE, torch.float16)) for n in (9, 41, 5)]
+    [(chunk, idx)] = chunk_params(params, [p.detach().float() for p in params], flat_params=True)
+    return params, chunk, GradViews(params, [(chunk, k) for k in idx], torch.device(DEVICE))
+
+
+def _loss(params) -> torch.Tensor:
+    return params[0].float().sum() + params[1].float().pow(2).sum()  # the third param gets no grad
+
+
+def test_a_backward_writes_the_device_marks_once_at_its_end():
+    # a write per param was a launch per param on CUDA; the finalize program reads the device's marks
+    params, chunk, grads = _three_params()
+    for writes_expected in (1, 0):  # the second backward changes no mark: nothing to write
+        with _Writes(grads.flags) as writes:
+            _loss(params).backward()
+        assert writes.count == writes_expected
+        assert grads.flags.tolist() == [1, 1, 0]
+    grads.flags.zero_()  # what the finalize program does
+    grads.consumed()
+    with _Writes(grads.flags) as writes:
+        params[2].float().sum().backward()
+    assert writes.count == 1 and grads.flags.tolist() == [0, 0, 1]
+
+
+def test_a_step_after_a_raised_backward_writes_its_marks_and_a_captured_one_refuses():
+    params, chunk, grads = _three_params()
+    failing = _Raise.apply(params[1].float()).sum()
+    loss = failing + params[0].float().sum()  # made last, run first
+    with pytest.raises(RuntimeError, match="backward failed midway"):
+        loss.backward()  # params[0]'s hook ran; the end-of-backward write did not
+    assert grads.flags.tolist() == [0, 0, 0]
+    with pytest.raises(RuntimeError, match="the last backward raised before its end"):
+        grads.ready([chunk], capturing=True)
+    grads.ready([chunk], capturing=False)  # an eager step writes them
+    assert grads.flags.tolist() == [1, 0, 0]
+    _loss(params).backward()  # the next backward queues its own write
+    assert grads.flags.tolist() == [1, 1, 0]
 
 
 class _Raise(torch.autograd.Function):

@@ -270,6 +270,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         for i, p in enumerate(self._trainable):
             if p.grad is not None:
                 self._grads.mark(i)
+        if not stream_capturing():  # a captured mark writes the device's itself
+            self._grads.write_marks()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this step's grads. ``set_to_none=False`` zeroes the flat buffers and keeps ``.grad`` as views

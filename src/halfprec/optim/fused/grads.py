@@ -4,10 +4,12 @@ A post-accumulate-grad hook marks the param and, when ``.grad`` is not its view 
 first backward, or after ``zero_grad(set_to_none=True)``/``model.zero_grad()``), copies the fresh grad into the
 view and re-attaches it. Outside graph capture, ``step()`` also adopts a ``.grad`` assigned by hand and unmarks
 params whose ``.grad`` was set to None. An unmarked param is not updated and its counter does not advance. The
-marks live in ``flags`` (int32 per param, on the device), which the finalize program reads and clears, and on the
-host in ``_marked`` (what ``step()`` reads without a sync), so a hook writes the device mark only when it changes
-(each write is a launch on CUDA). Once a CUDA graph was captured (``pinned``) the hooks write it every time: a
-replay's step clears it and runs no Python.
+marks live on the host in ``_marked`` (what ``step()`` reads without a sync) and in ``flags`` (int32 per param, on
+the device), which the finalize program reads and clears. A hook marks the host only; the first hook of a backward
+queues an end-of-backward callback that writes every changed mark to the device in one copy (a write per param
+was a launch per param on CUDA, 147 a step for a 16-layer Llama). So outside a backward the device holds the host's
+marks, as a CUDA graph captured next expects. Once a graph was captured (``pinned``) the hooks write the device
+mark every time: a replay's step clears it and runs no Python.
 
 The hook is the backward's hottest Python (once per param per backward; a step can be host-bound): it runs with
 grad mode off, except in a ``create_graph=True`` backward, which alone pays for ``torch.no_grad()``.
@@ -31,6 +33,7 @@ no grad on this rank, replaces each flat fp32 buffer by the mean over the ranks 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,13 +68,15 @@ class GradViews:
         self._flag_views = self.flags.unbind()  # made once: indexing flags costs each hook a view
         self._cuda = self.flags.is_cuda
         self._marked = [False] * len(self.params)
+        self._on_device = [False] * len(self.params)  # what flags holds, but during all_reduce and finalize
+        self._callback: weakref.ref | None = None  # this backward's queued write of the marks
         # where each param's grad view starts, once its chunk's grad buffer is made: one int compare per param in
         # adopt(), which is host time on a skipped step
         self._view_ptrs: list[int | None] = [None] * len(self.params)
         self._param_ptrs = [p.data_ptr() for p in self.params]  # the params are views of the flat buffers
         self.pinned = False  # a CUDA graph holds the grad buffers' addresses: zero_grad no longer frees them
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(weak_hook(self.mark, i))
+            p.register_post_accumulate_grad_hook(weak_hook(self._hook, i))
 
     def _pin_if_capturing(self) -> bool:
         """``pinned``, set now if a CUDA graph is being captured: the graph writes the grad buffers and marks."""
@@ -88,15 +93,22 @@ class GradViews:
                     self._view_ptrs[i] = chunk.grad_views[local].data_ptr()
         return chunk.grad_views
 
-    def mark(self, i: int) -> None:
+    def _hook(self, i: int) -> None:
+        """Backward's post-accumulate-grad hook: mark param ``i``; the device marks are written at the end."""
+        if self.mark(i) and (self._callback is None or self._callback() is None):
+            callback = self.write_marks  # a new bound method: autograd's engine holds the only reference
+            self._callback = weakref.ref(callback)
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+    def mark(self, i: int) -> bool:
         """Param ``i`` got a grad: make ``.grad`` its view of the flat buffer (copying a fresh tensor in), or add it
-        into its fp32 view and release it."""
+        into its fp32 view and release it. True when the device mark is left to ``write_marks``."""
         if torch.is_grad_enabled():  # a create_graph=True backward, or a call from outside a backward
             with torch.no_grad():
                 return self.mark(i)
         p, (chunk, local) = self.params[i], self.where[i]
         if p.dtype != chunk.dtype:
-            return  # cast after the optimizer was built: step() refuses it (checks.check_dtypes)
+            return False  # cast after the optimizer was built: step() refuses it (checks.check_dtypes)
         pinned = self._pin_if_capturing()  # before the buffer is made: a captured backward makes it
         view = (self.views(chunk) if chunk.grad is None else chunk.grad_views)[local]
         g = p.grad
@@ -108,9 +120,19 @@ class GradViews:
         elif g is not None and g.data_ptr() != view.data_ptr():
             view.copy_(g)
             p.grad = view
-        if pinned or not self._marked[i]:
+        self._marked[i] = True
+        if pinned:
             self._flag_views[i].fill_(1)
-            self._marked[i] = True
+            self._on_device[i] = True
+        return not pinned
+
+    def write_marks(self) -> None:
+        """Write the host's marks to ``flags`` where they differ (one copy; none in a step like the last). Not
+        during capture: a captured backward's hooks write their own marks."""
+        if self._marked != self._on_device:
+            n = len(self._marked)
+            self.flags[:n].copy_(torch.tensor(self._marked, dtype=torch.int32), non_blocking=True)
+            self._on_device = list(self._marked)
 
     def held(self, i: int) -> torch.Tensor | None:
         """The grad param ``i`` holds now: its ``.grad``, or with fp32 accumulation its fp32 sum so far."""
@@ -133,7 +155,6 @@ class GradViews:
                 )
             g = p.grad
             if g is None and self._marked[i] and not self._accumulates[i]:
-                self._flag_views[i].fill_(0)
                 self._marked[i] = False
             elif g is not None and g.data_ptr() != self._view_ptrs[i]:
                 self.mark(i)
@@ -144,6 +165,7 @@ class GradViews:
         if not capturing:
             for chunk in chunks:
                 self.views(chunk)
+            self.write_marks()  # those adopt() changed, or of a backward that raised before its end
             return
         missing = [str(chunk.dtype) for chunk in chunks if chunk.grad is None]
         if missing:
@@ -151,6 +173,12 @@ class GradViews:
                 f"step() is being captured in a CUDA graph, but the flat grad buffer of the {', '.join(missing)} "
                 "params was freed by zero_grad(set_to_none=True) and no grad came since, and a captured step "
                 "cannot make it; run the backward before capturing step(), or call zero_grad(set_to_none=False)"
+            )
+        if self._marked != self._on_device:
+            raise RuntimeError(
+                "step() is being captured in a CUDA graph, but the last backward raised before its end, so the "
+                "device does not hold its grad marks and a captured step cannot write them; run a backward to "
+                "its end (or zero_grad()) before capturing step()"
             )
         self.pinned = True
 
@@ -169,6 +197,7 @@ class GradViews:
     def consumed(self) -> None:
         """The finalize program read and cleared ``flags`` (call it right after, so the host copy follows)."""
         self._marked = [False] * len(self.params)
+        self._on_device = [False] * len(self.params)
         for (chunk, local), accumulates in zip(self.where, self._accumulates, strict=True):
             if accumulates and chunk.master_views:
                 chunk.master_views[local].grad = None
@@ -187,7 +216,8 @@ class GradViews:
                 chunk.grad.zero_()
                 for p, view in zip(chunk.params, views, strict=True):
                     p.grad = view if view.dtype == p.dtype else None
-        self.flags.zero_()
+        if self.pinned or any(self._on_device):  # a step left them cleared: no launch
+            self.flags.zero_()
         self.consumed()  # the masters' .grad (fp32 accumulation) let go of their views
         if set_to_none and not self.pinned:
             for chunk in chunks:
