@@ -102,3 +102,23 @@ def assert_params_are_rounded_masters(fused):
         if p.dtype != torch.float32:
             want = m.to(p.dtype)
             assert torch.equal(p.detach().view(torch.int16), want.view(torch.int16))
+
+
+def small_mlp(dtype=torch.float32) -> torch.nn.Sequential:
+    """64 -> 257 -> 3 on CUDA, seeded: the GPU tests' model for engine steps and graph captures."""
+    torch.manual_seed(0)
+    return (
+        torch.nn.Sequential(torch.nn.Linear(64, 257), torch.nn.Tanh(), torch.nn.Linear(257, 3))
+        .cuda()
+        .to(dtype)
+    )
+
+
+def warm_up_on_side_stream(fn) -> None:
+    """Run ``fn`` (the steps before a capture; they compile the kernels) on a side stream, as torch.cuda.graphs
+    asks, and make the current stream wait for it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)

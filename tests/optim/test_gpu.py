@@ -18,6 +18,8 @@ from .helpers import (
     random_grads,
     run_both,
     set_grads,
+    small_mlp,
+    warm_up_on_side_stream,
 )
 
 pytestmark = pytest.mark.gpu
@@ -89,8 +91,7 @@ def test_step_does_not_sync_with_the_host():
 def test_engine_step_without_a_scheduler_does_not_sync_with_the_host(monkeypatch):
     # the engine reads a step's results only for a scheduler (or when the record is read); a read of the staged
     # record is an event wait, which the sync debug mode does not see, so it is counted too
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 257), torch.nn.Tanh(), torch.nn.Linear(257, 3)).cuda()
+    model = small_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine = halfprec.initialize(model, opt, precision="fp16", max_grad_norm=1.0)
     x = torch.randn(16, 64, device="cuda")
@@ -146,10 +147,7 @@ def test_reading_the_skip_flag_does_not_wait_for_work_queued_after_the_step(scal
 
 def test_after_a_capture_the_skip_flag_is_read_from_the_device():
     # a replay stages no record: once a step was captured, step_was_skipped reads the device scalars
-    torch.manual_seed(0)
-    model = (
-        torch.nn.Sequential(torch.nn.Linear(64, 257), torch.nn.Tanh(), torch.nn.Linear(257, 3)).cuda().half()
-    )
+    model = small_mlp(torch.float16)
     opt = FusedAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
     x = torch.randn(16, 64, device="cuda").half()
 
@@ -157,12 +155,11 @@ def test_after_a_capture_the_skip_flag_is_read_from_the_device():
         opt.zero_grad()
         opt.backward(model(x).float().pow(2).mean() * scale)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    def warm_up():
         backward(1.0)
         opt.step()
-    torch.cuda.current_stream().wait_stream(side)
+
+    warm_up_on_side_stream(warm_up)
     assert not opt.step_was_skipped
     backward(1.0)
     graph = torch.cuda.CUDAGraph()
@@ -175,12 +172,7 @@ def test_after_a_capture_the_skip_flag_is_read_from_the_device():
 
 
 def test_captured_step_replays_with_a_changing_lr():
-    torch.manual_seed(0)
-    models = [
-        torch.nn.Sequential(torch.nn.Linear(64, 257), torch.nn.Tanh(), torch.nn.Linear(257, 3)).cuda().half()
-        for _ in range(2)
-    ]
-    models[1].load_state_dict(models[0].state_dict())
+    models = [small_mlp(torch.float16) for _ in range(2)]  # the same seed: the same weights
     lr = torch.tensor(1e-2, device="cuda")
     graphed = FusedAdamW(models[0].parameters(), lr=lr, weight_decay=0.1, max_grad_norm=1.0)
     eager = FusedAdamW(
@@ -192,14 +184,12 @@ def test_captured_step_replays_with_a_changing_lr():
         opt.zero_grad()
         opt.backward(model(x * (1 + i)).float().pow(2).mean())
 
-    # warm up (compiles the kernels) on a side stream, as torch.cuda.graphs asks
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    def warm_up():
         for opt, model in ((graphed, models[0]), (eager, models[1])):
             backward(model, opt, 0)
             opt.step()
-    torch.cuda.current_stream().wait_stream(side)
+
+    warm_up_on_side_stream(warm_up)
     backward(models[0], graphed, 1)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -21,7 +21,7 @@ from halfprec.optim import FusedAdagrad, FusedAdamW, FusedLamb, FusedSGD
 from halfprec.optim.fused.grads import GradViews
 from halfprec.optim.layout import chunk_params
 
-from ..helpers import DEVICE
+from ..helpers import DEVICE, warm_up_on_side_stream
 
 FP32 = torch.float32
 _INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -341,15 +341,7 @@ def test_the_forward_peak_drops_by_the_grad_buffer(accum):
 
 @pytest.mark.gpu
 def test_a_captured_step_needs_the_buffers_and_then_keeps_them():
-    model = torch.nn.Linear(64, 64).cuda().half()
-    mp = FusedAdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"))
-    x = torch.randn(8, 64, device="cuda", dtype=torch.float16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up: kernels compiled, state made
-        mp.backward(model(x).float().pow(2).mean())
-        mp.step()
-    torch.cuda.current_stream().wait_stream(side)
+    model, mp, x = _warmed_up(backward_after=False)
     mp.zero_grad()
     with (
         pytest.raises(RuntimeError, match="torch.float16 params was freed by zero_grad"),
@@ -365,19 +357,20 @@ def test_a_captured_step_needs_the_buffers_and_then_keeps_them():
     assert not any(ref.expired() for ref in held)  # the graph reads these addresses
 
 
-def _warmed_up():
-    """A model and its optimizer warmed up on a side stream (as torch.cuda.graphs asks): a backward, a step and a
-    backward, whose grads and marks stay."""
+def _warmed_up(backward_after: bool = True):
+    """A model and its optimizer warmed up on a side stream (as torch.cuda.graphs asks): a backward and a step
+    (kernels compiled, state made), then a backward whose grads and marks stay (``backward_after``)."""
     model = torch.nn.Linear(64, 64).cuda().half()
     mp = FusedAdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"))
     x = torch.randn(8, 64, device="cuda", dtype=torch.float16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+
+    def warm_up():
         mp.backward(model(x).float().pow(2).mean())
         mp.step()
-        mp.backward(model(x).float().pow(2).mean())
-    torch.cuda.current_stream().wait_stream(side)
+        if backward_after:
+            mp.backward(model(x).float().pow(2).mean())
+
+    warm_up_on_side_stream(warm_up)
     return model, mp, x
 
 
