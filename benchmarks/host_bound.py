@@ -5,6 +5,7 @@ cost per param on the host.
     python benchmarks/host_bound.py --hooks    # anywhere: a fused optimizer's post-accumulate-grad hooks, per param
     python benchmarks/host_bound.py --profile  # on a CUDA machine: where the host's time goes, plain loop vs HF
     python benchmarks/host_bound.py --timeline # on a CUDA machine: GPU busy and idle time, host syncs, plain vs HF
+    python benchmarks/host_bound.py --ops      # anywhere: the torch ops (launches on CUDA) of one training step
 
 For each system and dtype: 5 warm-up steps, then 15 steps timed by CUDA events (the GPU timeline, idle gaps
 included) and by the host's time to enqueue each step, then 8 steps each between two ``synchronize()``. When the
@@ -19,7 +20,11 @@ Python-heavy code, so read its figures as shares). ``--timeline`` runs the plain
 (bench_train's systems) once under ``torch.profiler`` (CUDA activity only) and prints, per step, the GPU's busy
 time (the union of its kernels, copies and fills), its idle time, and the host's blocking calls (stream, event
 and device synchronizations, blocking copies); then once under ``torch.cuda.set_sync_debug_mode("warn")`` and
-lists every synchronizing call site with the code that made it.
+lists every synchronizing call site with the code that made it. ``--ops`` counts the aten ops that are not views
+(on CUDA, each is a launch) in one training step (forward, backward, ``engine.step()``) of a Llama with
+bench_train's 16 layers (147 params) at tiny widths, on the CPU with the fused path (the Triton interpreter; the
+fused step's own kernels are not aten ops, and are not counted): a count of host work that does not depend on the
+host's speed.
 """
 
 from __future__ import annotations
@@ -109,6 +114,43 @@ def hook_cost(rounds: int = 300) -> None:
         a, b = backward_ms(plain, set_to_none), backward_ms(hooked, set_to_none, opt)
         print(f"{n} params, zero_grad(set_to_none={set_to_none}): backward {a:.2f} ms plain, {b:.2f} ms with a "
               f"fused optimizer's grad hooks: {(b - a) / n * 1e3:.1f} us per param", flush=True)  # fmt: skip
+
+
+def op_count(steps: int = 4) -> None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the fused path on the CPU
+    from collections import Counter
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import halfprec
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.names[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    config = LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = halfprec.initialize(model, opt, precision="bf16", max_grad_norm=1.0, impl="triton")
+    x = torch.randint(0, 1000, (2, 32))
+    for _ in range(steps):  # the last step is counted: the first ones make the state and the buffers
+        with Ops() as ops:
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+    top = ", ".join(f"{name} {n}" for name, n in ops.names.most_common(8))
+    print(f"{sum(1 for _ in model.parameters())} params: {ops.names.total()} aten ops per step ({top})")
 
 
 def _top(profile, steps: int, count: int = 25) -> str:
@@ -353,8 +395,13 @@ def main() -> None:
     parser.add_argument(
         "--timeline", action="store_true", help="GPU busy/idle time and host syncs, plain loop vs HF"
     )
+    parser.add_argument(
+        "--ops", action="store_true", help="the torch ops of one training step, on the CPU (any machine)"
+    )
     args = parser.parse_args()
-    if args.timeline:
+    if args.ops:
+        op_count()
+    elif args.timeline:
         timeline_table()
     elif args.profile:
         profile_table()

@@ -1,15 +1,23 @@
 """Which params of a fused optimizer got a grad this step, with their grads kept as views of the flat grad buffers.
 
 A post-accumulate-grad hook marks the param and, when ``.grad`` is not its view of the flat grad buffer (the
-first backward, or after ``zero_grad(set_to_none=True)``/``model.zero_grad()``), copies the fresh grad into the
-view and re-attaches it. Outside graph capture, ``step()`` also adopts a ``.grad`` assigned by hand and unmarks
-params whose ``.grad`` was set to None. An unmarked param is not updated and its counter does not advance. The
-marks live on the host in ``_marked`` (what ``step()`` reads without a sync) and in ``flags`` (int32 per param, on
-the device), which the finalize program reads and clears. A hook marks the host only; the first hook of a backward
-queues an end-of-backward callback that writes every changed mark to the device in one copy (a write per param
-was a launch per param on CUDA, 147 a step for a 16-layer Llama). So outside a backward the device holds the host's
-marks, as a CUDA graph captured next expects. Once a graph was captured (``pinned``) the hooks write the device
-mark every time: a replay's step clears it and runs no Python.
+first backward, or after ``zero_grad(set_to_none=True)``/``model.zero_grad()``), has the fresh grad copied into the
+view and the view re-attached as ``.grad``. Outside graph capture, ``step()`` also adopts a ``.grad`` assigned by
+hand and unmarks params whose ``.grad`` was set to None. An unmarked param is not updated and its counter does not
+advance.
+
+On CUDA each small op is a launch, and at ~150 params a step is paced by the host, so a hook launches nothing:
+- The copies are batched: a hook holds the fresh grad back (``.grad`` stays that tensor, so later hooks read and
+  edit it), and ``flush`` copies the held grads with one multi-tensor copy per chunk when they reach
+  ``_BATCH_BYTES`` (which bounds the memory they keep alive) and at the end of the backward. A copy per param was
+  148 launches a step for a 16-layer Llama.
+- The marks live on the host in ``_marked`` (what ``step()`` reads without a sync) and in ``flags`` (int32 per
+  param, on the device), which the finalize program reads and clears. A hook marks the host; at the end of the
+  backward one copy writes every changed mark to the device (a write per param was 147 launches).
+The first hook of a backward queues that end-of-backward callback with autograd's engine. So outside a backward
+the flat buffers hold the grads and the device holds the host's marks, as a CUDA graph captured next expects; a
+backward that raised leaves both to the next ``step()``, and a captured step after it refuses. Once a graph was
+captured (``pinned``) the hooks copy and write the device mark every time: a replay runs no Python.
 
 The hook is the backward's hottest Python (once per param per backward; a step can be host-bound): it runs with
 grad mode off, except in a ``create_graph=True`` backward, which alone pays for ``torch.no_grad()``.
@@ -46,6 +54,10 @@ from ..results import weak_hook
 
 __all__ = ["GradViews", "stream_capturing"]
 
+# Fresh grads a backward holds back for one batched copy: 16-bit grads arrive one tensor per param, and a copy each
+# was a launch each on CUDA (148 a step for a 16-layer Llama). The bound caps the memory they keep alive.
+_BATCH_BYTES = 64 * 2**20
+
 
 def stream_capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph."""
@@ -70,6 +82,8 @@ class GradViews:
         self._marked = [False] * len(self.params)
         self._on_device = [False] * len(self.params)  # what flags holds, but during all_reduce and finalize
         self._callback: weakref.ref | None = None  # this backward's queued write of the marks
+        self._held_back: dict[int, torch.Tensor] = {}  # fresh grads whose copy waits for flush()
+        self._held_bytes = 0
         # where each param's grad view starts, once its chunk's grad buffer is made: one int compare per param in
         # adopt(), which is host time on a skipped step
         self._view_ptrs: list[int | None] = [None] * len(self.params)
@@ -94,18 +108,24 @@ class GradViews:
         return chunk.grad_views
 
     def _hook(self, i: int) -> None:
-        """Backward's post-accumulate-grad hook: mark param ``i``; the device marks are written at the end."""
-        if self.mark(i) and (self._callback is None or self._callback() is None):
-            callback = self.write_marks  # a new bound method: autograd's engine holds the only reference
+        """Backward's post-accumulate-grad hook: mark param ``i``; its copy into the flat buffer may wait for a
+        batched one, and the device marks are written at the end of the backward."""
+        if self.mark(i, batched=True) and (self._callback is None or self._callback() is None):
+            callback = self.end_of_backward  # a new bound method: autograd's engine holds the only reference
             self._callback = weakref.ref(callback)
             torch.autograd.Variable._execution_engine.queue_callback(callback)
 
-    def mark(self, i: int) -> bool:
-        """Param ``i`` got a grad: make ``.grad`` its view of the flat buffer (copying a fresh tensor in), or add it
-        into its fp32 view and release it. True when the device mark is left to ``write_marks``."""
+    def end_of_backward(self) -> None:
+        self.flush()
+        self.write_marks()
+
+    def mark(self, i: int, batched: bool = False) -> bool:
+        """Param ``i`` got a grad: make ``.grad`` its view of the flat buffer (copying a fresh tensor in; with
+        ``batched``, in ``flush``), or add it into its fp32 view and release it. True when the device mark is left
+        to ``write_marks``."""
         if torch.is_grad_enabled():  # a create_graph=True backward, or a call from outside a backward
             with torch.no_grad():
-                return self.mark(i)
+                return self.mark(i, batched)
         p, (chunk, local) = self.params[i], self.where[i]
         if p.dtype != chunk.dtype:
             return False  # cast after the optimizer was built: step() refuses it (checks.check_dtypes)
@@ -118,13 +138,39 @@ class GradViews:
             if chunk.master_views:  # split masters have no fp32 master tensor to hold it
                 chunk.master_views[local].grad = view
         elif g is not None and g.data_ptr() != view.data_ptr():
-            view.copy_(g)
-            p.grad = view
+            if batched and not pinned:
+                self._held_back[i] = g  # .grad stays the fresh tensor until the flush
+                self._held_bytes += g.nbytes
+                if self._held_bytes >= _BATCH_BYTES:
+                    self.flush()
+            else:
+                view.copy_(g)
+                p.grad = view
         self._marked[i] = True
         if pinned:
             self._flag_views[i].fill_(1)
             self._on_device[i] = True
         return not pinned
+
+    def flush(self) -> None:
+        """Copy the fresh grads held back into their views, one batched copy per chunk, and make each view its
+        param's ``.grad`` (unless ``.grad`` was replaced since: ``adopt`` sees to that one)."""
+        if not self._held_back:
+            return
+        by_chunk: dict[int, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
+        for i, g in self._held_back.items():
+            if self.params[i].grad is g:
+                chunk, local = self.where[i]
+                idx, views, grads = by_chunk.setdefault(id(chunk), ([], [], []))
+                idx.append(i)
+                views.append(chunk.grad_views[local])
+                grads.append(g)
+        self._held_back, self._held_bytes = {}, 0
+        with torch.no_grad():
+            for idx, views, grads in by_chunk.values():
+                torch._foreach_copy_(views, grads)  # one dtype and device: the multi-tensor kernel
+                for i, view in zip(idx, views, strict=True):
+                    self.params[i].grad = view
 
     def write_marks(self) -> None:
         """Write the host's marks to ``flags`` where they differ (one copy; none in a step like the last). Not
@@ -145,6 +191,7 @@ class GradViews:
     def adopt(self, owner: str) -> None:
         """Mark grads assigned by hand and unmark params whose ``.grad`` was set to None (``owner``: the
         optimizer's name, for the error when a param no longer lives in the flat buffer)."""
+        self.flush()  # of a backward that raised before its end
         for i, p in enumerate(self.params):
             if p.data_ptr() != self._param_ptrs[i]:
                 raise RuntimeError(
@@ -174,7 +221,7 @@ class GradViews:
                 "params was freed by zero_grad(set_to_none=True) and no grad came since, and a captured step "
                 "cannot make it; run the backward before capturing step(), or call zero_grad(set_to_none=False)"
             )
-        if self._marked != self._on_device:
+        if self._held_back or self._marked != self._on_device:
             raise RuntimeError(
                 "step() is being captured in a CUDA graph, but the last backward raised before its end, so the "
                 "device does not hold its grad marks and a captured step cannot write them; run a backward to "
@@ -207,6 +254,7 @@ class GradViews:
         the buffers zeroed with ``.grad`` kept as views (None when the view is wider than the param: fp32
         accumulation)."""
         self._pin_if_capturing()  # a captured zero_grad(set_to_none=False) writes the buffers
+        self._held_back, self._held_bytes = {}, 0
         if set_to_none:
             for p in self.params:
                 p.grad = None
