@@ -41,6 +41,7 @@ no grad on this rank, replaces each flat fp32 buffer by the mean over the ranks 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -82,7 +83,8 @@ class GradViews:
         self._marked = [False] * len(self.params)
         self._on_device = [False] * len(self.params)  # what flags holds, but during all_reduce and finalize
         self._callback: weakref.ref | None = None  # this backward's queued write of the marks
-        self._held_back: dict[int, torch.Tensor] = {}  # fresh grads whose copy waits for flush()
+        # fresh grads whose copy waits for flush(), with the stream their hook ran on (on CUDA)
+        self._held_back: dict[int, tuple[torch.Tensor, Any]] = {}
         self._held_bytes = 0
         # where each param's grad view starts, once its chunk's grad buffer is made: one int compare per param in
         # adopt(), which is host time on a skipped step
@@ -139,11 +141,14 @@ class GradViews:
                 chunk.master_views[local].grad = view
         elif g is not None and g.data_ptr() != view.data_ptr():
             if batched and not pinned:
-                self._held_back[i] = g  # .grad stays the fresh tensor until the flush
-                self._held_bytes += g.nbytes
+                # .grad stays the fresh tensor until the flush. Its hook's stream made it: the copy runs there,
+                # as a copy in the hook would (the end of the backward may run on another stream)
+                self._held_back[i] = (g, torch.cuda.current_stream() if self._cuda else None)
+                self._held_bytes += g.untyped_storage().nbytes()  # what it keeps alive (.grad may be a slice)
                 if self._held_bytes >= _BATCH_BYTES:
                     self.flush()
             else:
+                self._held_back.pop(i, None)  # of a backward that raised
                 view.copy_(g)
                 p.grad = view
         self._marked[i] = True
@@ -157,18 +162,22 @@ class GradViews:
         param's ``.grad`` (unless ``.grad`` was replaced since: ``adopt`` sees to that one)."""
         if not self._held_back:
             return
-        by_chunk: dict[int, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
-        for i, g in self._held_back.items():
+        groups: dict[tuple[int, Any], tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
+        for i, (g, stream) in self._held_back.items():
             if self.params[i].grad is g:
                 chunk, local = self.where[i]
-                idx, views, grads = by_chunk.setdefault(id(chunk), ([], [], []))
+                idx, views, grads = groups.setdefault((id(chunk), stream), ([], [], []))
                 idx.append(i)
                 views.append(chunk.grad_views[local])
                 grads.append(g)
         self._held_back, self._held_bytes = {}, 0
+        current = torch.cuda.current_stream() if self._cuda else None
         with torch.no_grad():
-            for idx, views, grads in by_chunk.values():
-                torch._foreach_copy_(views, grads)  # one dtype and device: the multi-tensor kernel
+            for (_, stream), (idx, views, grads) in groups.items():
+                with torch.cuda.stream(stream) if stream != current else contextlib.nullcontext():
+                    torch._foreach_copy_(views, grads)  # one dtype and device: the multi-tensor kernel
+                if stream != current:
+                    current.wait_stream(stream)  # the step (and the rest of this backward) reads the views
                 for i, view in zip(idx, views, strict=True):
                     self.params[i].grad = view
 
@@ -177,7 +186,10 @@ class GradViews:
         during capture: a captured backward's hooks write their own marks."""
         if self._marked != self._on_device:
             n = len(self._marked)
-            self.flags[:n].copy_(torch.tensor(self._marked, dtype=torch.int32), non_blocking=True)
+            # from pinned memory: a copy from pageable memory may wait for the stream; torch's host allocator
+            # keeps the pinned block until the copy has run
+            marks = torch.tensor(self._marked, dtype=torch.int32, pin_memory=self._cuda)
+            self.flags[:n].copy_(marks, non_blocking=True)
             self._on_device = list(self._marked)
 
     def held(self, i: int) -> torch.Tensor | None:
