@@ -21,10 +21,10 @@ Python-heavy code, so read its figures as shares). ``--timeline`` runs the plain
 time (the union of its kernels, copies and fills), its idle time, and the host's blocking calls (stream, event
 and device synchronizations, blocking copies); then once under ``torch.cuda.set_sync_debug_mode("warn")`` and
 lists every synchronizing call site with the code that made it. ``--ops`` counts the aten ops that are not views
-(on CUDA, each is a launch) in one training step (forward, backward, ``engine.step()``) of a Llama with
-bench_train's 16 layers (147 params) at tiny widths, on the CPU with the fused path (the Triton interpreter; the
-fused step's own kernels are not aten ops, and are not counted): a count of host work that does not depend on the
-host's speed.
+(on CUDA, each is a launch) in one training step (forward, backward, ``engine.step()``; for the HF Trainer, from
+its ``on_step_begin`` to its ``on_step_end``) of a Llama with bench_train's 16 layers (147 params) at tiny widths,
+on the CPU with the fused path (the Triton interpreter; the fused step's own kernels are not aten ops, and are not
+counted): a count of host work that does not depend on the host's speed.
 """
 
 from __future__ import annotations
@@ -118,13 +118,15 @@ def hook_cost(rounds: int = 300) -> None:
 
 def op_count(steps: int = 4) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the fused path on the CPU
+    import tempfile
     from collections import Counter
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
     import halfprec
+    from halfprec.integrations.hf import HalfprecTrainer
 
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:
@@ -136,21 +138,52 @@ def op_count(steps: int = 4) -> None:
                 self.names[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
 
-    config = LlamaConfig(
-        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    def llama():
+        config = LlamaConfig(
+            vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
+            num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+    def show(name: str, model, ops: Ops) -> None:
+        top = ", ".join(f"{op} {n}" for op, n in ops.names.most_common(8))
+        params = sum(1 for _ in model.parameters())
+        print(f"{name}, {params} params: {ops.names.total()} aten ops per step ({top})", flush=True)
+
+    x = torch.randint(0, 1000, (2, 32))
+    model = llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine = halfprec.initialize(model, opt, precision="bf16", max_grad_norm=1.0, impl="triton")
-    x = torch.randint(0, 1000, (2, 32))
     for _ in range(steps):  # the last step is counted: the first ones make the state and the buffers
         with Ops() as ops:
             engine.backward(engine(input_ids=x, labels=x).loss)
             engine.step()
-    top = ", ".join(f"{name} {n}" for name, n in ops.names.most_common(8))
-    print(f"{sum(1 for _ in model.parameters())} params: {ops.names.total()} aten ops per step ({top})")
+    show("plain loop (engine)", model, ops)
+
+    counted: list[Ops] = []
+
+    class Count(TrainerCallback):  # from the step's begin to its end: the batch is already fetched
+        def on_step_begin(self, *_args, **_kwargs):
+            counted.append(Ops())
+            counted[-1].__enter__()
+
+        def on_step_end(self, *_args, **_kwargs):
+            counted[-1].__exit__(None, None, None)
+
+    model = llama()
+    rows = [{"input_ids": r, "labels": r} for _ in range(steps) for r in x]
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            out, max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3, max_grad_norm=1.0,
+            lr_scheduler_type="constant", save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
+        )  # fmt: skip
+        trainer = HalfprecTrainer(
+            model=model, args=args, train_dataset=rows, halfprec_dtype=torch.bfloat16, callbacks=[Count()],
+            impl="triton",
+        )  # fmt: skip
+        trainer.train()
+    show("HF Trainer (HalfprecTrainer)", model, counted[-1])
 
 
 def _top(profile, steps: int, count: int = 25) -> str:

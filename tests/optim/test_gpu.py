@@ -171,6 +171,28 @@ def test_after_a_capture_the_skip_flag_is_read_from_the_device():
         assert opt.step_was_skipped is skipped
 
 
+def test_a_backward_called_on_another_stream_than_its_forward_gets_exact_grads():
+    # torch allows backward() under another stream than the forward's; the fresh grads are made on the forward's
+    # stream and are copied into the flat buffer there (the end-of-backward callback runs on the caller's
+    # stream), so the memory they free can be reused on the forward's stream at once
+    models = [small_mlp(torch.float16) for _ in range(2)]
+    mp = FusedAdamW(models[0].parameters(), lr=1e-3)
+    x = torch.randn(4096, 64, device="cuda", dtype=torch.float16)
+    models[1](x).float().pow(2).mean().backward()
+    loss = models[0](x).float().pow(2).mean()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2 * 10**8)  # the side stream is busy: what it queues runs late
+        loss.backward()
+    junk = [torch.full_like(p, 7.0) for p in models[0].parameters()]  # in the memory the fresh grads had
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert len(junk) == 4 and mp.master_params()
+
+
 def test_captured_step_replays_with_a_changing_lr():
     models = [small_mlp(torch.float16) for _ in range(2)]  # the same seed: the same weights
     lr = torch.tensor(1e-2, device="cuda")

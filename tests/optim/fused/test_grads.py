@@ -169,6 +169,30 @@ def test_a_hook_after_the_optimizers_reads_and_edits_the_fresh_grad():
     assert_same_bits(mp, ref, model, twin)
 
 
+def test_a_held_back_grad_counts_its_whole_storage_against_the_bound(monkeypatch):
+    # autograd may keep a slice of a larger tensor as .grad (here: trainable rows joined to a frozen table); the
+    # bound on what held-back grads keep alive counts the storage, so that grad is copied at once and freed
+    monkeypatch.setattr("halfprec.optim.fused.grads._BATCH_BYTES", 2**20)
+    torch.manual_seed(0)
+    rows = torch.nn.Parameter(torch.randn(16, 64).to(torch.bfloat16))
+    frozen = torch.randn(20_000, 64).to(torch.bfloat16)  # the joined table's grad: 2.6 MB, rows' slice 2 KB
+    pre = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    fresh = {}  # registered before the optimizer's hook: sees the fresh grad
+    rows.register_post_accumulate_grad_hook(
+        lambda p: fresh.update(s=StorageWeakRef(p.grad.untyped_storage()))
+    )
+    mp = FusedAdamW([rows, *pre.parameters()], lr=1e-3)  # kept: its hooks hold it weakly
+    alive = []
+    pre.weight.register_post_accumulate_grad_hook(lambda p: alive.append(not fresh["s"].expired()))
+    h = pre(torch.randn(64, 64).to(torch.bfloat16))
+    ids = torch.randint(0, 20_016, (64,), generator=torch.Generator().manual_seed(1))
+    emb = torch.nn.functional.embedding(ids, torch.cat([frozen, rows]))  # made last, its grads come first
+    (emb + h).float().pow(2).mean().backward()
+    assert alive == [False]  # freed before the backward went on to pre's grads
+    mp.step()
+    assert float(mp.state_dict()["optimizer"]["state"][0]["step"]) == 1.0
+
+
 @pytest.mark.parametrize("accum", [None, FP32])
 def test_zero_grad_frees_the_buffers_and_the_next_grad_makes_them(accum):
     (model, mp), _ = build(FusedAdamW, accum)
