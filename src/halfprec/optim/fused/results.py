@@ -54,9 +54,8 @@ class SkipReporter:
             buf = torch.empty(_WIDTH, dtype=staged.dtype, pin_memory=True)
             event = torch.cuda.Event()
         buf.copy_(staged, non_blocking=True)
-        event.record(
-            torch.cuda.current_stream(staged.device)
-        )  # the copy's stream, whatever the current device
+        # the copy's stream, whatever the current device
+        event.record(torch.cuda.current_stream(staged.device))
         self._pending.append((buf, event))
         self._last = (buf, event)
 
