@@ -10,8 +10,9 @@ ms/step after the warm-up steps (CUDA events, from one step's start to the next'
 allocated during training, the loss of the last step, and the host's time to enqueue one tiny kernel, measured
 before the run (and after it, in the JSON: the step is host-paced, and the device's host speed varies). Every
 system runs the model with ``use_cache=False``, as the HF Trainer does. ``--cpus`` pins the runs to cores; the
-summary gives each system's tokens/s over halfprec's in the same round and dtype. ``--trace`` adds every step's loss,
-loss scale and grad norm to the JSON.
+summary gives each system's tokens/s over the first system's in the same round and dtype. ``--trees
+old=DIR,new=DIR`` runs each system once per source tree in every round (an A/B of a change, interleaved).
+``--trace`` adds every step's loss, loss scale and grad norm to the JSON.
 
 Systems:
   autocast   fp32 model under ``torch.autocast``, ``torch.optim.AdamW(fused=True)``; fp16 with ``GradScaler``
@@ -409,15 +410,30 @@ def pick_cpus(spec: str) -> set[int]:
     return chosen
 
 
-def paired(rows: list[dict]) -> dict[tuple[str, str], list[float]]:
-    """Each system's tokens/s over halfprec's in the same round and dtype, per round: runs next to each other in
+def trees_of(spec: str) -> dict[str | None, Path | None]:
+    """``--trees name=DIR,...``: the ``src`` folders the runs import halfprec from, by name; {None: None}: the
+    installed or ``PYTHONPATH`` one."""
+    if not spec:
+        return {None: None}
+    trees = {}
+    for item in spec.split(","):
+        name, _, path = item.partition("=")
+        src = Path(path) / "src"
+        if not name or not (src / "halfprec" / "__init__.py").is_file():
+            raise SystemExit(f"--trees: {item!r} is not NAME=DIR with DIR/src/halfprec in it")
+        trees[name] = src.resolve()
+    return trees
+
+
+def paired(rows: list[dict], base: str) -> dict[tuple[str, str], list[float]]:
+    """Each system's tokens/s over ``base``'s in the same round and dtype, per round: runs next to each other in
     time, so the host's drift over a call cancels more than between best rounds."""
-    base = {(r["round"], r["dtype"]): r["tokens_per_s"] for r in rows if r["system"] == "halfprec"}
+    ref = {(r["round"], r["dtype"]): r["tokens_per_s"] for r in rows if r["system"] == base}
     out: dict[tuple[str, str], list[float]] = {}
     for r in rows:
-        ref = base.get((r["round"], r["dtype"]))
-        if ref and r["system"] != "halfprec":
-            out.setdefault((r["system"], r["dtype"]), []).append(r["tokens_per_s"] / ref)
+        b = ref.get((r["round"], r["dtype"]))
+        if b and r["system"] != base:
+            out.setdefault((r["system"], r["dtype"]), []).append(r["tokens_per_s"] / b)
     return out
 
 
@@ -454,6 +470,10 @@ def main() -> None:
         "--cpus", default="", help="pin every run to these cores (e.g. 2,3), or 'auto': the two cores where a "
         "probe enqueues fastest (the step is host-paced; pinning also stops the launching thread migrating)",
     )  # fmt: skip
+    parser.add_argument(
+        "--trees", default="", help="A/B of source trees: NAME=DIR,NAME=DIR (each DIR holds src/halfprec); every "
+        "system runs once per tree in each round, as SYSTEM@NAME, and the ratios are against the first tree's",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="write every run's result here")
     parser.add_argument("--child", nargs=2, metavar=("SYSTEM", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -476,22 +496,30 @@ def main() -> None:
     rows, failures = [], []
     passthrough = [f"--{k}={getattr(args, k)}" for k in ("steps", "warmup", "batch", "seq", "seed")]
     passthrough += [f"--cpus={','.join(map(str, sorted(args.cpus)))}"] if args.cpus else []
+    trees = trees_of(args.trees)
     for rnd in range(1, args.rounds + 1):
         for system in systems:
-            for dtype in dtypes:
-                if system == "deepspeed-reset" and dtype != "fp16":
-                    continue
-                cmd = [sys.executable, __file__, "--child", system, dtype, *passthrough]
-                cmd += ["--trace"] if args.trace else []
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-                if proc.returncode != 0 or line is None:
-                    failures.append((rnd, system, dtype, proc.stderr[-2000:]))
-                    print(f"round {rnd} {system} {dtype}: FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
-                    continue
-                row = json.loads(line[len("RESULT ") :]) | {"round": rnd}
-                rows.append(row)
-                print(table([row]).splitlines()[-1], flush=True)
+            for tree, src in trees.items():
+                label = system if tree is None else f"{system}@{tree}"
+                env = dict(os.environ)
+                if src is not None:  # in front of the PYTHONPATH the other packages come from
+                    env["PYTHONPATH"] = os.pathsep.join(
+                        filter(None, [str(src), os.environ.get("PYTHONPATH")])
+                    )
+                for dtype in dtypes:
+                    if system == "deepspeed-reset" and dtype != "fp16":
+                        continue
+                    cmd = [sys.executable, __file__, "--child", system, dtype, *passthrough]
+                    cmd += ["--trace"] if args.trace else []
+                    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                    if proc.returncode != 0 or line is None:
+                        failures.append((rnd, label, dtype, proc.stderr[-2000:]))
+                        print(f"round {rnd} {label} {dtype}: FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
+                        continue
+                    row = json.loads(line[len("RESULT ") :]) | {"round": rnd, "system": label}
+                    rows.append(row)
+                    print(table([row]).splitlines()[-1], flush=True)
     best = {}
     for r in rows:
         key = (r["system"], r["dtype"])
@@ -502,10 +530,12 @@ def main() -> None:
         "\nBest round of each:\n"
         + table([{k: v for k, v in r.items() if k != "round"} for r in best.values()])
     )
-    ratios = paired(rows)
+    first = next(iter(trees))
+    base = systems[0] if first is None else f"{systems[0]}@{first}"
+    ratios = paired(rows, base)
     if ratios:
         print(
-            "\nTokens/s against halfprec's run of the same round and dtype (median over rounds; each round):"
+            f"\nTokens/s against {base}'s run of the same round and dtype (median over rounds; each round):"
         )
         for (system, dtype), values in ratios.items():
             each = " ".join(f"{v:.3f}" for v in values)
