@@ -11,8 +11,9 @@ For each system and dtype: 5 warm-up steps, then 15 steps timed by CUDA events (
 included) and by the host's time to enqueue each step, then 8 steps each between two ``synchronize()``. When the
 enqueue time matches the event time, the host sets the pace: the GPU waits for launches, and the host's speed (on
 a shared machine, its neighbours') moves the step time. ``--hooks`` times the backward of a 148-param fp16 MLP
-with tiny layers (kernel time negligible) with and without a fused optimizer's grad hooks, on the CPU (the Triton
-interpreter is imported but runs no kernel in a backward), after ``zero_grad(set_to_none=True)`` and ``False``.
+with tiny layers (kernel time negligible) with and without a fused optimizer's grad hooks, after
+``zero_grad(set_to_none=True)`` and ``False``: on CUDA when there is one (the host's time to enqueue the backward,
+launches included), else on the CPU (the Triton interpreter is imported but runs no kernel in a backward).
 ``--profile`` runs halfprec's plain loop and the HF Trainer (bench_train's ``halfprec`` and ``hf`` systems, bf16
 and fp16) under ``cProfile`` for the timed steps and prints, per step, the host time inside the Trainer's steps and
 between them (without the profiler) and the functions with the most host time (with it; cProfile slows
@@ -86,19 +87,23 @@ def gpu_table() -> None:
 
 
 def hook_cost(rounds: int = 300) -> None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before halfprec imports triton
     from halfprec.optim import FusedAdamW
 
     def mlp():
         torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(74)]).half()
+        return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(74)]).to(device, torch.float16)
 
     def backward_ms(model, set_to_none: bool, opt=None) -> float:
-        x, times = torch.randn(4, 8).half(), []
+        x, times = torch.randn(4, 8, device=device, dtype=torch.float16), []
         for _ in range(rounds):
             loss = model(x).float().square().mean()
+            if device == "cuda":
+                torch.cuda.synchronize()  # an empty queue: the host's enqueue time alone is timed
             start = time.perf_counter()
             loss.backward()
             times.append(time.perf_counter() - start)
@@ -112,8 +117,9 @@ def hook_cost(rounds: int = 300) -> None:
         opt = FusedAdamW(hooked.parameters(), lr=1e-3)
         n = len(list(plain.parameters()))
         a, b = backward_ms(plain, set_to_none), backward_ms(hooked, set_to_none, opt)
-        print(f"{n} params, zero_grad(set_to_none={set_to_none}): backward {a:.2f} ms plain, {b:.2f} ms with a "
-              f"fused optimizer's grad hooks: {(b - a) / n * 1e3:.1f} us per param", flush=True)  # fmt: skip
+        print(f"{device}, {n} params, zero_grad(set_to_none={set_to_none}): backward {a:.2f} ms plain, "
+              f"{b:.2f} ms with a fused optimizer's grad hooks: {(b - a) / n * 1e3:.1f} us per param",
+              flush=True)  # fmt: skip
 
 
 def op_count(steps: int = 4) -> None:
