@@ -190,7 +190,7 @@ def test_a_backward_called_on_another_stream_than_its_forward_gets_exact_grads()
     torch.cuda.synchronize()
     for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
-    assert len(junk) == 4 and mp.master_params()
+    del junk, mp  # alive until here: the memory they reuse, and the optimizer its hooks hold weakly
 
 
 def test_captured_step_replays_with_a_changing_lr():
