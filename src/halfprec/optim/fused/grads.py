@@ -171,7 +171,7 @@ class GradViews:
                 views.append(chunk.grad_views[local])
                 grads.append(g)
         self._held_back, self._held_bytes = {}, 0
-        current = torch.cuda.current_stream() if self._cuda else None
+        current = torch.cuda.current_stream(self.flags.device) if self._cuda else None  # the step's device
         with torch.no_grad():
             for (_, stream), (idx, views, grads) in groups.items():
                 with torch.cuda.stream(stream) if stream != current else contextlib.nullcontext():
