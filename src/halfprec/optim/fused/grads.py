@@ -174,9 +174,10 @@ class GradViews:
         current = torch.cuda.current_stream(self.flags.device) if self._cuda else None  # the step's device
         with torch.no_grad():
             for (_, stream), (idx, views, grads) in groups.items():
-                with torch.cuda.stream(stream) if stream != current else contextlib.nullcontext():
+                elsewhere = stream != current
+                with torch.cuda.stream(stream) if elsewhere else contextlib.nullcontext():
                     torch._foreach_copy_(views, grads)  # one dtype and device: the multi-tensor kernel
-                if stream != current:
+                if elsewhere:
                     current.wait_stream(stream)  # the step (and the rest of this backward) reads the views
                 for i, view in zip(idx, views, strict=True):
                     self.params[i].grad = view
