@@ -41,6 +41,15 @@ Systems:
   hf-quiet  ``hf-nosync`` and ``hf-nolink`` together: the Trainer with none of those per-step host syncs
   halfprec-keep  ``MixedPrecisionOptimizer`` in a plain loop with ``zero_grad(set_to_none=False)``: the grad buffer
              kept between steps (the engine frees it before each forward): a diagnostic of that buffer's cost
+  hf-paired  ``hf`` and the ``halfprec`` plain loop in one process, in alternating blocks of 5 steps (a callback
+             runs the plain loop's block on a second model at the end of every 5th Trainer step, between two
+             synchronizations): both see the same host at the same moments, so the host's drift, which moves
+             whole runs by more than the Trainer's cost, cancels. Reports the Trainer's ms/step, the plain
+             loop's, and the Trainer's tokens/s over the plain loop's (its ``paired`` figures)
+  hf-nosync-paired  the same with ``hf-nosync``'s settings
+  hf-autocast-paired  the same for the HF Trainer without halfprec (its own ``bf16=True`` / ``fp16=True`` autocast,
+             ``optim="adamw_torch_fused"``) against the ``autocast`` plain loop: how much the Trainer's loop costs
+             a plain loop when halfprec is not involved
 """
 
 from __future__ import annotations
@@ -68,7 +77,11 @@ SYSTEMS = (
     "hf-nosync",
     "hf-nolink",
     "hf-quiet",
+    "hf-paired",
+    "hf-nosync-paired",
+    "hf-autocast-paired",
 )
+PAIRED_BLOCK = 5  # steps per block in the paired systems
 LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
 
 
@@ -201,14 +214,16 @@ def deepspeed_runner(model, dtype, batch: int, *, reset: bool, clip=CLIP, scaled
 
 
 def hf_run(
-    model, dtype, data, args, callbacks=(), nosync=False, nolink=False
+    model, dtype, data, args, callbacks=(), nosync=False, nolink=False, autocast=False
 ) -> tuple[list[float], list[float]]:
     """(ms per step, loss per step) of ``args.warmup + args.steps`` HF Trainer steps over ``data``'s rows;
-    ``nosync``, ``nolink``: the ``hf-nosync``, ``hf-nolink`` settings."""
+    ``nosync``, ``nolink``: the ``hf-nosync``, ``hf-nolink`` settings; ``autocast``: the plain Trainer with its own
+    autocast and fused AdamW instead of halfprec. A step whose ``on_step_end`` callbacks ran timed work of their
+    own (a paired block) is left out of the times (its period includes that work)."""
     import tempfile
 
     import torch
-    from transformers import TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from halfprec.integrations.hf import HalfprecTrainer
 
@@ -228,7 +243,7 @@ def hf_run(
 
     losses = []
 
-    class InOrder(HalfprecTrainer):
+    class InOrder(Trainer if autocast else HalfprecTrainer):
         # the other systems' batch order: the Trainer's default shuffle alone moves the last loss by ~0.9
         def _get_train_sampler(self, train_dataset=None):
             return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
@@ -242,19 +257,73 @@ def hf_run(
     host = [batch.cpu() for batch in data]  # copied once, cycled as the other systems cycle ``data``
     rows = [{"input_ids": x, "labels": x} for i in range(total) for x in host[i % len(host)]]
     with tempfile.TemporaryDirectory() as out:
+        precision = {}
+        if autocast:
+            precision = {"bf16" if dtype == torch.bfloat16 else "fp16": True, "optim": "adamw_torch_fused"}
         targs = TrainingArguments(
             out, max_steps=total, per_device_train_batch_size=args.batch, learning_rate=LR,
             weight_decay=WEIGHT_DECAY, max_grad_norm=CLIP, lr_scheduler_type="constant",
-            save_strategy="no", report_to="none", disable_tqdm=True,
+            save_strategy="no", report_to="none", disable_tqdm=True, **precision,
             **({"accelerator_config": {"non_blocking": True}, "dataloader_pin_memory": True,
                 "logging_nan_inf_filter": False} if nosync else {}),
         )  # fmt: skip
+        extra = {} if autocast else {"halfprec_dtype": dtype}
         trainer = InOrder(
-            model=model, args=targs, train_dataset=rows, halfprec_dtype=dtype, callbacks=[Timer(), *callbacks]
+            model=model, args=targs, train_dataset=rows, callbacks=[Timer(), *callbacks], **extra
         )
         trainer.train()
     torch.cuda.synchronize()
-    return periods(events[args.warmup :]), [float(v) for v in losses]
+    busy = {i for cb in callbacks for i in getattr(cb, "busy_steps", ())}
+    ms = [t for i, t in enumerate(periods(events)) if i >= args.warmup and i not in busy]
+    return ms, [float(v) for v in losses]
+
+
+def paired_run(system: str, model, dtype, data, args) -> dict:
+    """The ``*-paired`` systems: the HF Trainer on ``model`` and the plain loop on a second model from the same
+    seed, in alternating blocks of ``PAIRED_BLOCK`` steps in this process (module docstring)."""
+    import torch
+    from transformers import TrainerCallback
+
+    autocast = system == "hf-autocast-paired"
+    plain_step, _ = (autocast_runner if autocast else halfprec_runner)(llama(args.seed), dtype)
+    plain_ms: list[list[float]] = []  # per block
+    plain_losses = []
+
+    class Interleave(TrainerCallback):
+        busy_steps: set[int] = set()  # the Trainer steps (0-based) whose period includes a plain block
+
+        def on_step_end(self, _args, state, control, **kwargs):
+            if state.global_step % PAIRED_BLOCK:
+                return
+            torch.cuda.synchronize()
+            events = []
+            for _ in range(PAIRED_BLOCK):
+                i = len(plain_losses)
+                events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                events[-1][0].record()
+                plain_losses.append(plain_step(data[i % len(data)]))
+                events[-1][1].record()
+            torch.cuda.synchronize()
+            plain_ms.append(periods(events))
+            self.busy_steps.add(state.global_step - 1)
+
+    interleave = Interleave()
+    trainer_ms, losses = hf_run(
+        model,
+        dtype,
+        data,
+        args,
+        callbacks=[interleave],
+        nosync=system == "hf-nosync-paired",
+        autocast=autocast,
+    )
+    plain = [t for block in plain_ms[1:] for t in block]  # the first block warms the plain loop up
+    trainer, ref = statistics.median(trainer_ms), statistics.median(plain)
+    return {
+        "ms_per_step": trainer, "plain_ms_per_step": ref, "paired_tokens_ratio": ref / trainer,
+        "final_loss": losses[-1], "plain_final_loss": float(plain_losses[-1]), "plain_steps": len(plain),
+        "trainer_steps": len(trainer_ms),
+    }  # fmt: skip
 
 
 def periods(events: list[tuple]) -> list[float]:
@@ -302,6 +371,17 @@ def child(system: str, dtype_name: str, args) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     launch = launch_us()
     model = llama(args.seed)
+    if system.endswith("-paired"):
+        data = batches(args.batch, args.seq)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        result = paired_run(system, model, dtype, data, args)
+        return {
+            "system": system, "dtype": dtype_name, "tokens_per_s": args.batch * args.seq / (result["ms_per_step"] * 1e-3),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,  # both models: not comparable to the others
+            "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
+            "launch_us": launch, "launch_us_after": launch_us(), **result,
+        }  # fmt: skip
     if system.startswith("hf"):
         data = batches(args.batch, args.seq)
         torch.cuda.synchronize()
@@ -451,6 +531,22 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def paired_table(rows: list[dict]) -> str:
+    """The paired systems' runs: the Trainer against the plain loop it alternated with."""
+    lines = [
+        "| round | system | dtype | Trainer ms/step | plain loop ms/step | Trainer tokens/s over plain | losses |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "paired_tokens_ratio" in r:
+            lines.append(
+                f"| {r.get('round', '')} | {r['system']} | {r['dtype']} | {r['ms_per_step']:.1f} | "
+                f"{r['plain_ms_per_step']:.1f} | {r['paired_tokens_ratio']:.3f} | "
+                f"{r['final_loss']:.3f} / {r['plain_final_loss']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -520,6 +616,8 @@ def main() -> None:
                     row = json.loads(line[len("RESULT ") :]) | {"round": rnd, "system": label}
                     rows.append(row)
                     print(table([row]).splitlines()[-1], flush=True)
+                    if "paired_tokens_ratio" in row:
+                        print(paired_table([row]).splitlines()[-1], flush=True)
     best = {}
     for r in rows:
         key = (r["system"], r["dtype"])
@@ -530,6 +628,11 @@ def main() -> None:
         "\nBest round of each:\n"
         + table([{k: v for k, v in r.items() if k != "round"} for r in best.values()])
     )
+    if any("paired_tokens_ratio" in r for r in rows):
+        print(
+            "\nPaired runs (the Trainer and the plain loop alternating in one process):\n"
+            + paired_table(rows)
+        )
     first = next(iter(trees))
     base = systems[0] if first is None else f"{systems[0]}@{first}"
     ratios = paired(rows, base)
