@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import halfprec
 
@@ -122,3 +125,29 @@ def warm_up_on_side_stream(fn) -> None:
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
+
+
+class AtenOps(TorchDispatchMode):
+    """Counts the torch ops run under it that are not views or profiler markers (on CUDA, each is a launch: the
+    host's cost), by name; with ``target``, only the in-place ones on its storage. Triton launches do not go
+    through the dispatcher and are not counted."""
+
+    def __init__(self, target: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.ptr = None if target is None else target.untyped_storage().data_ptr()
+        self.names: Counter[str] = Counter()
+
+    @property
+    def count(self) -> int:
+        return self.names.total()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name, first = func.overloadpacket.__name__, args[0] if args else None
+        if self.ptr is None:
+            counted = not func.is_view and func.namespace != "profiler"
+        else:  # fill_, copy_, zero_ on the target
+            on_target = isinstance(first, torch.Tensor) and first.untyped_storage().data_ptr() == self.ptr
+            counted = name.endswith("_") and on_target
+        if counted:
+            self.names[name] += 1
+        return func(*args, **(kwargs or {}))

@@ -15,14 +15,13 @@ from collections import Counter
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import halfprec
 from halfprec.optim import FusedAdagrad, FusedAdamW, FusedLamb, FusedSGD
 from halfprec.optim.fused.grads import GradViews
 from halfprec.optim.layout import chunk_params
 
-from ..helpers import DEVICE, warm_up_on_side_stream
+from ..helpers import DEVICE, AtenOps, warm_up_on_side_stream
 
 FP32 = torch.float32
 _INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -230,31 +229,6 @@ def test_a_captured_step_needs_the_buffer_and_pins_it():
     assert chunk.grad is buffer  # the graph reads its address: kept for good
 
 
-class _Ops(TorchDispatchMode):
-    """Counts the aten ops that are not views (on CUDA, each is a launch: the host's cost), by name; with
-    ``target``, only the in-place ones on its storage."""
-
-    def __init__(self, target: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.ptr = None if target is None else target.untyped_storage().data_ptr()
-        self.names: Counter[str] = Counter()
-
-    @property
-    def count(self) -> int:
-        return self.names.total()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name, first = func.overloadpacket.__name__, args[0] if args else None
-        if self.ptr is None:
-            counted = not func.is_view
-        else:  # fill_, copy_, zero_ on the target
-            on_target = isinstance(first, torch.Tensor) and first.untyped_storage().data_ptr() == self.ptr
-            counted = name.endswith("_") and on_target
-        if counted:
-            self.names[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _three_params():
     params = [torch.nn.Parameter(torch.randn(n).to(DEVICE, torch.float16)) for n in (9, 41, 5)]
     [(chunk, idx)] = chunk_params(params, [p.detach().float() for p in params], flat_params=True)
@@ -269,13 +243,13 @@ def test_a_backward_writes_the_device_marks_once_at_its_end():
     # a write per param was a launch per param on CUDA; the finalize program reads the device's marks
     params, chunk, grads = _three_params()
     for writes_expected in (1, 0):  # the second backward changes no mark: nothing to write
-        with _Ops(grads.flags) as writes:
+        with AtenOps(grads.flags) as writes:
             _loss(params).backward()
         assert writes.count == writes_expected
         assert grads.flags.tolist() == [1, 1, 0]
     grads.flags.zero_()  # what the finalize program does
     grads.consumed()
-    with _Ops(grads.flags) as writes:
+    with AtenOps(grads.flags) as writes:
         params[2].float().sum().backward()
     assert writes.count == 1 and grads.flags.tolist() == [0, 0, 1]
 
@@ -296,7 +270,7 @@ def test_a_backward_adds_one_batched_grad_copy_and_one_marks_write(set_to_none):
         counts = []
         for m in (model, plain):
             loss = m(x).float().pow(2).mean()  # bf16: the loss scale is 1, backward needs no scaled loss
-            with _Ops() as ops:
+            with AtenOps() as ops:
                 loss.backward()
             counts.append(ops.names)
         assert not counts[1] - counts[0]
