@@ -46,7 +46,7 @@ Systems:
              synchronizations): both see the same host at the same moments, so the host's drift, which moves
              whole runs by more than the Trainer's cost, cancels. Reports the Trainer's ms/step, the plain
              loop's, and the Trainer's tokens/s over the plain loop's (its ``paired`` figures)
-  hf-nosync-paired  the same with ``hf-nosync``'s settings
+  hf-nosync-paired, hf-nolink-paired  the same with ``hf-nosync``'s, ``hf-nolink``'s settings
   hf-autocast-paired  the same for the HF Trainer without halfprec (its own ``bf16=True`` / ``fp16=True`` autocast,
              ``optim="adamw_torch_fused"``) against the ``autocast`` plain loop: how much the Trainer's loop costs
              a plain loop when halfprec is not involved
@@ -79,6 +79,7 @@ SYSTEMS = (
     "hf-quiet",
     "hf-paired",
     "hf-nosync-paired",
+    "hf-nolink-paired",
     "hf-autocast-paired",
 )
 PAIRED_BLOCK = 5  # steps per block in the paired systems
@@ -315,6 +316,7 @@ def paired_run(system: str, model, dtype, data, args) -> dict:
         args,
         callbacks=[interleave],
         nosync=system == "hf-nosync-paired",
+        nolink=system == "hf-nolink-paired",
         autocast=autocast,
     )
     plain = [t for block in plain_ms[1:] for t in block]  # the first block warms the plain loop up
