@@ -291,7 +291,9 @@ def paired_run(system: str, model, dtype, data, args) -> dict:
     plain_losses = []
 
     class Interleave(TrainerCallback):
-        busy_steps: set[int] = set()  # the Trainer steps (0-based) whose period includes a plain block
+        def __init__(self) -> None:
+            # the Trainer steps (0-based) whose period includes a plain block
+            self.busy_steps: set[int] = set()
 
         def on_step_end(self, _args, state, control, **kwargs):
             if state.global_step % PAIRED_BLOCK:
@@ -379,7 +381,8 @@ def child(system: str, dtype_name: str, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
         result = paired_run(system, model, dtype, data, args)
         return {
-            "system": system, "dtype": dtype_name, "tokens_per_s": args.batch * args.seq / (result["ms_per_step"] * 1e-3),
+            "system": system, "dtype": dtype_name,
+            "tokens_per_s": args.batch * args.seq / (result["ms_per_step"] * 1e-3),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,  # both models: not comparable to the others
             "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
             "launch_us": launch, "launch_us_after": launch_us(), **result,
