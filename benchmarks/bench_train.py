@@ -375,38 +375,29 @@ def child(system: str, dtype_name: str, args) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     launch = launch_us()
     model = llama(args.seed)
-    if system.endswith("-paired"):
+
+    def fresh_batches() -> list:
+        """The run's batches, made before the timed steps: the peak memory counts from here."""
         data = batches(args.batch, args.seq)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        result = paired_run(system, model, dtype, data, args)
+        return data
+
+    def row(ms_per_step: float, final_loss: float, **extra) -> dict:
         return {
-            "system": system, "dtype": dtype_name,
-            "tokens_per_s": args.batch * args.seq / (result["ms_per_step"] * 1e-3),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,  # both models: not comparable to the others
+            "system": system, "dtype": dtype_name, "ms_per_step": ms_per_step,
+            "tokens_per_s": args.batch * args.seq / (ms_per_step * 1e-3),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "final_loss": final_loss,
             "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
-            "launch_us": launch, "launch_us_after": launch_us(), **result,
+            "launch_us": launch, "launch_us_after": launch_us(), **extra,
         }  # fmt: skip
+
+    if system.endswith("-paired"):  # peak_gib: both models, not comparable to the other systems'
+        return row(**paired_run(system, model, dtype, fresh_batches(), args))
     if system.startswith("hf"):
-        data = batches(args.batch, args.seq)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        ms, losses = hf_run(
-            model,
-            dtype,
-            data,
-            args,
-            nosync=system in ("hf-nosync", "hf-quiet"),
-            nolink=system in ("hf-nolink", "hf-quiet"),
-        )
-        median = statistics.median(ms)
-        return {
-            "system": system, "dtype": dtype_name, "ms_per_step": median,
-            "tokens_per_s": args.batch * args.seq / (median * 1e-3),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "final_loss": float(losses[-1]),
-            "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
-            "launch_us": launch, "launch_us_after": launch_us(),
-        }  # fmt: skip
+        nosync, nolink = system in ("hf-nosync", "hf-quiet"), system in ("hf-nolink", "hf-quiet")
+        ms, losses = hf_run(model, dtype, fresh_batches(), args, nosync=nosync, nolink=nolink)
+        return row(statistics.median(ms), losses[-1])
     if system == "autocast":
         step, probe = autocast_runner(model, dtype)
     elif system == "halfprec-keep":
@@ -424,9 +415,7 @@ def child(system: str, dtype_name: str, args) -> dict:
             clip=clip,
             scaled=system == "deepspeed-scaled",
         )
-    data = batches(args.batch, args.seq)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    data = fresh_batches()
     total = args.warmup + args.steps
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(total)
@@ -439,25 +428,13 @@ def child(system: str, dtype_name: str, args) -> dict:
         if args.trace:
             probes.append(probe())
     torch.cuda.synchronize()
-    ms = periods(events[args.warmup :])
 
     def num(v):
         return None if v is None else float(v)
 
-    median = statistics.median(ms)
-    result = {
-        "system": system,
-        "dtype": dtype_name,
-        "ms_per_step": median,
-        "tokens_per_s": args.batch * args.seq / (median * 1e-3),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "final_loss": float(losses[-1]),
-        "params": sum(p.numel() for p in model.parameters()),
-        "torch": torch.__version__,
-        "launch_us": launch,
-        "launch_us_after": launch_us(),
-        **getattr(step, "info", {}),
-    }
+    result = row(
+        statistics.median(periods(events[args.warmup :])), float(losses[-1]), **getattr(step, "info", {})
+    )
     if hasattr(step, "skipped"):
         result["skipped_steps"] = int(step.skipped())
     if args.trace:
