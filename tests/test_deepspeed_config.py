@@ -354,6 +354,12 @@ DS_ERRORS = [
     ({"data_types": "fp32"}, r"DeepSpeed 'data_types' must be a dict, got 'fp32'"),
     ({"fp16": True}, r"DeepSpeed 'fp16' must be a dict, got True"),
     ([("fp16", {})], r"a DeepSpeed config is a dict"),
+    (
+        {"train_batch_size": 8, 1: "x"},
+        r"^the DeepSpeed config has the int key 1; DeepSpeed config keys are strings, as in JSON: write it as '1' "
+        r"or remove it$",
+    ),
+    ({"fp16": {"enabled": True, 2.0: 1}}, r"^DeepSpeed 'fp16' has the float key 2\.0; .*write it as '2\.0'"),
 ]
 
 
@@ -361,6 +367,32 @@ DS_ERRORS = [
 def test_deepspeed_errors(cfg, regex):
     with pytest.raises(ValueError, match=regex):
         Config.from_deepspeed(cfg)
+
+
+# (the file's text, error, message): a config file that is not JSON, named with the place to fix
+FILE_ERRORS = [
+    (
+        '{"fp16": {"enabled": true,}}',
+        ValueError,
+        r"^DeepSpeed config .*ds\.json is not valid JSON: Expecting property name enclosed in double quotes at "
+        r"line 1 column 27; fix the file there \(JSON has no comments and no trailing commas\)$",
+    ),
+    (
+        '{\n  "fp16": {"enabled": true} // fp16\n}',
+        ValueError,
+        r"ds\.json is not valid JSON: Expecting .,. delimiter at line 2 column 29;",
+    ),
+    ("", ValueError, r"ds\.json is not valid JSON: Expecting value at line 1 column 1;"),
+]
+
+
+@pytest.mark.parametrize(("text", "error", "regex"), FILE_ERRORS, ids=["trailing-comma", "comment", "empty"])
+def test_deepspeed_file_errors(tmp_path, text, error, regex):
+    (tmp_path / "ds.json").write_text(text)
+    with pytest.raises(error, match=regex):
+        Config.from_deepspeed(tmp_path / "ds.json")
+    with pytest.raises(error, match=regex):
+        Config.from_deepspeed(str(tmp_path / "ds.json"))
 
 
 def test_unknown_keys_are_listed_with_suggestions():

@@ -213,10 +213,18 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
     """``cls(**fields)`` from a DeepSpeed config; ``cls`` is ``halfprec.Config`` (see ``Config.from_deepspeed``)."""
     defaults = cls()  # halfprec's defaults, named in the notes about 'auto'
     if isinstance(cfg, (str, os.PathLike)):
-        with open(cfg, encoding="utf-8") as f:
-            cfg = json.load(f)
+        path = os.fspath(cfg)
+        with open(path, encoding="utf-8") as f:
+            try:
+                cfg = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"DeepSpeed config {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}; fix "
+                    "the file there (JSON has no comments and no trailing commas)"
+                ) from None
     if not isinstance(cfg, Mapping):
         raise ValueError(f"a DeepSpeed config is a dict (or a JSON file path), got {type(cfg).__name__}")
+    _check_keys(cfg, "the DeepSpeed config")
     notes: list[str] = []
     if "bf16" in cfg and "bfloat16" in cfg:
         raise ValueError(
@@ -234,6 +242,7 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
             block = {"stage": int(block)}
         if not isinstance(block, Mapping):
             raise ValueError(f"DeepSpeed '{name}' must be a dict, got {block!r}")
+        _check_keys(block, f"DeepSpeed '{name}'")
         prefix = "bf16" if name == "bfloat16" else name
         flat.update({f"{prefix}.{k}": v for k, v in block.items()})
     flat.update({k: cfg[k] for k in _TOP_KEYS if k in cfg})
@@ -292,6 +301,16 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
             "Config.from_deepspeed:\n  - " + "\n  - ".join(notes), DeepSpeedConfigWarning, stacklevel=3
         )
     return config
+
+
+def _check_keys(mapping: Mapping[Any, Any], where: str) -> None:
+    """Keys are strings, as JSON's are: a dict built in Python may hold others."""
+    odd = next((key for key in mapping if not isinstance(key, str)), None)
+    if odd is not None:
+        raise ValueError(
+            f"{where} has the {type(odd).__name__} key {odd!r}; DeepSpeed config keys are strings, as in JSON: "
+            f"write it as {str(odd)!r} or remove it"
+        )
 
 
 def _precision(flat: dict[str, Any], notes: list[str]) -> str:
