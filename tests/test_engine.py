@@ -77,11 +77,73 @@ def test_skipped_step_holds_schedule_and_counts():
     assert engine.last_record.step == 5 and not engine.last_record.skipped
 
 
-def test_save_mid_accumulation_is_an_error(tmp_path):
-    engine = build("bf16", gas=2)
-    engine.backward(engine(batch(0, 0)).float().mean())
-    with pytest.raises(RuntimeError, match="middle of a gradient accumulation"):
+# (backwards of a 3-micro-batch accumulation, each followed by engine.step() or not, message)
+SAVE_OFF_BOUNDARY = [
+    (
+        1,
+        True,
+        r"^save_checkpoint\(\) in the middle of a gradient accumulation, at micro-step 1 of 3: checkpoints are "
+        r"saved at optimizer-step boundaries, after the engine\.step\(\) that follows backward 3 of 3 \(engine\."
+        r"is_gradient_accumulation_boundary\(\) is True just before it; the engine\.step\(\) calls before it do "
+        r"nothing and return None\); run the 2 remaining micro-step\(s\) \(engine\.backward\(\), then "
+        r"engine\.step\(\)\), then save$",
+    ),
+    (2, False, r"at micro-step 2 of 3: .*run the 1 remaining micro-step\(s\)"),
+    (
+        3,
+        False,
+        r"^save_checkpoint\(\) at micro-step 3 of 3, before its optimizer step: .*; call engine\.step\(\), ",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("backwards", "stepped", "regex"), SAVE_OFF_BOUNDARY, ids=["1-stepped", "2-unstepped", "3-unstepped"]
+)
+def test_save_off_a_step_boundary_says_where_the_boundary_is(tmp_path, backwards, stepped, regex):
+    engine = build("bf16", gas=3)
+    for micro in range(backwards):
+        engine.backward(engine(batch(0, micro)).float().mean())
+        if stepped:
+            assert engine.step() is None
+    with pytest.raises(RuntimeError, match=regex):
         engine.save_checkpoint(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+# (gradient_accumulation_steps, message of the backward after that many without a step)
+BACKWARD_PAST_BOUNDARY = [
+    (
+        4,
+        r"^engine\.backward\(\) number 5 since the last optimizer step, with gradient_accumulation_steps=4: the "
+        r"accumulation of the last 4 was never stepped\. Call engine\.step\(\) after every engine\.backward\(\), "
+        r"as in DeepSpeed's loop \(it steps only at accumulation boundaries\), or raise "
+        r"gradient_accumulation_steps$",
+    ),
+    (1, r"^engine\.backward\(\) number 2 since the last optimizer step, with gradient_accumulation_steps=1"),
+]
+
+
+def _loss(engine, micro: int) -> torch.Tensor:
+    return engine(batch(0, micro)).float().mean()
+
+
+@pytest.mark.parametrize(("gas", "regex"), BACKWARD_PAST_BOUNDARY, ids=["gas4", "gas1"])
+def test_a_backward_past_an_unstepped_boundary_is_refused(gas, regex):
+    """One step over 2 * gas micro-batches, each divided by gas, would apply twice the mean gradient."""
+    engine, ref = build("bf16", gas=gas), build("bf16", gas=gas)
+    for micro in range(gas):
+        engine.backward(_loss(engine, micro))
+    with pytest.raises(RuntimeError, match=regex):
+        engine.backward(_loss(engine, gas))
+    assert engine.micro_step == gas and engine.is_gradient_accumulation_boundary()
+    assert engine.step() is not None  # the refused backward added nothing: the step equals a correct loop's
+    for micro in range(gas):
+        ref.backward(_loss(ref, micro))
+        ref.step()
+    for a, b in zip(engine.optimizer.master_params(), ref.optimizer.master_params(), strict=True):
+        assert torch.equal(a, b)
+    engine.backward(_loss(engine, 0))  # a new accumulation starts after the step
 
 
 def test_precision_mismatch_is_an_error():
@@ -123,9 +185,51 @@ def test_reduce_lr_on_plateau_is_refused_with_the_fix():
         halfprec.initialize(model, opt, lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
 
 
+class _DuckScheduler:
+    """What the engine needs of a scheduler: step() and the state-dict pair, as HF's schedulers have."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.steps = optimizer, 0
+
+    def step(self):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+def test_a_duck_typed_scheduler_is_stepped():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = halfprec.initialize(model, opt, lr_scheduler=_DuckScheduler(opt), precision="bf16")
+    engine.backward(engine(torch.randn(2, 3)).float().sum())
+    engine.step()
+    assert engine.lr_scheduler.steps == 1
+
+
 @pytest.mark.parametrize(
     "kwargs,error,regex",
     [
+        (
+            {"lr_scheduler": "cosine"},
+            ValueError,
+            r"^lr_scheduler must be a scheduler object with a step\(\) method, got str 'cosine'; pass one built on "
+            r"the optimizer you pass, e\.g\. torch\.optim\.lr_scheduler\.CosineAnnealingLR\(optimizer, "
+            r"T_max=total_steps\) \(a function of the step: LambdaLR\(optimizer, fn\)\)$",
+        ),
+        (
+            {"lr_scheduler": torch.optim.lr_scheduler.CosineAnnealingLR},
+            ValueError,
+            r"got the class CosineAnnealingLR; pass one built on the optimizer",
+        ),
+        (
+            {"lr_scheduler": lambda step: 0.5},
+            ValueError,
+            r"got function <function .*LambdaLR\(optimizer, fn\)",
+        ),
         (
             {"gradient_accumulation": 4},
             TypeError,
@@ -135,7 +239,51 @@ def test_reduce_lr_on_plateau_is_refused_with_the_fix():
         ({"config": {"precision": "fp16"}}, TypeError, "config must be a halfprec.config.Config, got dict"),
     ],
 )
-def test_initialize_names_bad_config_arguments(kwargs, error, regex):
+def test_initialize_names_bad_arguments(kwargs, error, regex):
     model = torch.nn.Linear(3, 2)
     with pytest.raises(error, match=regex):
         halfprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+# (method, directory: a str is made relative to tmp_path, where "file" is a regular file; error, message)
+CHECKPOINT_DIRECTORY_ERRORS = [
+    (
+        "save_checkpoint",
+        "file",
+        ValueError,
+        r"^save_checkpoint\('.*/file'\): .*/file is a file, not a directory; pass a directory \(it holds one "
+        r"subdirectory per tag\), or move the file away$",
+    ),
+    (
+        "save_checkpoint",
+        "file/sub",
+        ValueError,
+        r"^save_checkpoint\('.*/file/sub'\): .*/file is a file, not a",
+    ),
+    (
+        "save_checkpoint",
+        None,
+        ValueError,
+        r"^save_checkpoint\(directory=None\): pass the directory to save into, a str or Path such as 'checkpoints'$",
+    ),
+    (
+        "load_checkpoint",
+        None,
+        ValueError,
+        r"^load_checkpoint\(directory=None\): pass the directory that save_checkpoint\(\) wrote to, or one of "
+        r"its tag directories$",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "directory", "error", "regex"),
+    CHECKPOINT_DIRECTORY_ERRORS,
+    ids=["save-file", "save-under-file", "save-None", "load-None"],
+)
+def test_checkpoint_directory_that_cannot_be_one_is_refused(tmp_path, method, directory, error, regex):
+    (tmp_path / "file").write_text("mine")
+    engine = build("bf16")
+    with pytest.raises(error, match=regex):
+        getattr(engine, method)(None if directory is None else str(tmp_path / directory))
+    assert [p.name for p in tmp_path.iterdir()] == ["file"] and (tmp_path / "file").read_text() == "mine"

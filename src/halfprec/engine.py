@@ -183,6 +183,16 @@ def _check_inputs(model: torch.nn.Module, optimizer: Any, lr_scheduler: Any) -> 
             f"{tuple(foreign[0].shape)}); was it already wrapped by MixedPrecisionOptimizer? Pass a fresh torch "
             "optimizer built over model.parameters()"
         )
+    # duck-typed: HF's and other libraries' schedulers need only a step() the engine can call
+    a_class = isinstance(lr_scheduler, type)
+    if lr_scheduler is not None and (a_class or not callable(getattr(lr_scheduler, "step", None))):
+        shown = f"{lr_scheduler!r:.60}"
+        given = f"the class {lr_scheduler.__name__}" if a_class else f"{type(lr_scheduler).__name__} {shown}"
+        raise ValueError(
+            f"lr_scheduler must be a scheduler object with a step() method, got {given}; pass one built on the "
+            "optimizer you pass, e.g. torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps) "
+            "(a function of the step: LambdaLR(optimizer, fn))"
+        )
     scheduled = getattr(lr_scheduler, "optimizer", None)
     if scheduled is not None and scheduled is not optimizer:
         raise ValueError(
@@ -255,11 +265,24 @@ class Engine:
         return self.config.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """True from the ``gradient_accumulation_steps``-th backward of an accumulation until ``step()`` takes
+        its optimizer step."""
         return (
             self.micro_step > self._stepped_micro and self.micro_step % self.gradient_accumulation_steps == 0
         )
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        n = self.gradient_accumulation_steps
+        pending = self.micro_step - self._stepped_micro
+        # past the boundary one step would apply more than n micro-batches, each divided by n: a multiple of the
+        # mean gradient, which trains on without any sign of it
+        if pending >= n:
+            raise RuntimeError(
+                f"engine.backward() number {pending + 1} since the last optimizer step, with "
+                f"gradient_accumulation_steps={n}: the accumulation of the last {n} was never stepped. Call "
+                "engine.step() after every engine.backward(), as in DeepSpeed's loop (it steps only at accumulation "
+                "boundaries), or raise gradient_accumulation_steps"
+            )
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         last = (self.micro_step + 1) % self.gradient_accumulation_steps == 0
@@ -316,10 +339,28 @@ class Engine:
     ) -> Path:
         """Save at an optimizer-step boundary into ``<directory>/<tag>`` (default ``step-<global_step>``); tags
         and what ``overwrite`` may replace: docs/checkpoints.md."""
-        if self.micro_step % self.gradient_accumulation_steps != 0 or self.micro_step != self._stepped_micro:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise ValueError(
+                f"save_checkpoint(directory={directory!r}): pass the directory to save into, a str or Path such as "
+                "'checkpoints'"
+            )
+        file = next((p for p in (Path(directory), *Path(directory).parents) if p.is_file()), None)
+        if file is not None:
+            raise ValueError(
+                f"save_checkpoint({os.fspath(directory)!r}): {file} is a file, not a directory; pass a directory "
+                "(it holds one subdirectory per tag), or move the file away"
+            )
+        n, k = self.gradient_accumulation_steps, self.micro_step % self.gradient_accumulation_steps
+        if k or self.micro_step != self._stepped_micro:
+            where = f"in the middle of a gradient accumulation, at micro-step {k} of {n}"
+            todo = f"run the {n - k} remaining micro-step(s) (engine.backward(), then engine.step())"
+            if not k:
+                where, todo = f"at micro-step {n} of {n}, before its optimizer step", "call engine.step()"
             raise RuntimeError(
-                f"save_checkpoint() in the middle of a gradient accumulation (micro_step {self.micro_step}, "
-                f"{self.gradient_accumulation_steps} per step): save right after engine.step()"
+                f"save_checkpoint() {where}: checkpoints are saved at optimizer-step boundaries, after the "
+                f"engine.step() that follows backward {n} of {n} (engine.is_gradient_accumulation_boundary() is "
+                f"True just before it; the engine.step() calls before it do nothing and return None); {todo}, then "
+                "save"
             )
         tag = f"step-{self.global_step}" if tag is None else ckpt.check_tag(tag)
         client_state = client_state or {}
@@ -424,6 +465,11 @@ class Engine:
         """Restore weights, masters, optimizer and scaler state, counters, scheduler and RNG; return client_state.
         A failed load changes nothing; ``load_optimizer_states=False`` loads the weights and refreshes the masters
         from them; what a resume keeps and drops: docs/checkpoints.md."""
+        if not isinstance(directory, (str, os.PathLike)):
+            raise ValueError(
+                f"load_checkpoint(directory={directory!r}): pass the directory that save_checkpoint() wrote to, "
+                "or one of its tag directories"
+            )
         root = ckpt.resolve(directory, tag).parent
         # a sharded engine's ranks load collectively (the lock would deadlock them); resolved again under the
         # lock: 'latest' or an interrupted replace may have moved on meanwhile
