@@ -352,8 +352,8 @@ def test_load_state_dict_names_first_mismatch():
         ValueError, match=r"param 0: .*dtype torch.float16 .*, this model .*dtype torch.bfloat16"
     ):
         bf.load_state_dict(mp.state_dict())
-    with pytest.raises(ValueError, match="not a MixedPrecisionOptimizer state dict"):
-        mp.load_state_dict(torch.optim.Adam(make_model(torch.float32).parameters()).state_dict())
+    with pytest.raises(ValueError, match="not a ExactMixedPrecisionOptimizer state dict: format 'other/1'"):
+        mp.load_state_dict({"format": "other/1", "state": {}, "param_groups": []})
 
 
 def test_refresh_masters_after_weights_only_load():
@@ -386,7 +386,11 @@ def test_optimizer_contract_and_hooks():
         mp.step()
     handle.remove()
     assert calls == ["outer-pre", "outer-post", "outer-pre", "inner-post", "outer-post"]
-    assert seen == ["MixedPrecisionOptimizer", "Adam", "MixedPrecisionOptimizer"]  # global hooks see both
+    assert seen == [
+        "ExactMixedPrecisionOptimizer",
+        "Adam",
+        "ExactMixedPrecisionOptimizer",
+    ]  # global hooks see both
 
 
 def test_closure_is_called_with_grad_enabled_and_returned():

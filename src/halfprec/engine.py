@@ -20,7 +20,7 @@ from ._checks import is_int
 from .config import Config, check_fields
 from .optim.base import MixedPrecisionOptimizer
 from .optim.checks import world_size
-from .optim.select import fused_from_torch, fused_unsupported_reason
+from .optim.select import build
 from .precision import DTYPES
 from .resume import keep_scaler_settings, scaler_kind_error
 
@@ -130,27 +130,9 @@ def initialize(
     if config.zero_stage == 0 and accum is not None and world_size() > 1:
         # ZeRO-0 with fp32 sums: the optimizer all-reduces them (optim/accumulate.py), not DDP
         options["process_group"] = torch.distributed.group.WORLD
-    if config.zero_stage in (1, 2):
-        from .optim.sharded import ShardedMixedPrecisionOptimizer  # noqa: PLC0415 - needs torch.distributed
-
-        mp = ShardedMixedPrecisionOptimizer(
-            optimizer,
-            named_parameters=model,
-            stage=config.zero_stage,
-            reduce_dtype=config.reduce_dtype,
-            masters=config.masters,
-            **options,
-        )
-    elif config.masters == "split":  # the fused path only (Config checked the rest)
-        reason = fused_unsupported_reason(optimizer, explicit=config.impl == "triton")
-        if reason is not None:
-            raise ValueError(
-                f"masters='split' runs on the fused path, which cannot take this optimizer: {reason}"
-            )
-        options.pop("impl")
-        mp = fused_from_torch(optimizer, masters="split", **options)
-    else:
-        mp = MixedPrecisionOptimizer(optimizer, **options)
+    if config.zero_stage:
+        options.update(named_parameters=model, reduce_dtype=config.reduce_dtype)
+    mp = build(optimizer, stage=config.zero_stage, masters=config.masters, **options)
     if dtype != torch.float32:
         _cast_rest(model, dtype, trained)
     return Engine(model, mp, config, lr_scheduler)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
@@ -151,3 +152,14 @@ class AtenOps(TorchDispatchMode):
         if counted:
             self.names[name] += 1
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def world_of_one(store):
+    """This process as rank 0 of a gloo world of size 1 (``store``: a file for the rendezvous): the sharded
+    strategy's whole protocol on one CPU process."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield torch.distributed.group.WORLD
+    finally:
+        torch.distributed.destroy_process_group()

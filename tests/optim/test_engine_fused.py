@@ -102,7 +102,7 @@ def test_fused_check_state_dict_names_the_first_mismatching_param():
         ValueError, match=r"at param 1: saved shape \[5\] dtype torch.float32, this model shape \[6\]"
     ):
         FusedAdamW(b).check_state_dict(saved)
-    with pytest.raises(ValueError, match=r"not a halfprec optimizer state dict"):
+    with pytest.raises(ValueError, match=r"not a FusedAdamW state dict: format None"):
         FusedAdamW(b).check_state_dict({"state": {}, "param_groups": []})
 
 

@@ -1,4 +1,4 @@
-"""select_impl policy and fused_from_torch."""
+"""The one factory: every option validated the same way before a strategy is chosen, on every machine."""
 
 from __future__ import annotations
 
@@ -8,60 +8,82 @@ import sys
 import pytest
 import torch
 
-from halfprec.optim import FusedAdagrad, FusedAdamW, FusedSGD
-from halfprec.optim.select import fused_from_torch, select_impl
+import halfprec
+from halfprec.distributed import ShardedMixedPrecisionOptimizer
+from halfprec.optim import ExactMixedPrecisionOptimizer, FusedAdagrad, FusedAdamW, FusedSGD, build
+from halfprec.optim.select import fused_from_torch
 
-from .helpers import DEVICE
-
-
-def _p(device="cpu"):
-    return [torch.nn.Parameter(torch.zeros(4, dtype=torch.float16, device=device))]
+from .helpers import DEVICE, world_of_one
 
 
-CPU_CASES = [  # (optimizer factory, impl, expected)
-    (lambda: torch.optim.AdamW(_p()), "torch", "torch"),
-    (lambda: torch.optim.AdamW(_p()), "auto", "torch"),  # params on CPU
-    (lambda: torch.optim.RMSprop(_p()), "auto", "torch"),
+def _p(dtype=torch.bfloat16, device="cpu"):
+    return [torch.nn.Parameter(torch.zeros(4, dtype=dtype, device=device))]
+
+
+# (options, error regex): refused before any strategy is chosen, so the same on a CPU and on a GPU
+BAD_OPTIONS = [
+    (dict(impl="cuda"), r"impl must be one of \('auto', 'torch', 'triton'\), got 'cuda'"),
+    (dict(stage=3), r"stage must be one of \(0, 1, 2\) \(the ZeRO stage\), got 3"),
+    (dict(stage=True), r"stage must be one of .*, got True"),
+    (dict(masters="bf16"), r"masters must be one of \('fp32', 'split'\), got 'bf16'"),
+    (dict(masters="split", impl="torch"), r"masters='split' is kept by the fused kernels, and impl='torch'"),
+    (dict(reduce_dtype="param"), r"reduce_dtype='param' applies to the sharded strategy .*stage is 0"),
+    (dict(bucket_size=64), r"bucket_size=64 applies to the sharded strategy"),
+    (dict(named_parameters=[]), r"named_parameters=\[\] applies to the sharded strategy"),
+    (dict(stage=1), r"stage=1 needs named_parameters=model"),
+    (dict(grad_accum_dtype=torch.float16), r"grad_accum_dtype must be None .* or torch.float32"),
+    (dict(max_grad_norm=-1.0), r"max_grad_norm"),
+    (
+        dict(loss_scaler=2.0),
+        r"loss_scaler must be a halfprec StaticLossScaler or DynamicLossScaler, got float",
+    ),
+    (dict(process_group="world"), r"process_group='world' but torch.distributed is not initialised"),
 ]
 
 
-@pytest.mark.parametrize(("factory", "impl", "expected"), CPU_CASES)
-def test_select_impl_cpu(factory, impl, expected):
-    assert select_impl(factory(), impl) == expected
+@pytest.mark.parametrize(("options", "match"), BAD_OPTIONS)
+@pytest.mark.parametrize("entry", [build, halfprec.MixedPrecisionOptimizer])
+def test_bad_options_are_refused_with_the_value_and_the_fix(entry, options, match):
+    params = _p()
+    with pytest.raises(ValueError, match=match):
+        entry(torch.optim.AdamW(params), **options)
+    assert params[0].dtype == torch.bfloat16 and params[0].grad is None  # nothing was cast or changed
 
 
-TRITON_ERRORS = [
-    (lambda: torch.optim.RMSprop(_p()), r"RMSprop has no fused kernel"),
-    (lambda: torch.optim.AdamW(_p(), amsgrad=True), r"amsgrad=True"),
-    (lambda: torch.optim.AdamW(_p()), r"CUDA params"),
-]
+def test_split_masters_off_cuda_is_a_value_error_that_names_why():
+    # the same script fails the same way on every machine without the fused kernels (no TypeError); impl='triton'
+    # would take the CPU params here, under the Triton interpreter these tests run in
+    with pytest.raises(ValueError, match=r"masters='split' runs on the fused kernels.*CUDA.*masters='fp32'"):
+        halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(_p()), masters="split")
 
 
-@pytest.mark.parametrize(("factory", "match"), TRITON_ERRORS)
-def test_select_impl_triton_cannot_be_honoured(factory, match, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as on a real machine: CPU params are refused
-    with pytest.raises(ValueError, match=r"impl='triton' cannot be honoured: .*" + match):
-        select_impl(factory(), "triton")
+def test_split_masters_refuse_fp16_params_before_anything_else():
+    with pytest.raises(ValueError, match=r"masters='split' keeps exact fp32 masters only for bf16 params"):
+        build(torch.optim.AdamW(_p(torch.float16)), masters="split", impl="torch")
 
 
-def test_select_impl_triton_takes_cpu_params_only_under_the_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert select_impl(torch.optim.AdamW(_p()), "triton") == "triton"
-    assert select_impl(torch.optim.AdamW(_p()), "auto") == "torch"  # auto never picks the interpreter
+def test_the_factory_picks_the_exact_strategy_off_cuda():
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(_p()), impl="auto", max_grad_norm=1.0)
+    assert type(mp) is ExactMixedPrecisionOptimizer and mp.max_grad_norm == 1.0
+    assert isinstance(mp, halfprec.MixedPrecisionOptimizer) and isinstance(mp, torch.optim.Optimizer)
 
 
-def test_select_impl_rejects_unknown():
-    with pytest.raises(ValueError, match=r"impl must be one of"):
-        select_impl(torch.optim.AdamW(_p()), "cuda")
+def test_the_factory_picks_the_sharded_strategy_for_stage_1_and_2(tmp_path):
+    with world_of_one(tmp_path / "store"):
+        for stage in (1, 2):
+            model = torch.nn.Linear(3, 2).bfloat16()
+            mp = halfprec.MixedPrecisionOptimizer(
+                torch.optim.AdamW(model.parameters()), stage=stage, named_parameters=model, impl="torch",
+                reduce_dtype="param", bucket_size=128,
+            )  # fmt: skip
+            assert type(mp) is ShardedMixedPrecisionOptimizer and mp.stage == stage
+            assert mp.reduce_dtype == "param" and mp.model_params() == list(model.parameters())
 
 
-@pytest.mark.gpu
-def test_select_impl_gpu_policy():
-    assert select_impl(torch.optim.AdamW(_p("cuda")), "auto") == "triton"
-    assert select_impl(torch.optim.AdamW(_p("cuda"), foreach=True), "auto") == "torch"
-    assert select_impl(torch.optim.AdamW(_p("cuda"), fused=True), "auto") == "torch"
-    assert select_impl(torch.optim.AdamW(_p("cuda"), fused=True), "triton") == "triton"
-    assert select_impl(torch.optim.SGD(_p("cuda"), lr=0.1), "auto") == "triton"
+def test_fused_kernels_under_the_interpreter_are_picked_by_impl_triton():
+    # TRITON_INTERPRET=1 lets impl='triton' take CPU params (the kernels' CPU tests); 'auto' never does off CUDA
+    ps = _p(torch.float16, DEVICE)
+    assert isinstance(build(torch.optim.AdamW(ps), impl="triton"), FusedAdamW)
 
 
 @pytest.mark.parametrize(
@@ -97,19 +119,12 @@ def test_importing_halfprec_optim_does_not_import_triton():
     assert out.stdout.strip() == "False"
 
 
-def test_mixed_precision_optimizer_factory_takes_the_torch_path_off_cuda():
-    import halfprec
-
-    opt = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(_p()), impl="auto", max_grad_norm=1.0)
-    assert isinstance(opt, halfprec.MixedPrecisionOptimizer) and opt.max_grad_norm == 1.0
-
-
 @pytest.mark.gpu
 def test_mixed_precision_optimizer_factory_takes_the_fused_path_on_cuda():
-    import halfprec
-
     opt = halfprec.MixedPrecisionOptimizer(
-        torch.optim.AdamW(_p("cuda"), lr=0.5), impl="auto", max_grad_norm=1.0
+        torch.optim.AdamW(_p(torch.float16, "cuda"), lr=0.5), impl="auto", max_grad_norm=1.0
     )
     assert isinstance(opt, FusedAdamW) and opt.param_groups[0]["lr"] == 0.5
     assert isinstance(opt, halfprec.MixedPrecisionOptimizer)  # every strategy is the public class
+    split = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(_p(torch.bfloat16, "cuda")), masters="split")
+    assert isinstance(split, FusedAdamW) and split.masters == "split"

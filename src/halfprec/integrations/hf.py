@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from ..optim.base import MixedPrecisionOptimizer
-from ..optim.select import fused_unsupported_reason
 from ..precision import LOW_PRECISION, check_low_precision
 from ..scaler import LossScaler
 from . import accelerate as _hp_accelerate
@@ -75,15 +74,6 @@ def _unwrap(optimizer: Any) -> MixedPrecisionOptimizer | None:
     while optimizer is not None and not isinstance(optimizer, MixedPrecisionOptimizer):
         optimizer = getattr(optimizer, "optimizer", None)
     return optimizer
-
-
-def _trainer_impl(optimizer: torch.optim.Optimizer, impl: str) -> str:
-    """``impl`` for an optimizer the Trainer built. Its default ``optim="adamw_torch_fused"`` sets ``fused=True``,
-    which ``impl="auto"`` reads as a request for torch's kernel; the Trainer chose that flag, not the user, and
-    halfprec's step replaces torch's, so "auto" takes the fused path on CUDA whatever the flag says."""
-    if impl == "auto" and fused_unsupported_reason(optimizer, explicit=False, tool_flags=True) is None:
-        return "triton"
-    return impl
 
 
 class HalfprecCallback(transformers.TrainerCallback):
@@ -185,7 +175,10 @@ class HalfprecTrainerMixin:
                 loss_scaler=self._halfprec_loss_scaler,
                 max_grad_norm=self._halfprec_max_grad_norm(None),
                 param_dtype=self.halfprec_dtype,
-                impl=_trainer_impl(optimizer, self.halfprec_impl) if built else self.halfprec_impl,
+                impl=self.halfprec_impl,
+                # the Trainer's default optim="adamw_torch_fused" sets fused=True, which asks for torch's kernel
+                # when a user sets it; the Trainer chose it, and halfprec's step replaces torch's anyway
+                tool_flags=built,
                 grad_accum_dtype=resolve_grad_accum_dtype(
                     self.halfprec_grad_accum_dtype,
                     optimizer,

@@ -175,7 +175,7 @@ class _Common:
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         mp = self._mp(optimizer)
-        if mp.impl != "torch":
+        if not mp.unscales_in_place:
             raise RuntimeError(
                 f"the {type(mp).__name__} (the fused path) never unscales its grads in place, so Lightning cannot "
                 "clip or read them through main_params (fabric.clip_gradients does): clip with "
@@ -236,7 +236,7 @@ class _HoldOnSkipScheduler(torch.optim.lr_scheduler.LRScheduler):
 
 
 def _check_value_clipping(mp: MixedPrecisionOptimizer) -> None:
-    if mp.impl != "torch":
+    if not mp.unscales_in_place:
         raise ValueError(
             f"gradient_clip_algorithm='value' clamps unscaled grads in place, which the {type(mp).__name__} (the "
             "fused path) never materialises: clip by norm (gradient_clip_algorithm='norm', done in the kernel), "
@@ -299,7 +299,7 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
             closure_result = closure()
             if closure_result is None and getattr(model, "automatic_optimization", False):
                 return closure_result  # training_step returned None: no backward ran, nothing to step
-            if mp.impl == "torch":
+            if mp.unscales_in_place:
                 mp.unscale_()  # on_before_optimizer_step sees the unscaled master grads (fused: unscaled_grads())
             self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then gradient clipping
             mp.step(**kwargs)

@@ -123,6 +123,10 @@ class GradAccumulator:
             )
         self.take(c, k, self.store.chunks[c].params[k])
 
+    def cleared(self) -> None:
+        """The optimizer's ``zero_grad`` cleared the master grads (to None or zero): the next grad adds to them."""
+        self.consumed = False
+
     def collect(self) -> list[torch.Tensor]:
         """At the step: take the model grads assigned by hand (no hook ran for them), end the accumulation (the
         next grad starts a new one) and return the master grads that hold a grad (still scaled)."""

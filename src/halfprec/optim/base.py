@@ -1,36 +1,35 @@
-"""MixedPrecisionOptimizer: the contract every halfprec optimizer keeps, and its default (exact) strategy.
+"""MixedPrecisionOptimizer: the contract every halfprec optimizer keeps. Abstract: it holds no algorithm.
 
-The fused and sharded strategies are subclasses (docs/architecture.md), not a dispatch inside one object as
-torch's ``foreach``/``fused`` flags are: they hold different buffers and take different constructor arguments.
+Calling ``MixedPrecisionOptimizer(optimizer, ...)`` runs the one factory, ``optim/select.build``, which validates
+every option and returns a strategy, a subclass of this class: exact (``exact.py``: the torch step on fp32
+masters), fused (``fused/``: Triton kernels over flat buffers) or sharded (``sharded/``: ZeRO-1/2). The factory
+registers itself here when ``halfprec.optim`` is imported, so the contract does not import its strategies.
+
+What the contract holds, for every strategy: the options, the default loss scaler, the ``param_dtype`` cast, loss
+scaling and the backward guards, the step's results and skip log, torch's hook registries, and the state-dict
+envelope (format, algorithm, scaler, counters) around one payload per strategy. A strategy implements the step
+(``_step``, ``unscale_``, ``zero_grad``), its params (``model_params``, ``master_params``, ``refresh_masters``)
+and its payload (``_payload``, ``_check_payload``, ``_load_payload``, ``_load_torch_state``).
 """
 
 from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .._checks import is_int
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
-from .accumulate import GradAccumulator, all_reduce_master_grads, check_process_group
-from .checks import (
-    check_dtypes,
-    check_grad_accum_dtype,
-    check_options,
-    check_params,
-    check_torch_optimizer,
-    check_unfrozen,
-    clear_grads,
-)
-from .layout import LOW_PRECISION, MasterStore
-from .results import GradMarks, ScaleGuard, SkipLog, StepState, warn_caller
-from .state import Target, move_state, restore_state_dtypes
+from .checks import check_options, check_torch_optimizer
+from .layout import LOW_PRECISION
+from .results import ScaleGuard, SkipLog, StepState, warn_caller
 
-__all__ = ["FORMAT", "MixedPrecisionOptimizer"]
+__all__ = ["FORMAT", "MixedPrecisionOptimizer", "check_wrappable", "register_factory"]
 
-FORMAT = "halfprec.MixedPrecisionOptimizer/1"
+FORMAT = "halfprec.MixedPrecisionOptimizer/1"  # the model-space state dict of the exact and fused strategies
 
 # torch's hook registries (``_optimizer_step_pre_hooks``, ...), which ``Optimizer.__init__`` would create
 _HOOK_REGISTRIES = tuple(
@@ -38,7 +37,6 @@ _HOOK_REGISTRIES = tuple(
     for kind in ("step", "state_dict", "load_state_dict")
     for when in ("pre", "post")
 )
-_OPTIONS = ("loss_scaler", "max_grad_norm", "skip_nonfinite", "param_dtype")
 
 
 class _Delegated:
@@ -60,23 +58,28 @@ class _Delegated:
             setattr(obj.optimizer, self.name, value)
 
 
-class _SelectImpl(type(torch.optim.Optimizer)):
-    """``MixedPrecisionOptimizer(optimizer, impl=...)`` returns the strategy ``select_impl`` picks for it (the
-    class itself for the exact path, a fused optimizer for the Triton one); a subclass builds itself."""
+class _Built(type(torch.optim.Optimizer)):
+    """Calling ``MixedPrecisionOptimizer`` itself builds a strategy through the registered factory; calling a
+    strategy class builds that class."""
+
+    factory: Callable[..., Any] | None = None
 
     def __call__(cls, *args: Any, **kwargs: Any):
-        if cls is MixedPrecisionOptimizer and kwargs.get("impl", "auto") != "torch" and args:
-            options = {k: v for k, v in kwargs.items() if k != "impl"}
-            _check_wrappable(args[0], {k: v for k, v in options.items() if k in _OPTIONS})
-            from .select import fused_from_torch, select_impl
-
-            if select_impl(args[0], kwargs.get("impl", "auto")) == "triton":
-                return fused_from_torch(args[0], **options)
+        if cls is MixedPrecisionOptimizer:
+            return _Built.factory(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
 
-class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
+def register_factory(factory: Callable[..., Any]) -> None:
+    """Make ``MixedPrecisionOptimizer(...)`` call ``factory`` (``optim/select.build``)."""
+    _Built.factory = factory
+
+
+class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
     """Give ``optimizer`` FP32 master weights for a model held in FP16/BF16.
+
+    ``MixedPrecisionOptimizer(optimizer, **options)`` returns the strategy that ``halfprec.optim.select.build``
+    picks for them (every option and its validation: that function's docstring). The common options:
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the model's params (16-bit, or fp32 with ``param_dtype``).
@@ -88,85 +91,53 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         param_dtype: ``torch.bfloat16`` or ``torch.float16`` to cast the optimizer's trainable params to that
             dtype in place (same ``Parameter`` objects), keeping their fp32 values as the masters;
             ``torch.float32`` casts nothing and says an all-fp32 model is meant (``None`` warns then).
-        impl: ``"torch"`` (this exact path), ``"triton"`` (the ``halfprec.optim.Fused*`` optimizer with the same
-            hyper-parameters, a subclass of this one; ValueError naming the fix when it cannot run) or ``"auto"``
-            (fused when it can run: the policy of ``halfprec.optim.select``).
-        grad_accum_dtype: ``None`` accumulates micro-batch grads in the params' 16-bit ``.grad``; ``torch.float32``
-            adds each 16-bit grad, as backward produces it, into its fp32 master grad and releases it
-            (``accumulate.py``: one fp32 rounding per micro-batch, no extra memory).
-        process_group: ``None``: no data parallelism (or DDP, with ``grad_accum_dtype=None``); a process group
-            with ``grad_accum_dtype=torch.float32``: ZeRO-0 instead of DDP (do not wrap the model): ``step()``
-            takes the mean of the ranks' fp32 sums (``accumulate.py``).
+        impl, stage, masters, grad_accum_dtype, process_group, named_parameters, reduce_dtype, bucket_size:
+            the strategy and its options (``select.build``).
+
+    Capabilities callers read instead of the strategy's type: ``unscales_in_place`` (``unscale_()`` leaves
+    unscaled fp32 grads in ``master_params()``' ``.grad`` for the caller to read or edit before ``step()``).
     """
 
     optimizer: torch.optim.Optimizer | None = None  # wrapped (exact, sharded); None: fused owns its groups
-    impl = "torch"  # the strategy: "torch" (exact, inner torch step) or "triton" (fused kernels)
-    grad_accum_dtype: torch.dtype | None = None  # None: 16-bit .grad; torch.float32: the master grads
-    _accumulator: GradAccumulator | None = None  # the fp32 accumulation's hooks (exact strategy)
-    process_group: Any = None  # ZeRO-0: all-reduce the fp32 grad sums over it at the step; None: no reduction
+    impl = (
+        "torch"  # the step's implementation: "torch" (a torch optimizer's step) or "triton" (fused kernels)
+    )
+    grad_accum_dtype: torch.dtype | None = None  # None: 16-bit .grad; torch.float32: fp32 sums
+    process_group: Any = None  # the data-parallel group the grads are reduced over; None: no reduction
+    unscales_in_place = True  # unscale_() fills the masters' fp32 .grad with unscaled values
     _FORMAT = FORMAT
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
         *,
-        loss_scaler: LossScaler | None = None,
-        max_grad_norm: float | None = None,
-        skip_nonfinite: bool = True,
-        param_dtype: torch.dtype | None = None,
-        impl: str = "auto",
-        grad_accum_dtype: torch.dtype | None = None,
-        process_group: Any = None,
+        loss_scaler: LossScaler | None,
+        max_grad_norm: float | None,
+        skip_nonfinite: bool,
+        param_dtype: torch.dtype | None,
+        wrapped: torch.optim.Optimizer | None = None,
     ) -> None:
-        _check_wrappable(optimizer, dict(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype,
-                                         skip_nonfinite=skip_nonfinite))  # fmt: skip
-        check_grad_accum_dtype(grad_accum_dtype, process_group=process_group)
-        check_process_group(process_group, grad_accum_dtype)
-        self.process_group = process_group
-        self._init_wrapping(optimizer)
-        self._init_options(
-            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype
+        """The contract's state. ``wrapped``: the torch optimizer whose groups this one keeps (exact, sharded);
+        None for a strategy that owns its groups (fused), which then runs ``torch.optim.Optimizer.__init__``."""
+        check_options(
+            loss_scaler=loss_scaler,
+            max_grad_norm=max_grad_norm,
+            param_dtype=param_dtype,
+            skip_nonfinite=skip_nonfinite,
         )
-        self._store = MasterStore()
-        self._own: list[torch.nn.Parameter] = []  # trainable params that are their own masters (fp32/fp64)
-        self._model_params: list[torch.nn.Parameter] = []  # what the caller's model holds, group order
-        self._trained: list[torch.nn.Parameter] = []  # those trainable when wrapped: a master or their own
-        self._trained_dtypes: list[torch.dtype] = []  # their dtypes when wrapped (after the param_dtype cast)
-        self._frozen: list[torch.nn.Parameter] = []  # those frozen when wrapped: no master, never trained
-        mapping = self._build_masters(optimizer.param_groups)
-        move_state(optimizer, {p: Target(m, 0, p.numel()) for p, m in mapping.items()})
-        for group in optimizer.param_groups:
-            group["params"] = [mapping.get(p, p) for p in group["params"]]
-
-        devices = {p.device for p in self._trained}
-        if len(devices) > 1:
-            raise ValueError(
-                f"trainable params span several devices {sorted(map(str, devices))}; halfprec keeps one loss "
-                "scale per optimizer: build one MixedPrecisionOptimizer per device"
-            )
-        device = devices.pop() if devices else torch.device("cpu")
-        self._init_scaler(loss_scaler, dtypes={p.dtype for p in self._trained}, device=device)
-        if grad_accum_dtype is not None:
-            self.grad_accum_dtype = grad_accum_dtype
-            self._accumulator = GradAccumulator(self._store, self._s)
-
-    # --- the contract: construction pieces every strategy uses -------------------------------------------
-    def _init_wrapping(self, optimizer: torch.optim.Optimizer) -> None:
-        """``Optimizer.__init__`` would make new groups: its hook registries and ``step`` patch are made here."""
-        self.optimizer = optimizer
-        for name in _HOOK_REGISTRIES:
-            setattr(self, name, OrderedDict())
-        self._patch_step_function()
-
-    def _init_options(
-        self, *, max_grad_norm: float | None, skip_nonfinite: bool, param_dtype: torch.dtype | None
-    ) -> None:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.skip_nonfinite = bool(skip_nonfinite)
         self.param_dtype = param_dtype
         self._s = StepState()
         self._skip_log = SkipLog()
         self._scale_guard = ScaleGuard()
+        self._model_params: list[torch.nn.Parameter] = []  # what the caller's model holds, group order
+        if (
+            wrapped is not None
+        ):  # Optimizer.__init__ would make new groups: its registries and step patch only
+            self.optimizer = wrapped
+            for name in _HOOK_REGISTRIES:
+                setattr(self, name, OrderedDict())
+            self._patch_step_function()
 
     def _init_scaler(self, loss_scaler: LossScaler | None, *, dtypes: set, device: torch.device) -> None:
         """The default scaler: dynamic when any trained param (of ``dtypes``) is fp16, else none."""
@@ -199,7 +170,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         """Whether a step checks its grads for non-finite values: always with fp16 (all grads are loss-scaled)."""
         return self._has_fp16 or self.skip_nonfinite
 
-    # --- the contract: where groups, state and defaults live ----------------------------------------------
+    # --- where groups, state and defaults live; the params ------------------------------------------------
     param_groups = _Delegated("param_groups")
     state = _Delegated("state")
     defaults = _Delegated("defaults")
@@ -208,19 +179,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         """The model's params in param-group order, frozen ones included (what state dicts index)."""
         return list(self._model_params)
 
-    def _backward_params(self) -> list[torch.nn.Parameter]:
-        """The params whose ``.grad`` a backward fills (the scale guard's view)."""
-        return self._model_params + self._accumulated()
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 tensors the update writes (masters, and fp32 params that are their own), in group order."""
+        raise NotImplementedError
 
-    def _grad_holders(self) -> list[torch.Tensor]:
-        """The tensors whose ``.grad`` a step consumes (``GradMarks`` of a step)."""
-        return self._trained + self._accumulated()
+    def refresh_masters(self) -> None:
+        """Copy the model's current weights into the masters (after an external weights-only load)."""
+        raise NotImplementedError
 
-    def _accumulated(self) -> list[torch.nn.Parameter]:
-        """The masters when fp32 accumulation's hooks move the 16-bit grads into theirs, else none."""
-        return [] if self._accumulator is None else self._store.master_params()
+    def _backward_params(self) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` a backward fills (the scale guard's view)."""
+        return self._model_params
 
-    # --- the contract: read-only results ----------------------------------------------------------------
+    # --- read-only results --------------------------------------------------------------------------------
     @property
     def step_was_skipped(self) -> bool:
         """True when the last ``step()`` skipped the update (non-finite grads)."""
@@ -268,7 +239,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                     where=where,
                 )
 
-    # --- the contract: loss scaling and the step ---------------------------------------------------------
+    # --- loss scaling and the step ------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` multiplied by the current loss scale (the same tensor when no scaling is configured)."""
         self._scale_guard.mark()
@@ -295,6 +266,16 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
         self._step()
         return loss
 
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def unscale_(self) -> None:
+        """Unscale this step's grads into the masters' fp32 ``.grad`` (``unscales_in_place``). Idempotent."""
+        raise NotImplementedError
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        raise NotImplementedError
+
     def _run_hooks(self, registry: str, state_dict: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Run one of torch's state-dict hook registries; hooks given a state dict may return a new one."""
         for hook in getattr(self, registry).values():
@@ -310,26 +291,61 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
-    # --- the contract: the state-dict envelope ------------------------------------------------------------
-    def _param_entries(self) -> list[dict[str, Any]]:
-        """Per model param, in group order: shape, model dtype and whether it has an fp32 master."""
-        masters = set(self._store.master_params())
-        params = self._index_params()
-        return [
-            {"shape": list(p.shape), "dtype": str(m.dtype), "master": p in masters}
-            for p, m in zip(params, self._model_params, strict=True)
-        ]
+    # --- the state-dict envelope --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``{"format", "algorithm", <the strategy's payload>, "scaler", "skipped_steps"}``."""
+        self._run_hooks("_optimizer_state_dict_pre_hooks")
+        out = {"format": self._FORMAT, "algorithm": self.algorithm(), **self._payload()}
+        out |= {"scaler": self.loss_scaler.state_dict(), "skipped_steps": self.skipped_steps}
+        return self._run_hooks("_optimizer_state_dict_post_hooks", out)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict()`` of this strategy's format, or a plain torch optimizer state dict (its state and
+        groups; the masters stay as they are: ``refresh_masters()`` takes them from the model's weights)."""
+        state_dict = self._run_hooks("_optimizer_load_state_dict_pre_hooks", state_dict)
+        if _is_torch_state_dict(state_dict):
+            self._load_torch_state(state_dict)
+        else:
+            self.check_state_dict(state_dict)
+            self._load_payload(state_dict)
+            self.loss_scaler.load_state_dict(state_dict["scaler"])
+            self._s.skipped_steps = int(state_dict["skipped_steps"])
+        self._s.unscaled = False
+        self._run_hooks("_optimizer_load_state_dict_post_hooks")
 
     def check_state_dict(self, state_dict: Any) -> None:
         """Raise ValueError unless ``state_dict`` is this optimizer's kind and of this model (changes nothing)."""
         if not isinstance(state_dict, dict) or state_dict.get("format") != self._FORMAT:
             found = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(
-                f"not a MixedPrecisionOptimizer state dict (format {found!r}); if it is not a halfprec optimizer "
-                "state dict but a plain torch one, it goes to mp.optimizer.load_state_dict(...) of a "
-                "MixedPrecisionOptimizer(..., impl='torch'), followed by mp.refresh_masters()"
+                f"not a {type(self).__name__} state dict: format {found!r}, expected {self._FORMAT!r} (a plain torch "
+                "optimizer state dict, with 'state' and 'param_groups', loads too)"
             )
-        self._check_compatible(state_dict["params"])
+        self._check_payload(state_dict)
+        self.check_algorithm(state_dict.get("algorithm"), state_dict["optimizer"]["param_groups"])
+        skipped_steps = state_dict.get("skipped_steps")
+        if not is_int(skipped_steps) or skipped_steps < 0:
+            raise ValueError(f"state dict's skipped_steps must be a non-negative int, got {skipped_steps!r}")
+        try:
+            copy.deepcopy(self.loss_scaler).load_state_dict(state_dict.get("scaler"))
+        except ValueError as e:
+            raise ValueError(f"state dict's loss-scaler state: {e}") from e
+
+    def _payload(self) -> dict[str, Any]:
+        """The strategy's part of ``state_dict()``: ``"optimizer"`` (torch format) and what else it keeps."""
+        raise NotImplementedError
+
+    def _load_payload(self, state_dict: dict[str, Any]) -> None:
+        """Put a checked state dict's payload in place (masters, optimizer state, groups)."""
+        raise NotImplementedError
+
+    def _load_torch_state(self, state_dict: dict[str, Any]) -> None:
+        """Load a plain torch optimizer state dict (groups and state; masters untouched)."""
+        raise NotImplementedError
+
+    def _check_payload(self, state_dict: dict[str, Any]) -> None:
+        """The model-space payload's checks (exact and fused): the params, groups and masters fit this model."""
+        self._check_compatible(state_dict.get("params"))
         saved_groups = [len(g["params"]) for g in state_dict["optimizer"]["param_groups"]]
         groups = [len(g["params"]) for g in self.param_groups]
         if saved_groups != groups:
@@ -337,12 +353,30 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 f"state dict has param groups of sizes {saved_groups}, this optimizer {groups}: build the "
                 "optimizer with the same param groups as the one that was saved"
             )
-        self.loss_scaler.check_state_dict(state_dict.get("scaler"))
-        self.check_algorithm(state_dict.get("algorithm"), state_dict["optimizer"]["param_groups"])
-        self._check_state_values(state_dict)
+        entries = self._param_entries()
+        want = [i for i, entry in enumerate(entries) if entry["master"]]
+        masters = state_dict.get("masters")
+        found = sorted(int(k) for k in masters) if isinstance(masters, dict) else type(masters).__name__
+        if found != want:
+            raise ValueError(
+                f"state dict holds masters of params {found}, this optimizer has masters of {want}"
+            )
+        for k, value in masters.items():
+            expected = entries[int(k)]["shape"]
+            if not (torch.is_tensor(value) and value.is_floating_point() and list(value.shape) == expected):
+                shape = list(value.shape) if torch.is_tensor(value) else type(value).__name__
+                raise ValueError(
+                    f"state dict's master of param {k} is {shape}, expected a floating tensor of shape {expected}"
+                )
 
-    def _check_compatible(self, saved: list[dict[str, Any]]) -> None:
+    def _param_entries(self) -> list[dict[str, Any]]:
+        """Per model param, in group order: shape, model dtype and whether it has an fp32 master."""
+        raise NotImplementedError
+
+    def _check_compatible(self, saved: Any) -> None:
         mine = self._param_entries()
+        if not isinstance(saved, list):
+            raise ValueError(f"state dict's params must be a list of entries, got {type(saved).__name__}")
         for i, (entry, here) in enumerate(zip(saved, mine, strict=False)):
             if entry != here:
                 raise ValueError(
@@ -358,165 +392,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 f"{extra['shape']} dtype {extra['dtype']}) is only in {where}"
             )
 
-    # --- construction --------------------------------------------------------------------------------
-    def _build_masters(self, groups: list[dict[str, Any]]) -> dict:
-        originals: dict[torch.Tensor, torch.Tensor] = {}
-        low: list[torch.nn.Parameter] = []
-        for group in groups:
-            for p in group["params"]:
-                self._model_params.append(p)
-                if not p.requires_grad:
-                    self._frozen.append(p)
-                    continue
-                self._trained.append(p)
-                self._cast_to_param_dtype(p, originals)
-                self._trained_dtypes.append(p.dtype)
-                if p.dtype in LOW_PRECISION:
-                    low.append(p)
-                else:
-                    self._own.append(p)
-        return self._store.add(low, originals)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        group = dict(param_group)
-        params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
-        check_params(params, known=set(self._model_params))
-        if group.get("differentiable", False):
-            raise ValueError(
-                "add_param_group got differentiable=True; halfprec's step runs under no_grad: leave it False"
-            )
-        if self.loss_scaler.is_unit and not self._has_fp16:
-            new_fp16 = [p for p in params if p.requires_grad and p.dtype == torch.float16]
-            if new_fp16:
-                raise ValueError(
-                    f"add_param_group adds fp16 params (first of shape {tuple(new_fp16[0].shape)}) to an optimizer "
-                    "built without loss scaling; pass loss_scaler=halfprec.DynamicLossScaler() when building it"
-                )
-        devices = {p.device for p in params if p.requires_grad} | {self.loss_scaler.device}
-        if len(devices) > 1:
-            raise ValueError(
-                f"add_param_group adds params on {sorted(map(str, devices))}; one MixedPrecisionOptimizer keeps "
-                "one device: build another optimizer for the other device"
-            )
-        mapping = self._build_masters([{"params": params}])
-        if self._accumulator is not None:
-            self._accumulator.hook_new_chunks()
-        group["params"] = [mapping.get(p, p) for p in params]
-        self.optimizer.add_param_group(group)
-        self._has_fp16 = self._has_fp16 or any(p.dtype == torch.float16 for p in self._trained)
-
-    def master_params(self) -> list[torch.Tensor]:
-        """The fp32 tensors the inner optimizer updates (masters, and fp32 params that are their own)."""
-        updated = set(self._own) | set(self._store.master_params())
-        return [p for g in self.param_groups for p in g["params"] if p in updated]
-
-    def refresh_masters(self) -> None:
-        """Copy the model's current weights into the masters (after an external weights-only load)."""
-        self._store.refresh_from_params()
-
-    # --- the exact strategy's step ---------------------------------------------------------------------
-    @torch.no_grad()
-    def unscale_(self) -> None:
-        """Fill the fp32 master grads from the model grads and divide by the loss scale. Idempotent."""
-        if self._s.unscaled:
-            return
-        check_unfrozen(self._frozen)
-        check_dtypes(self._trained, self._trained_dtypes)
-        self._store.check_devices()
-        stepped = self._s.stepped_grads
-        if stepped is not None and stepped.marks and stepped.same(self._grad_holders()):
-            raise RuntimeError(
-                "step() called again without a new backward(): these grads were already applied (and fp32 grads "
-                "unscaled in place); call zero_grad() and backward() before the next step()"
-            )
-        filled = self._store.copy_grads_in() if self._accumulator is None else self._accumulator.collect()
-        if self.process_group is not None:
-            filled = all_reduce_master_grads(self._store, self._own, self.process_group)
-        own = [p.grad for p in self._own if p.grad is not None]
-        if filled + own and not self.loss_scaler.is_unit:
-            torch._foreach_mul_(filled + own, self.loss_scaler.inv_scale())
-        # param-group order, as clip_grad_norm_(mp.master_params()) sums them: the norm's bits depend on it
-        self._s.grads = [m.grad for m in self.master_params() if m.grad is not None]
-        self._s.unscaled_grads = GradMarks(self._store.model_params())
-        self._s.unscaled = True
-
-    @torch.no_grad()
-    def _step(self) -> None:
-        if self._s.unscaled and not self._s.unscaled_grads.same(self._store.model_params()):
-            self._s.unscaled = False
-            raise RuntimeError(
-                "the model's gradients changed after unscale_() (another backward() or zero_grad() ran); "
-                "call unscale_() after the last backward() of the step, right before step()"
-            )
-        self.unscale_()
-        grads, self._s.unscaled = self._s.grads, False
-        check = self._checks_grads
-        norm = None
-        if grads and (check or self.max_grad_norm is not None):
-            norm = torch.nn.utils.get_total_norm(grads, 2.0, False, None)
-        device = self.loss_scaler.device
-        found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        if check and norm is not None:
-            found_inf = (~torch.isfinite(norm)).to(device=device, dtype=torch.float32)
-        values = self.loss_scaler.step_update(found_inf)
-        if norm is not None:
-            values = torch.cat([values, norm.to(device=device, dtype=torch.float32).reshape(1)])
-        values = values.tolist()  # the one host sync of the step
-        self._record_step(values, values[4] if norm is not None else None)
-        if not self._s.step_was_skipped:
-            if self.max_grad_norm is not None:
-                params = [m for m in self.master_params() if m.grad is not None]
-                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, None)
-            self.optimizer.step()
-            self._store.copy_params_out()
-        self._s.stepped_grads = GradMarks(self._grad_holders())  # after clipping, which bumps grad versions
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the grads of every param of the groups, frozen ones included (as torch does)."""
-        clear_grads(self._model_params, set_to_none)
-        self._store.clear_grads()
-        self._s.unscaled = False
-        self._s.stepped_grads = None
-
-    # --- checkpoint state ------------------------------------------------------------------------------
-    def _index_params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
-
-    def state_dict(self) -> dict[str, Any]:
-        self._run_hooks("_optimizer_state_dict_pre_hooks")
-        masters = set(self._store.master_params())
-        params = self._index_params()
-        out = {
-            "format": self._FORMAT,
-            "algorithm": self.algorithm(),
-            "optimizer": self.optimizer.state_dict(),
-            "masters": {i: p.detach() for i, p in enumerate(params) if p in masters},
-            "params": self._param_entries(),
-            "scaler": self.loss_scaler.state_dict(),
-            "skipped_steps": self._s.skipped_steps,
-        }
-        return self._run_hooks("_optimizer_state_dict_post_hooks", out)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = self._run_hooks("_optimizer_load_state_dict_pre_hooks", state_dict)
-        self.check_state_dict(state_dict)
-        inner = state_dict["optimizer"]
-        self.optimizer.load_state_dict(inner)
-        params = self._index_params()
-        restore_state_dtypes(self.optimizer, inner["state"], params)
-        with torch.no_grad():
-            for index, value in state_dict["masters"].items():
-                params[int(index)].copy_(value)
-        self._store.copy_params_out()
-        self.loss_scaler.load_state_dict(state_dict["scaler"])
-        self._s.skipped_steps = int(state_dict["skipped_steps"])
-        self._s.unscaled = False
-        self._run_hooks("_optimizer_load_state_dict_post_hooks")
-
-    def __repr__(self) -> str:
-        return f"MixedPrecisionOptimizer({self.optimizer!r}, loss_scaler={self.loss_scaler!r})"
-
-    # --- checkpoint checks: which optimizer a state belongs to -------------------------------------------
+    # --- which optimizer a state belongs to ---------------------------------------------------------------
     def algorithm(self) -> str:
         """The torch optimizer whose update this one runs (``"AdamW"``, ``"SGD"``; ``FusedAdamW`` runs
         ``"AdamW"``): what checkpoints record, so that a load refuses another optimizer's state."""
@@ -544,45 +420,29 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_SelectImpl):
                 "weights"
             )
 
-    def _check_state_values(self, state_dict: dict[str, Any]) -> None:
-        """Raise ValueError unless the values a load writes fit (a floating master of its param's shape for each
-        param that has one, the counters, the scaler state on a copy): a failed load changes nothing."""
-        entries = self._param_entries()
-        want = [i for i, entry in enumerate(entries) if entry["master"]]
-        masters = state_dict.get("masters")
-        found = sorted(int(k) for k in masters) if isinstance(masters, dict) else type(masters).__name__
-        if found != want:
-            raise ValueError(
-                f"state dict holds masters of params {found}, this optimizer has masters of {want}"
-            )
-        for k, value in masters.items():
-            expected = entries[int(k)]["shape"]
-            if not (torch.is_tensor(value) and value.is_floating_point() and list(value.shape) == expected):
-                shape = list(value.shape) if torch.is_tensor(value) else type(value).__name__
-                raise ValueError(
-                    f"state dict's master of param {k} is {shape}, expected a floating tensor of shape {expected}"
-                )
-        skipped_steps = state_dict.get("skipped_steps")
-        if not is_int(skipped_steps) or skipped_steps < 0:
-            raise ValueError(f"state dict's skipped_steps must be a non-negative int, got {skipped_steps!r}")
-        try:
-            copy.deepcopy(self.loss_scaler).load_state_dict(state_dict["scaler"])
-        except ValueError as e:
-            raise ValueError(f"state dict's loss-scaler state: {e}") from e
+
+def _is_torch_state_dict(state_dict: Any) -> bool:
+    """A plain ``torch.optim.Optimizer.state_dict()``: its two keys and no halfprec format."""
+    return (
+        isinstance(state_dict, dict)
+        and "format" not in state_dict
+        and {"state", "param_groups"} <= set(state_dict)
+    )
 
 
-def _describe(entry: dict[str, Any]) -> str:
-    role = " (trained, fp32 master)" if entry["master"] else ""
-    return f"shape {entry['shape']} dtype {entry['dtype']}{role}"
+def _describe(entry: Any) -> str:
+    if not isinstance(entry, dict):
+        return repr(entry)
+    role = " (trained, fp32 master)" if entry.get("master") else ""
+    return f"shape {entry.get('shape')} dtype {entry.get('dtype')}{role}"
 
 
-def _check_wrappable(optimizer: Any, options: dict[str, Any]) -> None:
+def check_wrappable(optimizer: Any) -> None:
     """What every strategy that wraps a torch optimizer refuses: a halfprec optimizer (wrapping one again would
-    scale its grads twice and hand its step fp32 masters of masters), a non-optimizer, LBFGS, bad options."""
+    scale its grads twice and hand its step fp32 masters of masters), a non-optimizer, LBFGS."""
     if isinstance(optimizer, MixedPrecisionOptimizer):
         raise ValueError(
             f"optimizer is already a MixedPrecisionOptimizer ({type(optimizer).__name__}); use it as it is, or "
             "wrap the plain torch optimizer once"
         )
     check_torch_optimizer(optimizer)
-    check_options(**options)

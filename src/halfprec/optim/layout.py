@@ -249,9 +249,15 @@ class MasterStore:
         else:
             m.grad.add_(grad)
 
-    def clear_grads(self) -> None:
+    @torch.no_grad()
+    def clear_grads(self, set_to_none: bool = True) -> None:
+        """What ``torch.optim.Optimizer.zero_grad`` does to the masters' grads: a zeroed grad is still a grad, so
+        its master is stepped (momentum and decay move it), as torch steps a param whose grad was zeroed."""
         for m in self.master_params():
-            m.grad = None
+            if set_to_none or m.grad is None:
+                m.grad = None
+            else:
+                m.grad.zero_()
 
     @torch.no_grad()
     def copy_params_out(self) -> None:

@@ -1,105 +1,127 @@
-"""The ``impl=`` policy of ``MixedPrecisionOptimizer``, the engine and the sharded optimizer.
+"""The one factory: ``build(optimizer, **options)`` validates every option, then picks the strategy.
 
-``impl="auto"`` takes the fused path when the wrapped optimizer is exactly torch
-``Adam``, ``AdamW``, ``SGD`` or ``Adagrad``, every trainable param is on CUDA, Triton imports, the inner
-``foreach``/``fused`` flags are left at None (an explicit flag asks for that torch implementation) and no flag the
-kernels lack (``amsgrad``, ``maximize``, ``capturable``, ``differentiable``) is on; else the torch path.
-``impl="triton"`` overrides an explicit ``foreach``/``fused`` and raises a ValueError naming the reason and the fix
-when the rest does not hold (under ``TRITON_INTERPRET=1`` it accepts CPU params, for the interpreter tests);
-``impl="torch"`` always takes the torch path.
+``MixedPrecisionOptimizer(...)``, ``halfprec.initialize`` and every integration call it, so an option means the
+same on every machine: it is honoured, or a ValueError says why this strategy cannot take it and how to get one
+that can. The choice, in order (``policy.py`` says when the fused kernels can run):
+
+* ``stage`` 1 or 2: the sharded strategy (ZeRO-1/2, ``sharded/``), whose local step ``impl`` picks;
+* ``masters="split"``: the fused strategy, which alone keeps split masters (ValueError when it cannot run);
+* else ``impl``: ``"torch"`` the exact strategy (``exact.py``); ``"triton"`` the fused one (ValueError when it
+  cannot run); ``"auto"`` the fused one when it can run, else the exact one.
 """
 
 from __future__ import annotations
 
-import os
+from typing import Any
 
 import torch
 
-__all__ = ["select_impl", "fused_from_torch", "fused_class", "fused_unsupported_reason", "unsupported_flag"]
+from ..scaler import LossScaler
+from .accumulate import check_process_group
+from .base import MixedPrecisionOptimizer, check_wrappable, register_factory
+from .checks import check_grad_accum_dtype, check_options
+from .exact import ExactMixedPrecisionOptimizer
+from .layout import check_masters
+from .policy import IMPLS, fused_class, fused_unsupported_reason, select_impl
 
-_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+__all__ = ["STAGES", "build", "fused_from_torch"]
 
-
-def unsupported_flag(groups: list[dict]) -> str | None:
-    """The first group flag the fused kernels lack, as a reason, or None."""
-    for i, group in enumerate(groups):
-        for flag in _UNSUPPORTED_FLAGS:
-            if group.get(flag, False):
-                return f"param group {i} has {flag}=True, which the fused kernels do not implement; use impl='torch'"
-    return None
-
-
-_IMPLS = ("auto", "torch", "triton")
+STAGES = (0, 1, 2)  # ZeRO stages: 0 unsharded, 1 masters and state sharded, 2 grads too
+_SHARDED_ONLY = ("named_parameters", "reduce_dtype", "bucket_size")
 
 
-def fused_class(optimizer: torch.optim.Optimizer):
-    from .fused import FusedAdagrad, FusedAdam, FusedAdamW, FusedSGD
+def build(
+    optimizer: torch.optim.Optimizer, *, loss_scaler: LossScaler | None = None, max_grad_norm: float | None = None,
+    skip_nonfinite: bool = True, param_dtype: torch.dtype | None = None, impl: str = "auto", stage: int = 0,
+    masters: str = "fp32", grad_accum_dtype: torch.dtype | None = None, process_group: Any = None,
+    named_parameters: Any = None, reduce_dtype: str | None = None, bucket_size: int | None = None,
+    tool_flags: bool = False,
+) -> MixedPrecisionOptimizer:  # fmt: skip
+    """The halfprec optimizer over ``optimizer`` for these options.
 
-    return {
-        torch.optim.AdamW: FusedAdamW,
-        torch.optim.Adam: FusedAdam,
-        torch.optim.SGD: FusedSGD,
-        torch.optim.Adagrad: FusedAdagrad,
-    }.get(type(optimizer))
-
-
-def fused_unsupported_reason(
-    optimizer: torch.optim.Optimizer, *, explicit: bool, tool_flags: bool = False
-) -> str | None:
-    """Why the fused path cannot take ``optimizer`` (None when it can). ``explicit``: impl='triton' was asked;
-    ``tool_flags``: a tool, not the user, set the groups' ``foreach``/``fused`` flags, which then select nothing."""
-    if fused_class(optimizer) is None:
-        return (
-            f"{type(optimizer).__name__} has no fused kernel (torch Adam, AdamW, SGD and Adagrad do); use "
-            "impl='torch'"
-        )
-    for i, group in enumerate(optimizer.param_groups):
-        for flag in ("foreach", "fused"):
-            if group.get(flag) is not None and not (explicit or tool_flags):
-                return f"param group {i} sets {flag}={group[flag]!r} explicitly, which selects a torch kernel"
-    flag = unsupported_flag(optimizer.param_groups)
-    if flag is not None:
-        return flag
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    off_cuda = sorted({str(p.device) for p in params if p.device.type != "cuda"})
-    interpreted = explicit and os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests of the kernels
-    if off_cuda and not interpreted:
-        return f"params on {off_cuda}; the fused kernels need CUDA params: move the model to CUDA or use impl='torch'"
-    odd = sorted(
-        {str(p.dtype) for p in params if p.dtype not in (torch.float16, torch.bfloat16, torch.float32)}
+    Args:
+        optimizer, loss_scaler, max_grad_norm, skip_nonfinite, param_dtype: ``MixedPrecisionOptimizer``'s.
+        impl: ``"auto"``, ``"torch"`` or ``"triton"`` (module docstring; at stages 1/2 the local step's).
+        stage: ZeRO stage, 0 (default), 1 (masters and optimizer state sharded over ``process_group``) or 2
+            (grads too).
+        masters: ``"fp32"`` or ``"split"`` (bf16 params only; the fused kernels: docs/split-masters.md).
+        grad_accum_dtype: ``None`` (micro-batch grads summed in the params' 16-bit ``.grad``) or
+            ``torch.float32`` (summed in fp32 as backward produces them).
+        process_group: stage 0: ``None``, or a group with ``grad_accum_dtype=torch.float32`` (ZeRO-0: the fp32
+            sums are all-reduced at the step; no DDP). Stages 1/2: the data-parallel group (None: the default).
+        named_parameters: stages 1/2: the model (or its ``named_parameters()``), whose names key checkpoints.
+        reduce_dtype: stages 1/2: ``"fp32"`` (default) or ``"param"``. bucket_size: stages 1/2, in elements.
+        tool_flags: the groups' ``foreach``/``fused`` flags were set by a tool (the HF Trainer's default
+            ``adamw_torch_fused``), not the user, so they do not ask for torch's kernels.
+    """
+    check_wrappable(optimizer)
+    check_options(
+        loss_scaler=loss_scaler,
+        max_grad_norm=max_grad_norm,
+        param_dtype=param_dtype,
+        skip_nonfinite=skip_nonfinite,
     )
-    if odd:
-        return f"params of dtype {odd}; the fused kernels train fp16, bf16 and fp32 params: use impl='torch'"
-    from ..kernels import triton_status
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES} (the ZeRO stage), got {stage!r}")
+    trained = [p.dtype for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    check_masters(masters, [param_dtype, *trained])
+    check_grad_accum_dtype(
+        grad_accum_dtype, strategy="sharded" if stage else "torch", process_group=process_group
+    )
+    options = dict(
+        loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
+        param_dtype=param_dtype, grad_accum_dtype=grad_accum_dtype, process_group=process_group,
+    )  # fmt: skip
+    sharded_only = dict(named_parameters=named_parameters, reduce_dtype=reduce_dtype, bucket_size=bucket_size)
+    if stage:
+        if named_parameters is None:
+            raise ValueError(
+                f"stage={stage} needs named_parameters=model (or model.named_parameters()): the names key its "
+                "checkpoints, which reshard across world sizes"
+            )
+        from .sharded import ShardedMixedPrecisionOptimizer  # noqa: PLC0415 - imports torch.distributed's parts
 
-    return triton_status()[1] or None  # the reason Triton cannot run here, "" when it can
+        given = {k: v for k, v in sharded_only.items() if v is not None}
+        return ShardedMixedPrecisionOptimizer(
+            optimizer, stage=stage, impl=impl, masters=masters, **given, **options
+        )
+    check_process_group(process_group, grad_accum_dtype)
+    for name, value in sharded_only.items():
+        if value is not None:
+            raise ValueError(
+                f"{name}={value!r} applies to the sharded strategy (stage 1 or 2), and stage is 0: pass stage=1 "
+                f"or 2, or leave {name} out"
+            )
+    if masters == "split":
+        if impl == "torch":
+            raise ValueError(
+                "masters='split' is kept by the fused kernels, and impl='torch' asks for the exact strategy: use "
+                "impl='auto' or 'triton' (CUDA params, Triton installed), or masters='fp32'"
+            )
+        reason = fused_unsupported_reason(optimizer, explicit=impl == "triton", tool_flags=tool_flags)
+        if reason is not None:
+            raise ValueError(
+                f"masters='split' runs on the fused kernels, which cannot take this optimizer ({reason}); "
+                "masters='fp32' runs on every strategy"
+            )
+        return fused_from_torch(optimizer, masters="split", **options)
+    if select_impl(optimizer, impl, tool_flags=tool_flags) == "triton":
+        return fused_from_torch(optimizer, **options)
+    return ExactMixedPrecisionOptimizer(optimizer, **options)
 
 
-def select_impl(optimizer: torch.optim.Optimizer, impl: str) -> str:
-    """``impl`` resolved to "torch" or "triton" for ``optimizer``."""
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    if impl == "torch":
-        return "torch"
-    reason = fused_unsupported_reason(optimizer, explicit=impl == "triton")
-    if reason is None:
-        return "triton"
-    if impl == "triton":
-        raise ValueError(f"impl='triton' cannot be honoured: {reason}")
-    return "torch"
-
+register_factory(build)
 
 _SKIP_KEYS = {"params", "foreach", "fused", "capturable", "differentiable"}
 
 
-def fused_from_torch(
-    optimizer: torch.optim.Optimizer, *, loss_scaler=None, max_grad_norm: float | None = None,
-    skip_nonfinite: bool = True, param_dtype: torch.dtype | None = None,
-    grad_accum_dtype: torch.dtype | None = None, masters: str = "fp32", process_group=None,
-):  # fmt: skip
+def fused_from_torch(optimizer: torch.optim.Optimizer, **options: Any) -> MixedPrecisionOptimizer:
     """The fused optimizer equivalent to ``optimizer``: it takes over the very param-group dicts (so an LR
     scheduler built on ``optimizer`` drives the kernel, and state dicts carry over) and moves the state (held
-    once); ``optimizer`` is never stepped, and its params become views of the fused optimizer's flat buffers."""
+    once); ``optimizer`` is never stepped, and its params become views of the fused optimizer's flat buffers.
+    ``options``: the fused optimizers' keyword options."""
     cls = fused_class(optimizer)
     if cls is None:
         raise ValueError(
@@ -110,10 +132,7 @@ def fused_from_torch(
         {k: v for k, v in g.items() if k not in _SKIP_KEYS} | {"params": list(g["params"])}
         for g in optimizer.param_groups
     ]
-    fused = cls(
-        groups, loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
-        param_dtype=param_dtype, grad_accum_dtype=grad_accum_dtype, masters=masters, process_group=process_group,
-    )  # fmt: skip
+    fused = cls(groups, **options)
     fused.param_groups = optimizer.param_groups
     if saved_state is not None:
         fused.load_state_dict(saved_state)

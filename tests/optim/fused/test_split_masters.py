@@ -320,7 +320,10 @@ def test_config_errors(fields, match):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU params: impl='auto' refuses the fused path")
 def test_initialize_names_why_the_fused_path_cannot_run():
-    with pytest.raises(ValueError, match=r"masters='split' runs on the fused path, which cannot take.*CUDA"):
+    with pytest.raises(
+        ValueError,
+        match=r"masters='split' runs on the fused kernels, which cannot take.*CUDA.*masters='fp32'",
+    ):
         build("bf16", masters="split")
 
 

@@ -32,7 +32,7 @@ from ...kernels.slots import PSCAL_WIDTH, HyperTable, Kind
 from ...scaler import LossScaler
 from ..accumulate import check_process_group
 from ..base import MixedPrecisionOptimizer
-from ..checks import check_dtypes, check_grad_accum_dtype, check_options, check_unfrozen, tell_schedulers
+from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, tell_schedulers
 from ..layout import Chunk, check_masters, chunk_params
 from ..state import adopt_views
 from .grads import GradViews, stream_capturing
@@ -66,6 +66,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     """
 
     impl = "triton"
+    unscales_in_place = False  # unscaling is folded into the update kernel (unscaled_grads() for reading)
 
     KIND: Kind
     STATE_NAMES: tuple[str, ...] = ()
@@ -95,10 +96,11 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 f"{type(self).__name__} needs Triton: {why}; or use the torch path "
                 "(halfprec.MixedPrecisionOptimizer over a torch optimizer)"
             )
-        options = dict(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype)
-        check_options(loss_scaler=loss_scaler, **options)
+        super().__init__(
+            loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
+            param_dtype=param_dtype,
+        )  # fmt: skip
         self._built = False
-        self._init_options(**options)
         self.grad_accum_dtype = grad_accum_dtype
         self.process_group = process_group
         torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})  # owns its groups
@@ -387,9 +389,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self._trainable)} params, loss_scaler={self.loss_scaler!r})"
 
-    # --- checkpoint state (see the module docstring) ------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        self._run_hooks("_optimizer_state_dict_pre_hooks")
+    # --- the state-dict payload (see the module docstring) ---------------------------------------------
+    def _payload(self) -> dict[str, Any]:
         self._reporter.drain(wait=True)
         steps = self._steps.cpu().tolist()
         if self._EAGER_STATE or any(steps):  # before the first update there is nothing to export
@@ -408,16 +409,11 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             saved = {key: v for key, v in group.items() if key != "params"}
             groups.append(saved | {"params": list(range(k, k + len(group["params"])))})
             k += len(group["params"])
-        out = {
-            "format": self._FORMAT,
-            "algorithm": self.algorithm(),
+        return {
             "optimizer": {"state": state, "param_groups": groups},
             "masters": masters,
             "params": self._param_entries(),
-            "scaler": self.loss_scaler.state_dict(),
-            "skipped_steps": self.skipped_steps,
         }
-        return self._run_hooks("_optimizer_state_dict_post_hooks", out)
 
     def _param_entries(self) -> list[dict[str, Any]]:
         held = {p for p in self._trainable if p.dtype != torch.float32}  # the params with an fp32 master
@@ -425,19 +421,16 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             {"shape": list(p.shape), "dtype": str(p.dtype), "master": p in held} for p in self._model_params
         ]
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the generic path's checkpoint format, or a plain torch optimizer state dict (masters are then
-        taken from the model's current weights)."""
-        state_dict = self._run_hooks("_optimizer_load_state_dict_pre_hooks", state_dict)
-        if not isinstance(state_dict, dict):
-            raise ValueError(f"expected a state dict, got {type(state_dict).__name__}")
-        if state_dict.get("format") == self._FORMAT:
-            self.check_state_dict(state_dict)
-            inner = state_dict["optimizer"]
-        elif "state" in state_dict and "param_groups" in state_dict:
-            inner, state_dict = state_dict, None
-        else:
-            raise ValueError(f"not a halfprec or torch optimizer state dict (keys {sorted(state_dict)[:6]})")
+    def _load_payload(self, state_dict: dict[str, Any]) -> None:
+        self._load_torch_state(state_dict["optimizer"])
+        with torch.no_grad():
+            for k, value in state_dict["masters"].items():
+                chunk, local = self._where[self._index[self._model_params[int(k)]]]
+                chunk.load_master(local, value)
+            for chunk in self._chunks:
+                chunk.round_params()
+
+    def _load_torch_state(self, inner: dict[str, Any]) -> None:
         saved_groups = inner["param_groups"]
         if [len(s["params"]) for s in saved_groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError(
@@ -461,12 +454,3 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 if i is not None and k in saved_state:
                     steps[i] = self._import_state(i, saved_state[k])
             self._steps.copy_(torch.tensor(steps or [0.0], dtype=torch.float32))
-            if state_dict is not None:
-                for k, value in state_dict["masters"].items():
-                    chunk, local = self._where[self._index[self._model_params[int(k)]]]
-                    chunk.load_master(local, value)
-                for chunk in self._chunks:
-                    chunk.round_params()
-                self.loss_scaler.load_state_dict(state_dict["scaler"])
-                self._scalars[3].fill_(float(state_dict["skipped_steps"]))
-        self._run_hooks("_optimizer_load_state_dict_post_hooks")

@@ -132,6 +132,10 @@ class DeviceResults:
     def skipped_steps(self) -> int:
         return int(self.scalars[3].item())
 
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.scalars[3].fill_(float(value))
+
     def snapshot(self) -> DeviceResults:
         """This step's results in a device copy (no host sync): read when first needed, after later steps."""
         kept = DeviceResults(self.scalars[:_WIDTH].clone(), self.reporter, live=False)

@@ -26,7 +26,7 @@ from ...kernels.settings import settings
 from ...kernels.slots import PSCAL_WIDTH, HyperTable
 from ..checks import tell_schedulers
 from ..layout import ALIGN, Layout
-from ..select import fused_class, unsupported_flag
+from ..policy import fused_class, unsupported_flag
 from ..state import adopt_views
 
 __all__ = ["FusedLocalStep"]

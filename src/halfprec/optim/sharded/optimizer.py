@@ -39,7 +39,7 @@ from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear_grads
 from ..layout import Layout, check_masters
-from ..select import select_impl
+from ..policy import select_impl
 from ..state import Target, move_state, restore_state_dtypes
 from .checks import check_optimizer, check_reduce_dtype, named_trainable
 from .fused_step import FusedLocalStep
@@ -109,13 +109,14 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             )
         self.stage = stage
         self.masters = masters
-        self._init_options(
-            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, param_dtype=param_dtype
-        )
+        super().__init__(
+            loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
+            param_dtype=param_dtype, wrapped=optimizer,
+        )  # fmt: skip
         self.reduce_dtype = reduce_dtype
         self.grad_accum_dtype = grad_accum_dtype
         self.process_group = process_group
-        self._init_wrapping(optimizer)
+        self._model_params = [p for g in optimizer.param_groups for p in g["params"]]
         # params of the groups left out for being frozen now: refused if unfrozen later, grads cleared
         self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
         names, params, group_of = named_trainable(optimizer, named_parameters)
