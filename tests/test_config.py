@@ -77,8 +77,8 @@ def test_invalid_configs_raise(kwargs, regex):
         Config(**kwargs)
 
 
-# Values the checks above pass by type but that the loss scaler could not use (issue 16 item 7): refused when the
-# Config is built, under the name the caller wrote, not at the first (skipped) step.
+# Values the checks above pass by type but that the loss scaler could not use: refused when the Config is built,
+# under the name the caller wrote, not at the first (skipped) step.
 UNUSABLE = [
     ({"initial_scale": 2.0**200}, ValueError, r"initial_scale=.* \(2\*\*200\) is inf in fp32.*2\.0\*\*127"),
     ({"init_scale": 2.0**128}, ValueError, r"init_scale=.* \(2\*\*128\) is inf in fp32"),

@@ -1,4 +1,4 @@
-"""Loads that apply completely or change nothing, and refuse another optimizer's state (issue 16 items 2, 3, 6, 8).
+"""Loads that apply completely or change nothing, and refuse another optimizer's state.
 
 Every failing load is checked the same way: snapshot every tensor and counter, make the load fail, compare.
 """
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import halfprec
-from halfprec import checkpoint as ckpt
+from halfprec.checkpoint.manifest import MANIFEST, CheckpointError, file_digest, manifest_digest
+from halfprec.checkpoint.read import load_pt
 
 from .engine_util import TiedLM, build, train
 
@@ -67,16 +68,18 @@ def engine_snapshot(engine) -> dict:
     )
 
 
-def _reseal(path, name: str, obj) -> None:
-    """Replace ``<path>/<name>.pt`` and re-seal the manifest, as someone editing it would."""
+def _reseal(path, name: str, obj, **recorded) -> None:
+    """Replace ``<path>/<name>.pt`` and re-seal the manifest with the counters ``recorded``, as someone editing
+    both would (a manifest whose counters differ from the files' is refused before any part is loaded)."""
     import json
 
     torch.save(obj, path / f"{name}.pt")
-    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest = json.loads((path / MANIFEST).read_text())
     file = path / f"{name}.pt"
-    manifest["files"][f"{name}.pt"] = {"size": file.stat().st_size, "sha256": ckpt._digest(file)}
-    manifest["manifest_sha256"] = ckpt._manifest_digest(manifest)
-    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    manifest["files"][f"{name}.pt"] = {"size": file.stat().st_size, "sha256": file_digest(file)}
+    manifest.update(recorded)
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
 
 
 # --- MixedPrecisionOptimizer.load_state_dict ---------------------------------------------------------------
@@ -158,34 +161,44 @@ def test_engine_load_of_another_optimizers_checkpoint_is_refused_naming_both(tmp
     assert_refused_unchanged(
         lambda: engine_snapshot(other),
         lambda: other.load_checkpoint(tmp_path),
-        ckpt.CheckpointError,
+        CheckpointError,
         "saved by AdamW, this optimizer is SGD",
     )
 
 
 @pytest.mark.parametrize(
-    ("name", "edit", "message"),
+    ("name", "edit", "recorded", "message"),
     [
-        ("optimizer", lambda s: s["scaler"].update(scale=3.0), "power of two"),
-        ("optimizer", lambda s: s.update(skipped_steps="2"), "skipped_steps must be a non-negative int"),
-        ("engine", lambda s: s.update(global_step=-3), "global_step must be a non-negative int"),
-        ("engine", lambda s: s.update(micro_step=1.5), "micro_step must be a non-negative int"),
+        ("optimizer", lambda s: s["scaler"].update(scale=3.0), {"loss_scale": 3.0}, "power of two"),
+        (
+            "optimizer",
+            lambda s: s.update(skipped_steps="2"),
+            {"skipped_steps": "2"},
+            "skipped_steps must be a",
+        ),
+        (
+            "engine",
+            lambda s: s.update(global_step=-3),
+            {"global_step": -3},
+            "global_step must be a non-negative",
+        ),
+        ("engine", lambda s: s.update(micro_step=1.5), {}, "micro_step must be a non-negative int"),
     ],
 )
-def test_engine_load_that_fails_in_a_later_part_changes_nothing(tmp_path, name, edit, message):
+def test_engine_load_that_fails_in_a_later_part_changes_nothing(tmp_path, name, edit, recorded, message):
     """The weights (read first) must not be loaded when the optimizer or counters part then fails."""
     engine = build("fp16")
     train(engine, 3)
     path = engine.save_checkpoint(tmp_path)
-    state = ckpt.load_pt(path, name)
+    state = load_pt(path, name)
     edit(state)
-    _reseal(path, name, state)
+    _reseal(path, name, state, **recorded)
     other = build("fp16", seed=5)
     train(other, 1)
     assert_refused_unchanged(
         lambda: engine_snapshot(other),
         lambda: other.load_checkpoint(tmp_path),
-        (ckpt.CheckpointError, ValueError),
+        (CheckpointError, ValueError),
         message,
     )
 
@@ -211,7 +224,7 @@ def test_load_in_the_middle_of_an_accumulation_equals_a_clean_resume(tmp_path, p
     assert_same_tree(engine_snapshot(clean), engine_snapshot(stale))
 
 
-# --- smaller silent accepts (item 8) --------------------------------------------------------------------------
+# --- inputs that would be accepted silently -------------------------------------------------------------------
 def test_a_scheduler_built_on_another_optimizer_is_refused():
     torch.manual_seed(0)
     model = TiedLM()

@@ -1,4 +1,4 @@
-"""DCP checkpoints carry the engine's SHA-256 manifest (issue 16 item 4): a flipped byte in any rank's ``.distcp``
+"""DCP checkpoints carry the engine's SHA-256 manifest: a flipped byte in any rank's ``.distcp``
 file or in ``.metadata``, a shard swap between ranks, a renamed or linked directory and a downgraded format are
 refused at load and at export, naming the file; checkpoints written before the manifest had digests still load,
 with a warning. The engine's format gets the same name and downgrade checks, and ``inspect`` shows counters read
@@ -112,17 +112,25 @@ def test_a_downgraded_format_is_refused(two_rank, capsys):
     _refused_everywhere(two_rank, capsys, "claims format 'halfprec-dcp/1' but carries")
 
 
-def test_a_resealed_checkpoint_loads_and_an_old_one_warns_once(two_rank, recwarn):
+def test_a_resealed_checkpoint_loads_and_an_old_one_warns_once(runs, two_rank, recwarn):
     seal(two_rank, "A0")  # what an editor would do: the digests cannot tell, the loader's checks must
     _load(two_rank)
+    saved = consolidate(runs.root / "A0")  # the checkpoint as the ranks sealed it
     (two_rank / ckpt.MANIFEST).write_text(json.dumps({"format": "halfprec-dcp/1", "format_version": 1}))
     with pytest.warns(RuntimeWarning, match="without a manifest of digests"):
         _load(two_rank)
     (two_rank / ckpt.MANIFEST).unlink()  # older still: no manifest at all
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per checkpoint and process
-        _load(two_rank)
-        assert sorted(consolidate(two_rank)) == sorted(consolidate(two_rank))
+        model, opt = _load(two_rank)
+        weights = consolidate(two_rank)
+    # read without digests, through the export path and the load path: the masters the ranks sealed
+    assert saved and sorted(weights) == sorted(saved)
+    assert all(torch.equal(weights[name], saved[name]) for name in saved)
+    names = {p: n for n, p in model.named_parameters()}
+    trained = [p for p in opt.model_params() if p.requires_grad]  # frozen params have no master
+    loaded = {names[p]: m for p, m in zip(trained, opt.master_params(), strict=True)}
+    assert all(torch.equal(loaded[name].reshape(saved[name].shape), saved[name]) for name in saved)
 
 
 # --- the engine's format: names, downgrades, counters ---------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Every fused algorithm on the sizes the fused-path issue names (1, 127, 4097, 2**16+3), fp16 and fp32 (the
+"""Every fused algorithm on sizes that end in a partial kernel block (1, 127, 4097, 2**16+3), fp16 and fp32 (the
 interpreter on CPU), against the exact torch path: a skipped (overflow) step, a param without a grad on one step,
 then more updates; masters and state within tolerance, counters, skips and scale exactly."""
 
@@ -25,7 +25,7 @@ ALGORITHMS = [
 @pytest.mark.parametrize(
     ("torch_cls", "fused_cls", "hp"), ALGORITHMS, ids=lambda v: getattr(v, "__name__", "")
 )
-def test_issue_sizes_with_a_skip_and_a_missing_grad(torch_cls, fused_cls, hp, dtype):
+def test_odd_sizes_with_a_skip_and_a_missing_grad(torch_cls, fused_cls, hp, dtype):
     scaler = lambda: halfprec.DynamicLossScaler(init_scale=2.0**8, hysteresis=1)  # noqa: E731
     ref, fused, a, b = pair(torch_cls, fused_cls, SIZES, dtype, hp, scaler=scaler, max_grad_norm=1.0)
     skipped = []
