@@ -9,6 +9,7 @@ runs in a fresh Python process with the environment torchrun would give it, for 
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import socket
@@ -34,6 +35,7 @@ NOT_RUN = {
         "bash",
     ],  # pip install + halfprec demo (tests/cli); pip install + pytest (this suite)
     "docs/distributed.md": ["bash"],  # torchrun examples/train_ddp.py (tests/distributed/test_example.py)
+    "docs/api.md": ["text"] * 6,  # signatures
 }
 
 
@@ -111,3 +113,99 @@ def test_readme_test_command_is_what_ci_runs():
     assert block[-1] == command
     assert f"pip install {torch_pin} --index-url https://download.pytorch.org/whl/cpu" in block
     assert f"pip install {package}" in block
+
+
+# --- the API reference: every public name, Config field, Engine member and constructor option is in it ---------
+API = ROOT / "docs" / "api.md"
+
+
+def _api_section(heading: str) -> str:
+    """The text of docs/api.md's ``## `` section whose heading contains ``heading``."""
+    sections = re.split(r"^## ", API.read_text(), flags=re.M)
+    found = [text for text in sections if heading in text.splitlines()[0]]
+    assert len(found) == 1, f"docs/api.md has no single '## ' section headed {heading!r}"
+    return found[0]
+
+
+def _named(text: str, name: str) -> bool:
+    """``name`` in a code span (``name``, ``module.name``, ``name(...)``) or as ``name=`` / ``name:`` in a signature."""
+    return re.search(rf"`(?:[\w.]+\.)?{re.escape(name)}\b|\b{re.escape(name)}(?:=|: )", text) is not None
+
+
+def _options(*functions) -> list[str]:
+    """The parameters a caller may pass by name: keyword-only ones and those with a default."""
+    names = []
+    for function in functions:
+        for p in inspect.signature(function).parameters.values():
+            keyword = p.kind is p.KEYWORD_ONLY or (
+                p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty
+            )
+            if keyword and p.name not in names:
+                names.append(p.name)
+    return names
+
+
+def _constructors(cls, stop) -> list:
+    """The ``__init__`` of ``cls`` and of its bases up to ``stop`` (the contract's, whose arguments the strategies
+    pass): the options a subclass passes on by ``**``."""
+    return [k.__init__ for k in cls.__mro__[: cls.__mro__.index(stop)] if "__init__" in vars(k)]
+
+
+def _missing(text: str, names) -> list[str]:
+    return [name for name in names if not _named(text, name)]
+
+
+def test_api_reference_names_every_public_name():
+    import halfprec
+    import halfprec.distributed
+    import halfprec.optim
+
+    text = API.read_text()
+    for module in (halfprec, halfprec.optim, halfprec.distributed):
+        missing = _missing(text, module.__all__)
+        assert not missing, f"docs/api.md lacks {missing} of {module.__name__}.__all__"
+
+
+def test_api_reference_has_every_config_field():
+    import dataclasses
+
+    from halfprec import Config
+
+    section = _api_section("`Config`")
+    missing = [
+        f.name for f in dataclasses.fields(Config) if not re.search(rf"^\| `{f.name}` \|", section, re.M)
+    ]
+    assert not missing, f"docs/api.md's Config table lacks the fields {missing}"
+
+
+def test_api_reference_has_every_engine_member():
+    import halfprec
+
+    model = torch.nn.Linear(2, 2)
+    engine = halfprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    members = [n for n in dir(halfprec.Engine) if not n.startswith("_")]
+    attributes = [n for n in vars(engine) if not n.startswith("_")]
+    missing = _missing(_api_section("`Engine`"), members + attributes)
+    assert not missing, f"docs/api.md's Engine section lacks {missing}"
+    missing = _missing(_api_section("`halfprec.initialize`"), _options(halfprec.initialize))
+    assert not missing, f"docs/api.md's initialize section lacks the options {missing}"
+
+
+def test_api_reference_has_every_constructor_option():
+    import halfprec
+    import halfprec.optim
+    from halfprec.distributed import ShardedMixedPrecisionOptimizer
+
+    mp = halfprec.MixedPrecisionOptimizer
+    exact = halfprec.optim.ExactMixedPrecisionOptimizer
+    fused = [getattr(halfprec.optim, name) for name in halfprec.optim.__all__ if name.startswith("Fused")]
+    sections = {
+        # MixedPrecisionOptimizer(...) is halfprec.optim.build(...): its options are the factory's
+        "`MixedPrecisionOptimizer`": _options(halfprec.optim.build, *_constructors(exact, mp)),
+        "`ShardedMixedPrecisionOptimizer`": _options(*_constructors(ShardedMixedPrecisionOptimizer, mp)),
+        "Loss scalers": _options(halfprec.DynamicLossScaler, halfprec.StaticLossScaler),
+        "Fused optimizers": _options(*(init for cls in fused for init in _constructors(cls, mp))),
+    }
+    for heading, options in sections.items():
+        missing = _missing(_api_section(heading), options)
+        assert not missing, f"docs/api.md's {heading} section lacks the options {missing}"
