@@ -187,6 +187,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
         """Copy the model's current weights into the masters (after an external weights-only load)."""
         raise NotImplementedError
 
+    def _index_params(self) -> list[torch.Tensor]:
+        """The tensors the groups hold, in order: what the torch-format ``"optimizer"`` state indexes."""
+        return [p for g in self.param_groups for p in g["params"]]
+
     def _backward_params(self) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` a backward fills (the scale guard's view)."""
         return self._model_params

@@ -211,9 +211,6 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._s.stepped_grads = None
 
     # --- the state-dict payload ----------------------------------------------------------------------
-    def _index_params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
-
     def _param_entries(self) -> list[dict[str, Any]]:
         masters = set(self._store.master_params())
         params = self._index_params()

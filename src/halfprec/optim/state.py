@@ -117,7 +117,10 @@ def move_state(optimizer: torch.optim.Optimizer, targets: dict) -> None:
 
 def restore_state_dtypes(optimizer: torch.optim.Optimizer, saved_state: dict, params: list) -> None:
     """Undo ``Optimizer.load_state_dict``'s cast of every state tensor to the param's dtype (non-tensors too:
-    torch's cast turns a string into a generator); ``params``: the optimizer's, in ``saved_state``'s index order."""
+    torch's cast turns a string into a generator), and copy every tensor the load left shared with ``saved_state``
+    (torch keeps a reference where no cast is needed: two optimizers loaded from one in-process state dict, or
+    the saver and the loader, would otherwise step one state). ``params``: the optimizer's, in ``saved_state``'s
+    index order."""
     for index, saved in saved_state.items():
         live = optimizer.state.get(params[index])
         if live is None:
@@ -129,10 +132,16 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, saved_state: dict, pa
             elif not torch.is_tensor(current):
                 continue
             elif not (value.is_floating_point() or value.is_complex()):  # counters and masks
-                if current.dtype != value.dtype or current.device != value.device:
+                if current.dtype != value.dtype or current.device != value.device or _shared(current, value):
                     live[key] = value.clone()
             elif current.dtype != value.dtype:
                 live[key] = value.to(device=current.device, copy=True)
+            elif _shared(current, value):
+                live[key] = current.clone()
+
+
+def _shared(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.device == b.device
 
 
 def adopt_views(state: dict, names: Iterable[str], view: Callable[[str], torch.Tensor]) -> None:

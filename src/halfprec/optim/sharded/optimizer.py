@@ -48,7 +48,7 @@ from .masters import ShardMasters
 
 __all__ = ["ShardedMixedPrecisionOptimizer", "DEFAULT_BUCKET_SIZE"]
 
-_FORMAT = "halfprec.ShardedMixedPrecisionOptimizer/1"  # the rank-local state dict (same world size only)
+FORMAT = "halfprec.ShardedMixedPrecisionOptimizer/1"  # the rank-local state dict (same world size only)
 DEFAULT_BUCKET_SIZE = 2**23  # elements (16 MiB of 16-bit grads); Megatron uses 40M, DDP 25 MiB
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -77,6 +77,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         masters: ``"fp32"``, or ``"split"``: bf16 params keep exact fp32 masters as the param plus its low 16
             bits (2 B/param per rank less at d = 1, 2/d at world size d); the fused local step only.
     """
+
+    _FORMAT = FORMAT
 
     def __init__(
         self,
@@ -274,6 +276,9 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             shard.div_(self.world_size)
         if not self.loss_scaler.is_unit and shard.dtype == torch.float32:
             shard.mul_(self.loss_scaler.inv_scale())
+        for i, piece_param in self._piece_params.items():  # what master_params() callers read (rank-local)
+            pc = self.layout.piece_of[i]
+            piece_param.grad = shard[pc.local : pc.local + pc.numel]
         self._s.unscaled = True
         self._reducer.frozen = True
 
@@ -318,8 +323,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             self._fused.step(shard, used_anywhere, coef)
         else:
             for i, piece_param in self._piece_params.items():
-                pc = self.layout.piece_of[i]
-                piece_param.grad = shard[pc.local : pc.local + pc.numel] if used_anywhere[i] > 0 else None
+                if used_anywhere[i] == 0:  # torch steps no param without a grad
+                    piece_param.grad = None
             if coef is not None:
                 shard.mul_(coef)
             self.optimizer.step()
@@ -363,43 +368,39 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             "bucket_numels": [b.numel for b in self.layout.buckets],
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def _payload(self) -> dict[str, Any]:
         """This rank's state: inner optimizer state over its pieces, its fp32 masters (split masters: joined, a
-        copy), scaler and counters."""
-        self._run_hooks("_optimizer_state_dict_pre_hooks")
+        copy) and the layout it was saved from."""
         masters = self._masters.join()
-        out = {
-            "format": _FORMAT,
-            "layout": self._fingerprint(),
-            "optimizer": self.optimizer.state_dict(),
-            "masters": masters.detach(),
-            "scaler": self.loss_scaler.state_dict(),
-            "skipped_steps": self._s.skipped_steps,
-        }
-        return self._run_hooks("_optimizer_state_dict_post_hooks", out)
+        return {"layout": self._fingerprint(), "optimizer": self.optimizer.state_dict(), "masters": masters.detach()}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _check_payload(self, state_dict: dict[str, Any]) -> None:
+        if (saved := state_dict.get("layout")) != self._fingerprint():
+            where = (
+                f"world size {saved.get('world_size')} rank {saved.get('rank')}" if isinstance(saved, dict) else saved
+            )
+            raise ValueError(
+                f"rank-local state dict saved at {where} does not match this layout (world size "
+                f"{self.world_size} rank {self.rank}); to change world size save and load with "
+                "halfprec.distributed.checkpoint"
+            )
+
+    def _load_payload(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict()`` of the same rank at the same world size and layout."""
-        state_dict = self._run_hooks("_optimizer_load_state_dict_pre_hooks", state_dict)
-        if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
-            raise ValueError(
-                "not a ShardedMixedPrecisionOptimizer state dict; checkpoints in model space (any world size) "
-                "load with halfprec.distributed.checkpoint.load(...)"
-            )
-        if (saved := state_dict["layout"]) != self._fingerprint():
-            raise ValueError(
-                f"rank-local state dict saved at world size {saved['world_size']} rank {saved['rank']} does not "
-                f"match this layout (world size {self.world_size} rank {self.rank}); to change world size save "
-                "and load with halfprec.distributed.checkpoint"
-            )
         inner = state_dict["optimizer"]
         self._masters.release()
         self.optimizer.load_state_dict(inner)
         restore_state_dtypes(self.optimizer, inner["state"], self._index_params())
         self._masters.load(state_dict["masters"])
-        self.restore_counters(state_dict["scaler"], state_dict["skipped_steps"])
-        self._s.unscaled = False
-        self._run_hooks("_optimizer_load_state_dict_post_hooks")
+        self._masters.restore()
+        self._publish()
+
+    def _load_torch_state(self, state_dict: dict[str, Any]) -> None:
+        raise ValueError(
+            "a plain torch optimizer state dict holds whole params, and this optimizer holds pieces of them on "
+            "each rank: load model-space checkpoints with halfprec.distributed.checkpoint.load(...), or this "
+            "optimizer's own state_dict() at the same world size"
+        )
 
     def restore_counters(self, scaler_state: dict[str, Any], skipped_steps: int) -> None:
         """After a model-space checkpoint load put masters, state and groups in place: the scaler and counters,

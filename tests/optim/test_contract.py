@@ -1,0 +1,232 @@
+"""The contract every strategy keeps, one test per member, run on every strategy: exact, fused (the Triton
+interpreter on CPU, fp16: the interpreter's bf16 arithmetic is wrong) and sharded at stages 1 and 2 (a one-rank
+gloo world). Where strategies differ by design (the layout fixed at construction, a rank-local state dict), the
+table ``DIFFERS`` says how, and the test checks that difference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import halfprec
+from halfprec.distributed import ShardedMixedPrecisionOptimizer
+from halfprec.optim import ExactMixedPrecisionOptimizer, FusedAdamW
+
+from .helpers import DEVICE, world_of_one
+
+STRATEGIES = {
+    "exact": (dict(impl="torch"), ExactMixedPrecisionOptimizer),
+    "fused": (dict(impl="triton"), FusedAdamW),
+    "stage1": (dict(impl="torch", stage=1), ShardedMixedPrecisionOptimizer),
+    "stage2": (dict(impl="torch", stage=2), ShardedMixedPrecisionOptimizer),
+}
+# what differs by design: adding groups after construction, and which state dicts load (model-space or rank-local)
+DIFFERS = {
+    "add_param_group": {"exact": None, "fused": RuntimeError, "stage1": RuntimeError, "stage2": RuntimeError},
+    "torch_state_dict": {"exact": None, "fused": None, "stage1": ValueError, "stage2": ValueError},
+    # stage 1's model grads are views of its flat 16-bit buffer: zero_grad() zeroes them instead of dropping them
+    # (no allocation per step); a param stepped or not is still decided by the grads of the last backward
+    "grads_after_zero_grad": {"exact": None, "fused": None, "stage1": 0.0, "stage2": None},
+}
+
+
+@pytest.fixture(params=list(STRATEGIES))
+def strategy(request, tmp_path):
+    sharded = request.param.startswith("stage")
+    if sharded:
+        with world_of_one(tmp_path / "store"):
+            yield request.param
+    else:
+        yield request.param
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    return model.to(device=DEVICE, dtype=torch.float16)
+
+
+def _build(strategy, model, **extra):
+    options, cls = STRATEGIES[strategy]
+    if "stage" in options:
+        extra["named_parameters"] = model
+    scaler = halfprec.DynamicLossScaler(init_scale=256.0, hysteresis=1)  # fp16 grads of a tiny model: no overflow
+    mp = halfprec.MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), loss_scaler=scaler, **options, **extra
+    )
+    assert type(mp) is cls and isinstance(mp, halfprec.MixedPrecisionOptimizer)
+    return mp
+
+
+def _train(model, mp, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4, 5, generator=g).to(device=DEVICE, dtype=torch.float16)
+        mp.backward(model(x).float().pow(2).mean())
+        mp.step()
+        mp.zero_grad()
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_construction_is_inert_and_state_is_lazy(strategy):
+    model = _model()
+    before = _weights(model)
+    mp = _build(strategy, model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert len(mp.state) == 0 and mp.state_dict()["optimizer"]["state"] == {}
+    _train(model, mp, 1)
+    assert len(mp.state_dict()["optimizer"]["state"]) > 0 and mp.skipped_steps == 0
+
+
+def test_model_params_and_master_params(strategy):
+    model = _model()
+    mp = _build(strategy, model)
+    assert mp.model_params() == list(model.parameters())
+    masters = mp.master_params()
+    assert all(m.dtype == torch.float32 for m in masters)
+    flat = torch.cat([m.detach().reshape(-1) for m in masters]).sort().values
+    want = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).sort().values
+    assert torch.equal(flat, want)  # every element's master, once (pieces or whole tensors)
+
+
+def test_zero_grad_both_ways(strategy):
+    model = _model()
+    mp = _build(strategy, model)
+    x = torch.randn(2, 5).to(device=DEVICE, dtype=torch.float16)
+    mp.backward(model(x).float().sum())
+    mp.zero_grad(set_to_none=False)
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    mp.backward(model(x).float().sum())
+    mp.zero_grad()
+    if DIFFERS["grads_after_zero_grad"][strategy] is None:
+        assert all(p.grad is None for p in model.parameters())
+    else:
+        assert all(not p.grad.any() for p in model.parameters())
+
+
+def test_refresh_masters_takes_the_models_weights(strategy):
+    model = _model()
+    mp = _build(strategy, model)
+    other = _model(seed=3)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters(), strict=True):
+            p.copy_(q)
+    mp.refresh_masters()
+    flat = torch.cat([m.detach().reshape(-1) for m in mp.master_params()]).sort().values
+    want = torch.cat([p.detach().float().reshape(-1) for p in other.parameters()]).sort().values
+    assert torch.equal(flat, want)
+
+
+def test_a_skipped_step_changes_nothing_but_the_scaler_and_the_count(strategy):
+    model = _model()
+    mp = _build(strategy, model)
+    _train(model, mp, 1)
+    before, state = _weights(model), mp.state_dict()["optimizer"]["state"]
+    scale = mp.loss_scale
+    x = torch.randn(2, 5).to(device=DEVICE, dtype=torch.float16)
+    mp.backward(model(x).float().sum() * float("inf"))
+    mp.step()
+    assert mp.step_was_skipped and mp.skipped_steps == 1 and mp.loss_scale == scale / 2
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    after = mp.state_dict()["optimizer"]["state"]
+    assert after.keys() == state.keys()
+    for k in state:
+        for name, value in state[k].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(after[k][name])), (k, name)
+
+
+def test_unscale_is_honoured_or_refused_by_its_capability_flag(strategy):
+    model = _model()
+    mp = _build(strategy, model)
+    x = torch.randn(2, 5).to(device=DEVICE, dtype=torch.float16)
+    mp.backward(model(x).float().sum())
+    if not mp.unscales_in_place:
+        with pytest.raises(RuntimeError, match="never unscaled in place"):
+            mp.unscale_()
+        return
+    mp.unscale_()
+    mp.unscale_()  # idempotent
+    grads = [m.grad for m in mp.master_params() if m.grad is not None]
+    assert grads and all(g.dtype == torch.float32 for g in grads)
+    held = [p.grad for p in model.parameters() if p.grad is not None and p.grad.any()]
+    if held:  # stage 2 reduced and released the model's grads during backward
+        total = sum(g.double().sum() for g in grads)
+        want = sum(g.double().sum() for g in held) / mp.loss_scale
+        assert torch.allclose(total, want.to(total.device), rtol=1e-3)
+    mp.step()
+    assert not mp.step_was_skipped
+
+
+def test_state_dict_round_trip_resumes_bit_for_bit(strategy):
+    model, resumed = _model(), _model()
+    mp = _build(strategy, model)
+    _train(model, mp, 2)
+    saved = mp.state_dict()
+    with torch.no_grad():
+        for p, q in zip(resumed.parameters(), model.parameters(), strict=True):
+            p.copy_(q)
+    mp2 = _build(strategy, resumed)
+    mp2.load_state_dict(saved)
+    assert mp2.skipped_steps == mp.skipped_steps and mp2.loss_scale == mp.loss_scale
+    _train(model, mp, 2, seed=7)
+    _train(resumed, mp2, 2, seed=7)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(), strict=True))
+
+
+def test_a_state_dict_of_another_format_is_refused_and_changes_nothing(strategy):
+    model = _model()
+    mp = _build(strategy, model)
+    before = _weights(model)
+    with pytest.raises(ValueError, match=r"not a \w+ state dict: format 'other/1'"):
+        mp.load_state_dict({"format": "other/1", "optimizer": {"param_groups": []}})
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_the_exact_and_fused_strategies_load_each_others_state_dicts(tmp_path):
+    saved = {}
+    for name in ("exact", "fused"):
+        model = _model()
+        mp = _build(name, model)
+        _train(model, mp, 2)
+        saved[name] = (mp.state_dict(), _weights(model))
+    for src, dst in (("exact", "fused"), ("fused", "exact")):
+        model = _model()
+        mp = _build(dst, model)
+        mp.load_state_dict(saved[src][0])
+        assert all(torch.equal(a, b) for a, b in zip(saved[src][1], model.parameters(), strict=True))
+        assert mp.state_dict()["optimizer"]["state"].keys() == saved[src][0]["optimizer"]["state"].keys()
+
+
+def test_a_plain_torch_state_dict(strategy):
+    model = _model()
+    mp = _build(strategy, model)
+    torch_model = _model().float()
+    plain = torch.optim.AdamW(torch_model.parameters(), lr=0.25)
+    expected = DIFFERS["torch_state_dict"][strategy]
+    if expected is None:
+        mp.load_state_dict(plain.state_dict())
+        assert mp.param_groups[0]["lr"] == 0.25
+    else:
+        with pytest.raises(expected, match="plain torch optimizer state dict"):
+            mp.load_state_dict(plain.state_dict())
+        assert mp.param_groups[0]["lr"] == 1e-2
+
+
+def test_add_param_group(strategy):
+    model, extra = _model(), torch.nn.Linear(3, 2).to(device=DEVICE, dtype=torch.float16)
+    mp = _build(strategy, model)
+    expected = DIFFERS["add_param_group"][strategy]
+    if expected is not None:
+        with pytest.raises(expected, match="construction"):
+            mp.add_param_group({"params": list(extra.parameters()), "lr": 0.5})
+        return
+    mp.add_param_group({"params": list(extra.parameters()), "lr": 0.5})
+    assert mp.model_params()[-2:] == list(extra.parameters()) and mp.param_groups[-1]["lr"] == 0.5
+    x = torch.randn(2, 5).to(device=DEVICE, dtype=torch.float16)
+    before = extra.weight.detach().clone()
+    mp.backward(extra(model(x)).float().sum())
+    mp.step()
+    assert not torch.equal(before, extra.weight)
