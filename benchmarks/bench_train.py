@@ -268,7 +268,7 @@ def hf_run(
             **({"accelerator_config": {"non_blocking": True}, "dataloader_pin_memory": True,
                 "logging_nan_inf_filter": False} if nosync else {}),
         )  # fmt: skip
-        extra = {} if autocast else {"halfprec_dtype": dtype}
+        extra = {} if autocast else {"param_dtype": dtype}
         trainer = InOrder(
             model=model, args=targs, train_dataset=rows, callbacks=[Timer(), *callbacks], **extra
         )

@@ -185,7 +185,7 @@ def op_count(steps: int = 4) -> None:
             lr_scheduler_type="constant", save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
         )  # fmt: skip
         trainer = HalfprecTrainer(
-            model=model, args=args, train_dataset=rows, halfprec_dtype=torch.bfloat16, callbacks=[Count()],
+            model=model, args=args, train_dataset=rows, param_dtype=torch.bfloat16, callbacks=[Count()],
             impl="triton",
         )  # fmt: skip
         trainer.train()

@@ -61,7 +61,7 @@ def main() -> None:
         report_to="none",
         disable_tqdm=True,
     )
-    trainer = HalfprecTrainer(model=model, args=training_args, train_dataset=dataset, halfprec_dtype=dtype)
+    trainer = HalfprecTrainer(model=model, args=training_args, train_dataset=dataset, param_dtype=dtype)
     if args.stop_after is not None:
         trainer.add_callback(StopAfter(args.stop_after))
     trainer.train(resume_from_checkpoint=True if args.resume else None)

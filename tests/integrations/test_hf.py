@@ -130,7 +130,7 @@ def test_trainer_built_optimizer_matches_plain_loop(name, tmp_path):
     args = _args(tmp_path, 3, weight_decay=0.1)
     model = RegressionModel()
     trainer = HalfprecTrainer(
-        model=model, args=args, train_dataset=_dataset(batches), halfprec_dtype=dtype, grad_accum_dtype=None
+        model=model, args=args, train_dataset=_dataset(batches), param_dtype=dtype, grad_accum_dtype=None
     )  # 16-bit accumulation, as the plain loop
     trainer.train()
 
@@ -182,7 +182,7 @@ def test_default_accumulates_bf16_in_fp32_as_the_plain_loop_asked_for_it(tmp_pat
         args=_args(tmp_path, 3),
         train_dataset=_dataset(batches),
         optimizers=(inner, make_scheduler(inner)),
-        halfprec_dtype=dtype,
+        param_dtype=dtype,
         impl="torch",
     )
     trainer.train()
@@ -209,7 +209,7 @@ def test_grad_accum_dtype_default_follows_gradient_accumulation_steps(
         model=RegressionModel(),
         args=_args(tmp_path, 1, gradient_accumulation_steps=accum),
         train_dataset=_dataset(make_batches(2)),
-        halfprec_dtype=DTYPES[name],
+        param_dtype=DTYPES[name],
         **kwargs,
     )
     assert trainer.create_optimizer().grad_accum_dtype is expected
@@ -233,7 +233,7 @@ def test_fused_path_clips_in_the_kernel(name, device, impl, tmp_path):
         train_dataset=_dataset(batches),
         optimizers=(inner, make_scheduler(inner)),
         callbacks=[steps],
-        halfprec_dtype=dtype,
+        param_dtype=dtype,
         loss_scaler=make_scaler(dtype),
         impl=impl,
         grad_accum_dtype=None,  # 16-bit accumulation, as the plain loop
@@ -258,7 +258,7 @@ def test_trainer_built_optimizer_takes_the_fused_path_on_cuda(tmp_path):
             model=RegressionModel().to("cuda"),
             args=_args(tmp_path, 1, use_cpu=False),
             train_dataset=_dataset(make_batches(2)),
-            halfprec_dtype=torch.bfloat16,
+            param_dtype=torch.bfloat16,
             impl=impl,
         )
         trainer.train()
@@ -302,7 +302,7 @@ def test_trainer_frees_the_flat_grad_buffer_after_each_step(tmp_path):
         args=_args(tmp_path, 3, use_cpu=False, gradient_accumulation_steps=1),
         train_dataset=data,
         callbacks=[probe],
-        halfprec_dtype=torch.bfloat16,
+        param_dtype=torch.bfloat16,
     )
     trainer.train()
     assert trainer.halfprec_optimizer.impl == "triton"
@@ -321,7 +321,7 @@ def test_flop_count_equals_the_trainers_counting_the_params_once(tmp_path, monke
     model = LlamaForCausalLM(config)
     rows = [{"input_ids": torch.arange(8), "labels": torch.arange(8)}] * 4
     args = _args(tmp_path, 2, per_device_train_batch_size=2, gradient_accumulation_steps=1)
-    trainer = HalfprecTrainer(model=model, args=args, train_dataset=rows, halfprec_dtype=torch.bfloat16)
+    trainer = HalfprecTrainer(model=model, args=args, train_dataset=rows, param_dtype=torch.bfloat16)
     counted = []
     monkeypatch.setattr(
         model, "num_parameters", lambda **kw: counted.append(kw) or type(model).num_parameters(model, **kw)
@@ -364,13 +364,13 @@ def test_resume_from_checkpoint_bit_exact(name, tmp_path):
 def test_precision_flags_are_an_error(setting, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         HalfprecTrainer(
-            model=RegressionModel(), args=_args(tmp_path, 1, **setting), halfprec_dtype=torch.bfloat16
+            model=RegressionModel(), args=_args(tmp_path, 1, **setting), param_dtype=torch.bfloat16
         )
 
 
 def test_misconfiguration_errors(tmp_path):
     batches = make_batches(2)
-    with pytest.raises(ValueError, match=r"halfprec_dtype is None.*halfprec_dtype=torch\.bfloat16"):
+    with pytest.raises(ValueError, match=r"param_dtype is None.*param_dtype=torch\.bfloat16"):
         HalfprecTrainer(
             model=RegressionModel(), args=_args(tmp_path, 1), train_dataset=_dataset(batches)
         ).train()
@@ -381,8 +381,12 @@ def test_misconfiguration_errors(tmp_path):
     )
     with pytest.raises(ValueError, match=r"max_grad_norm=0\.5 but TrainingArguments has max_grad_norm=0\.05"):
         trainer.train()
-    with pytest.raises(ValueError, match=r"halfprec_dtype must be"):
-        HalfprecTrainer(model=RegressionModel(), args=_args(tmp_path, 1), halfprec_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"param_dtype must be"):
+        HalfprecTrainer(model=RegressionModel(), args=_args(tmp_path, 1), param_dtype=torch.float32)
+    with pytest.raises(
+        ValueError, match=r"halfprec_dtype=torch.bfloat16: the 16-bit dtype is spelled param_dtype="
+    ):
+        HalfprecTrainer(model=RegressionModel(), args=_args(tmp_path, 1), halfprec_dtype=torch.bfloat16)
 
 
 _CHILD = """

@@ -127,7 +127,7 @@ def test_matches_plain_loop(name):
         warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers).*")
         trainer, model = _fit(name, batches)
     mp = trainer.optimizers[0]
-    assert type(mp).__name__ == "MixedPrecisionOptimizer" and mp.loss_scaler is not None
+    assert type(mp).__name__ == "ExactMixedPrecisionOptimizer" and mp.loss_scaler is not None
     assert all(n > CLIP for n in ref.grad_norms)  # gradient_clip_val clipped every step
     assert [p.dtype for p in model.parameters()] == [dtype] * 4
     _check_same(model, trainer, ref_model, ref_mp, ref)

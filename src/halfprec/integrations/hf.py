@@ -55,7 +55,7 @@ def check_training_args(args: Any) -> None:
             raise ValueError(
                 f"TrainingArguments({name}=True) turns on autocast (and for fp16 a GradScaler) on top of halfprec, "
                 f"which owns the weight dtype and the loss scale: use TrainingArguments(fp16=False, bf16=False) "
-                f"and HalfprecTrainer(..., halfprec_dtype=torch.{'float16' if name == 'fp16' else 'bfloat16'})"
+                f"and HalfprecTrainer(..., param_dtype=torch.{'float16' if name == 'fp16' else 'bfloat16'})"
             )
     if getattr(args, "deepspeed", None):
         raise ValueError(
@@ -104,7 +104,7 @@ class HalfprecTrainerMixin:
     """Put in front of ``transformers.Trainer`` (or a subclass of it) to train with halfprec.
 
     Args (keyword-only, besides the Trainer's own):
-        halfprec_dtype: ``torch.bfloat16`` or ``torch.float16``: the dtype the fp32 model is cast to when the
+        param_dtype: ``torch.bfloat16`` or ``torch.float16``: the dtype the fp32 model is cast to when the
             optimizer is wrapped. ``None`` when the model is already 16-bit (masters then start from the 16-bit
             weights) or when a ``MixedPrecisionOptimizer`` is passed in ``optimizers=``.
         loss_scaler: a halfprec loss scaler; ``None`` = ``DynamicLossScaler()`` for fp16, no scaling for bf16.
@@ -119,15 +119,20 @@ class HalfprecTrainerMixin:
     def __init__(
         self,
         *args: Any,
-        halfprec_dtype: torch.dtype | None = None,
+        param_dtype: torch.dtype | None = None,
         loss_scaler: LossScaler | None = None,
         impl: str = "auto",
         grad_accum_dtype: torch.dtype | str | None = "auto",
         **kwargs: Any,
     ) -> None:
         # refused before the Trainer builds anything on these arguments
+        if "halfprec_dtype" in kwargs:
+            raise ValueError(
+                f"halfprec_dtype={kwargs['halfprec_dtype']!r}: the 16-bit dtype is spelled param_dtype= everywhere "
+                "in halfprec; pass HalfprecTrainer(..., param_dtype=...)"
+            )
         check_training_args(kwargs.get("args", args[1] if len(args) > 1 else None))
-        self.halfprec_dtype = check_low_precision(halfprec_dtype, "halfprec_dtype")
+        self.halfprec_param_dtype = check_low_precision(param_dtype, "param_dtype")
         check_strategy(impl, grad_accum_dtype)
         self.halfprec_impl = impl
         self.halfprec_grad_accum_dtype = grad_accum_dtype
@@ -165,16 +170,16 @@ class HalfprecTrainerMixin:
         mp = _unwrap(optimizer)
         if mp is None:
             low = {p.dtype for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-            if self.halfprec_dtype is None and not low & set(LOW_PRECISION):
+            if self.halfprec_param_dtype is None and not low & set(LOW_PRECISION):
                 raise ValueError(
-                    "the model's trainable params are fp32 and halfprec_dtype is None: pass "
-                    "HalfprecTrainer(..., halfprec_dtype=torch.bfloat16) (or torch.float16) so halfprec casts them"
+                    "the model's trainable params are fp32 and param_dtype is None: pass "
+                    "HalfprecTrainer(..., param_dtype=torch.bfloat16) (or torch.float16) so halfprec casts them"
                 )
             mp = MixedPrecisionOptimizer(
                 optimizer,
                 loss_scaler=self._halfprec_loss_scaler,
                 max_grad_norm=self._halfprec_max_grad_norm(None),
-                param_dtype=self.halfprec_dtype,
+                param_dtype=self.halfprec_param_dtype,
                 impl=self.halfprec_impl,
                 # the Trainer's default optim="adamw_torch_fused" sets fused=True, which asks for torch's kernel
                 # when a user sets it; the Trainer chose it, and halfprec's step replaces torch's anyway
@@ -182,7 +187,7 @@ class HalfprecTrainerMixin:
                 grad_accum_dtype=resolve_grad_accum_dtype(
                     self.halfprec_grad_accum_dtype,
                     optimizer,
-                    self.halfprec_dtype,
+                    self.halfprec_param_dtype,
                     self.args.gradient_accumulation_steps,
                 ),
             )
