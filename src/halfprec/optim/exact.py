@@ -17,6 +17,7 @@ from ..scaler import LossScaler
 from .accumulate import GradAccumulator, all_reduce_master_grads, check_process_group
 from .base import MixedPrecisionOptimizer, check_wrappable
 from .checks import check_dtypes, check_grad_accum_dtype, check_params, check_unfrozen, clear_grads
+from .clip import clip_coefficient
 from .layout import LOW_PRECISION, MasterStore
 from .results import GradMarks
 from .state import Target, move_state, restore_state_dtypes
@@ -195,8 +196,8 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._record_step(values, values[4] if norm is not None else None)
         if not self._s.step_was_skipped:
             if self.max_grad_norm is not None:
-                params = [m for m in self.master_params() if m.grad is not None]
-                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm, None)
+                grads = [m.grad for m in self.master_params() if m.grad is not None]
+                torch._foreach_mul_(grads, clip_coefficient(self.max_grad_norm, norm).to(grads[0].device))
             self.optimizer.step()
             self._store.copy_params_out()
         self._s.stepped_grads = GradMarks(self._grad_holders())  # after clipping, which bumps grad versions

@@ -14,7 +14,11 @@ A step (every rank takes the same decisions, made from all-reduced values):
    the fused step, stays scaled: its norm and the kernel's coefficient take the reciprocal instead).
 2. One all-reduce (SUM, fp64) of ``[||local grad shard||^2, used flags of every param]``: the global L2 norm
    (non-finite iff some grad on some rank is) and which params got a grad on any rank.
-3. The scaler updates on the device; one host sync reads the overflow flag and the used flags.
+   The same all-reduce sums the buckets' ``dirty`` flags: a grad that reached a rank after its bucket's
+   reduction (a hook that ran again late in the backward; a grad assigned to ``.grad``, zeroed or set to None by
+   hand after backward, which ``step()`` collects first, ``grads.py``) makes every rank reduce that bucket again
+   and all-reduce the norm again. When no rank has one, nothing more runs.
+3. One host sync reads the norm, the flags and the scale; the scaler updates on the device.
 4. Overflow: skip (only the scaler and ``skipped_steps`` change). Otherwise clip the shard by the global norm,
    give pieces of params that got no grad anywhere ``grad=None`` (torch leaves them and their counters alone),
    run the inner step and round the masters into this rank's shard of the flat params (with ``impl="triton"``:
@@ -29,6 +33,7 @@ or not.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -37,6 +42,7 @@ import torch.distributed as dist
 
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
+from ..clip import clip_coefficient
 from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear_grads
 from ..layout import Layout, check_masters
 from ..policy import select_impl
@@ -142,6 +148,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._reducer = GradReducer(
             self._params, self.layout, stage=stage, reduce_dtype=reduce_dtype, group=process_group,
             accumulate=grad_accum_dtype is not None, shard_dtype=self.dtype if sixteen else torch.float32,
+            names=self._names,
         )  # fmt: skip
 
     def _backward_params(self) -> list[torch.nn.Parameter]:
@@ -271,20 +278,29 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 "step() called again without a new backward(): these grads were already applied (and fp32 grads "
                 "unscaled in place); call zero_grad() and backward() before the next step()"
             )
-        shard = self._reducer.finish()
-        if self.reduce_dtype == "fp32" and self.world_size > 1:
-            shard.div_(self.world_size)
-        if not self.loss_scaler.is_unit and shard.dtype == torch.float32:
-            shard.mul_(self.loss_scaler.inv_scale())
+        shard = self._finish_reduction(self._reducer.finish())
         for i, piece_param in self._piece_params.items():  # what master_params() callers read (rank-local)
             pc = self.layout.piece_of[i]
             piece_param.grad = shard[pc.local : pc.local + pc.numel]
         self._s.unscaled = True
         self._reducer.frozen = True
 
+    def _finish_reduction(self, reduced: torch.Tensor) -> torch.Tensor:
+        """Sums of the ranks' grads -> their mean, unscaled (in place; a 16-bit shard stays scaled)."""
+        if self.reduce_dtype == "fp32" and self.world_size > 1:
+            reduced.div_(self.world_size)
+        if not self.loss_scaler.is_unit and reduced.dtype == torch.float32:
+            reduced.mul_(self.loss_scaler.inv_scale())
+        return reduced
+
+    def _norm_squared(self, shard: torch.Tensor, inv: torch.Tensor | None) -> torch.Tensor:
+        local = torch.linalg.vector_norm(shard, dtype=torch.float32)
+        return (local if inv is None else local * inv.to(local.device)).double().square().reshape(1)
+
     @torch.no_grad()
     def _step(self) -> None:
         self._masters.release()
+        self._reducer.collect()
         self.unscale_()
         self._s.unscaled = False
         self._reducer.frozen = False
@@ -294,27 +310,41 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         inv = (
             None if shard.dtype == torch.float32 or self.loss_scaler.is_unit else self.loss_scaler.inv_scale()
         )
-        local = torch.linalg.vector_norm(shard, dtype=torch.float32)
-        local = (local if inv is None else local * inv.to(local.device)).double().square().reshape(1)
-        used = torch.tensor(self._reducer.used, dtype=torch.float64, device=self.device)
-        stats = torch.cat([local, used])
+        flags = torch.tensor(
+            self._reducer.used + self._reducer.dirty, dtype=torch.float64, device=self.device
+        )
+        stats = torch.cat([self._norm_squared(shard, inv), flags])
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.process_group)
         norm = stats[0].sqrt().float()
-        found_inf = torch.zeros((), dtype=torch.float32, device=self.loss_scaler.device)
+        scaler = self.loss_scaler
+        # read before the scaler's update: a bucket reduced again below changes the norm
+        before = torch.stack([scaler.scale, scaler.at_min_scale().float()]).double().to(self.device)
+        values = torch.cat([norm.double().reshape(1), before, stats[1:]]).tolist()  # the one host sync
+        n = len(self._params)
+        redo = [b for b, d in enumerate(values[3 + n :]) if d > 0]
+        if redo:
+            self._reducer.reduce_again(redo, self._finish_reduction)
+            local = self._norm_squared(shard, inv)
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.process_group)
+            norm = local[0].sqrt().float()
+            values[0] = norm.item()
+        found_inf = torch.zeros((), dtype=torch.float32, device=scaler.device)
         if self._checks_grads:
             found_inf = (~torch.isfinite(norm)).to(device=found_inf.device, dtype=torch.float32)
-        head = self.loss_scaler.step_update(found_inf).double().to(self.device)
-        values = torch.cat([head, norm.double().reshape(1), stats[1:]]).tolist()  # the one host sync
-        self._record_step(values[:4], values[4], where=" on some rank", log=self.rank == 0)
+        scaler.update(found_inf)
+        skipped = self._checks_grads and not math.isfinite(values[0])
+        after = scaler.loss_scale if skipped else values[1]  # read for the skip's log line only
+        self._record_step(
+            [skipped, values[2], values[1], after], values[0], where=" on some rank", log=self.rank == 0
+        )
         # the shard is unscaled (and clipped) in place: it cannot be applied again nor added to
         self._reducer.mark_applied()
         if self._s.step_was_skipped:
             return
-        used_anywhere = values[5:]
+        used_anywhere = values[3 : 3 + n]
         coef = None
         if self.max_grad_norm is not None:
-            # the same arithmetic as torch.nn.utils.clip_grads_with_norm_
-            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(shard.device)
+            coef = clip_coefficient(self.max_grad_norm, norm).to(shard.device)
         if inv is not None:
             inv = inv.to(shard.device)
             coef = inv if coef is None else inv * coef
@@ -372,12 +402,18 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """This rank's state: inner optimizer state over its pieces, its fp32 masters (split masters: joined, a
         copy) and the layout it was saved from."""
         masters = self._masters.join()
-        return {"layout": self._fingerprint(), "optimizer": self.optimizer.state_dict(), "masters": masters.detach()}
+        return {
+            "layout": self._fingerprint(),
+            "optimizer": self.optimizer.state_dict(),
+            "masters": masters.detach(),
+        }
 
     def _check_payload(self, state_dict: dict[str, Any]) -> None:
         if (saved := state_dict.get("layout")) != self._fingerprint():
             where = (
-                f"world size {saved.get('world_size')} rank {saved.get('rank')}" if isinstance(saved, dict) else saved
+                f"world size {saved.get('world_size')} rank {saved.get('rank')}"
+                if isinstance(saved, dict)
+                else saved
             )
             raise ValueError(
                 f"rank-local state dict saved at {where} does not match this layout (world size "
