@@ -1,4 +1,4 @@
-"""The precision effect of fp32 gradient accumulation on a real run (issue 19), on a CUDA device.
+"""The precision effect of fp32 gradient accumulation on a real run, on a CUDA device.
 
 The demo's byte-level GPT (8 layers, width 512, 25M params) trains on the standard library's text through
 ``halfprec.initialize`` with AdamW (lr 6e-4, weight decay 0.1, clipping 1.0) and 16 micro-batches per step, three

@@ -24,7 +24,7 @@ Systems:
   deepspeed  DeepSpeed ZeRO-0 with its FusedAdam (``gradient_clipping: 1.0``), when it is installed
   deepspeed-reset  the same, with the Adam state DeepSpeed's fp16 wrapper creates at construction (a step on zero
              grads) reset before training: a diagnostic of that construction step (fp16 only)
-  halfprec-noclip, deepspeed-noclip  without clipping: diagnostics of DeepSpeed fp16's loss (issue 17)
+  halfprec-noclip, deepspeed-noclip  without clipping: diagnostics of DeepSpeed fp16's loss
   deepspeed-scaled  DeepSpeed fp16 with the loss multiplied by its loss scale before ``engine.backward``: 0.19.8's
              ZeRO-0 ``engine.backward`` does not scale the loss (it scales only for ZeRO optimizers), while its
              ``FP16_Optimizer.step`` divides the grads by the scale (upstream PR deepspeedai/DeepSpeed#8393)
@@ -340,7 +340,7 @@ def periods(events: list[tuple]) -> list[float]:
 def launch_us(count: int = 2000, reps: int = 5) -> float:
     """The host's time to enqueue one tiny kernel (median of ``reps`` bursts of ``count``), in us: the resource
     that paces a step this short. The device's host speed differs between machines and drifts within a call
-    (RESULTS.md, eighth session), so each run reports it next to its step time."""
+    (RESULTS.md), so each run reports it next to its step time."""
     import time
 
     import torch

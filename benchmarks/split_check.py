@@ -1,4 +1,4 @@
-"""Split masters against fp32 masters on a real model (issue 18), on a CUDA device.
+"""Split masters against fp32 masters on a real model, on a CUDA device.
 
 The demo's byte-level GPT (8 layers, width 512, 25M params) trains on the standard library's text with
 ``FusedAdamW(lr 1e-3, weight decay 0.1)`` and bf16 params, two ways:

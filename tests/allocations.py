@@ -1,4 +1,4 @@
-"""Counting what a piece of code allocates, on any device (tests of design invariant 1: state only at the
+"""Counting what a piece of code allocates, on any device (tests that construction is inert: state only at the
 first update)."""
 
 from __future__ import annotations

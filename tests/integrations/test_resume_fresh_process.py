@@ -1,4 +1,4 @@
-"""Save at step N, resume in a fresh process, continue: equals the uninterrupted run bit for bit (issue 12).
+"""Save at step N, resume in a fresh process, continue: equals the uninterrupted run bit for bit.
 
 For Accelerate (``save_state``/``load_state``), Lightning (``.ckpt`` and ``fit(ckpt_path=...)``) and Fabric
 (``fabric.save``/``fabric.load``), in bf16 and fp16: this process trains ``FIRST`` steps through the tool and

@@ -82,7 +82,7 @@ def test_fused_optimizer_used_alone_trains():
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("torch_cls", [torch.optim.AdamW, torch.optim.Adagrad])
 def test_construction_allocates_only_the_masters(impl, torch_cls):
-    """Design invariant 1 on every strategy: wrapping allocates the fp32 masters (4 B/param) and, on the fused
+    """Construction is inert on every strategy: wrapping allocates the fp32 masters (4 B/param) and, on the fused
     path, the flat 16-bit param buffer the params become views of (2 B/param); optimizer state and grad
     buffers come into being at the first real update. The fused path used to allocate master, grad and state
     buffers at construction (16 B/param for AdamW; measured 16.0 MiB against 4.0 MiB on the H200 for 1M params)."""
@@ -93,7 +93,7 @@ def test_construction_allocates_only_the_masters(impl, torch_cls):
         mp = halfprec.MixedPrecisionOptimizer(inner, impl=impl)
     per_param = {"torch": 4, "triton": 4 + 2}[impl]  # masters; the fused flat 16-bit param buffer
     if torch_cls is torch.optim.Adagrad:
-        # its eager `sum`, re-created in fp32 on the masters (invariant 5); the exact path also makes a
+        # its eager `sum`, re-created in fp32 on the masters (the state-moving policy, optim/state.py); the exact path also makes a
         # transient 16-bit copy of it to tell the constructor's value from one the user set (this counts
         # allocations, not the peak)
         per_param += {"torch": 4 + 2, "triton": 4}[impl]
@@ -139,7 +139,7 @@ def test_a_state_dict_round_trip_before_the_first_update_allocates_no_state(impl
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_construction_peak_on_the_gpu(impl):
-    """The same on the device, as the issue measured it: 1,048,576 fp16 params, AdamW; the construction peak
+    """The same on the device: 1,048,576 fp16 params, AdamW; the construction peak
     above what the model already held is the masters (4 MiB), plus the fused flat 16-bit params (2 MiB): the
     fused path's peak was 16.0 MiB (master, grad and moment buffers made at construction)."""
     n = 1 << 20

@@ -1,7 +1,7 @@
 """What a step leaves behind (``halfprec.optim.results``): grad marks that tell a new backward from grads already
 consumed, the skip log's one line per skip and one warning at the minimum scale.
 
-Two silent mistakes (issue 21, item 5), warned once each on the user's line: in fp16 a plain ``loss.backward()``
+Two silent mistakes, warned once each on the user's line: in fp16 a plain ``loss.backward()``
 followed by ``step()`` trains on grads ``loss_scale`` times too small; wrapping an fp32 model without
 ``param_dtype`` quietly trains in fp32.
 """

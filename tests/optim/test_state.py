@@ -1,6 +1,6 @@
 """Moving a torch optimizer's state onto the masters (``halfprec.optim.state``): state the constructor created is
 re-created in fp32 (upcasting a 16-bit copy is not exact: 0.1 in fp16 is 0.0999755859375), state the user populated
-in the param's dtype is upcast, other tensors keep their dtype, non-tensors are kept (design.md, invariant 5)."""
+in the param's dtype is upcast, other tensors keep their dtype, non-tensors are kept (docs/guarantees.md)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 the fp32 sums ``accumulate.py`` kept) and divides them by the loss scale, exactly (scales are powers of two); the
 step computes the global norm, updates the scaler, and unless the step is skipped clips, runs the inner torch step
 on the masters and rounds them into the model (to nearest even). N steps equal N steps of the plain torch optimizer
-on fp32 copies, bit for bit, state included (design invariant 3).
+on fp32 copies, bit for bit, state included (docs/guarantees.md).
 """
 
 from __future__ import annotations

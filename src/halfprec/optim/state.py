@@ -1,6 +1,6 @@
 """Moving a wrapped optimizer's existing state onto the FP32 masters, or onto this rank's pieces of them, exactly.
 
-One policy for every strategy (design invariant 5):
+One policy for every strategy (docs/guarantees.md):
 
 * state that the optimizer's own constructor created (torch Adagrad's ``sum``) is re-created in fp32 by
   constructing the same class over the targets with the same groups and ``defaults`` and taking its fresh
