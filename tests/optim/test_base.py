@@ -1,8 +1,9 @@
 """The contract every halfprec optimizer keeps (``halfprec.optim.base``): one class family, whatever the strategy.
 
-The three holes the one-contract redesign closed, each pinned here: a fused optimizer wrapped again (its grads
-were scaled twice, every step skipped, the weights never moved), ``MixedPrecisionOptimizer(...)`` returning an
-object that is not a ``MixedPrecisionOptimizer``, and the fused strategy allocating its state at construction.
+Three failures pinned here: a fused optimizer wrapped again (its grads would be scaled twice, every step skipped,
+the weights never moved), ``MixedPrecisionOptimizer(...)`` returning an object that is not a
+``MixedPrecisionOptimizer``, and a strategy allocating its state at construction. The members every strategy
+shares are tested on every strategy in ``test_contract.py``.
 """
 
 from __future__ import annotations
