@@ -868,6 +868,13 @@ def scenario_engine_zero0(out: str) -> dict:
     return run(out)
 
 
+def scenario_grads(out: str, twice: list, edits: list) -> dict:
+    """A param's hook firing twice in one backward, and grads changed by hand before the step (``_grads.py``)."""
+    from _grads import scenario_grads as run
+
+    return run(out, twice, edits)
+
+
 def scenario_raised(out: str) -> dict:
     """A backward that raises part-way, caught, then training goes on, against its oracle (``_raised.py``)."""
     from _raised import scenario_raised as run

@@ -27,6 +27,22 @@ Shard dtype (``shard_dtype``): fp32, or with ``"param"`` for the fused local ste
 by the update kernel as it is (2 B/param less; stage 2 then adds micro-batches in 16 bits, as stage 1 does). At
 stage 1 and world size 1 a 16-bit shard is the whole grad buffer itself: nothing to reduce, no copy.
 
+A param's hook may run more than once in one backward: a layer applied twice under reentrant activation
+checkpointing runs one inner backward per application, each calling the hook. The calls' grads are added (stage
+2: in its staging buffer, in 16 bits, as autograd adds ``.grad``; fp32 accumulation: each in fp32), and a bucket
+is complete once each of its params has had as many calls as the most it has had in one backward so far (at least
+one). Until a param's second call has been seen, its bucket may be launched after its first, and a later call's
+grad is then late: whole grads keep it in the buffer, stage 2 in a late buffer that the bucket's next reduction
+(the next backward's) takes; either way the bucket is marked ``dirty``. The next backward waits for both calls.
+
+Grads changed by hand after backward are this rank's grads too: ``collect()``, at the step, compares ``.grad`` with
+the ``GradMarks`` taken when the reduction last read it and takes what changed (assigned, zeroed or edited in
+place, set to None), marking its bucket ``dirty``. The step all-reduces the ``dirty`` flags in the collective that
+sums the norm and the used flags, so only where some rank has one does every rank reduce that bucket again
+(``reduce_again``: whole grads replace the shard's part with the reduction of the whole buffer; stage 2 adds the
+reduction of the late buffers, zeros where a rank has none, rounding as stage 2 rounds micro-batches). A step
+where no grad changed costs one identity and version check per param.
+
 A backward that raises (caught by the user: an OOM retry loop) keeps the grads it produced, as in torch: the next
 backward adds to them and a step applies them; ``zero_grad()`` drops them. Autograd drops the callbacks of a
 backward that raised, so the reducer holds only a weak reference to its callback: dead before it ran, it tells the
@@ -45,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import Layout
-from ..results import weak_hook
+from ..results import GradMarks, weak_hook
 
 __all__ = ["GradReducer"]
 
@@ -57,9 +73,10 @@ _MAX_IN_FLIGHT = 2
 class GradReducer:
     def __init__(
         self, params: list[torch.nn.Parameter], layout: Layout, *, stage: int, reduce_dtype: str, group,
-        accumulate: bool = False, shard_dtype: torch.dtype = torch.float32,
+        accumulate: bool = False, shard_dtype: torch.dtype = torch.float32, names: list[str] | None = None,
     ) -> None:  # fmt: skip
         self.params = params
+        self.names = names or [f"param {i} of shape {tuple(p.shape)}" for i, p in enumerate(params)]
         self.layout = layout
         self.stage = stage
         self.group = group
@@ -84,18 +101,31 @@ class GradReducer:
         self.applied = False  # step() applied grad_shard and no grad came since: applying it again is refused
         self.consumed = False  # stage 2 or fp32: step() consumed grad_shard in place (until zero_grad)
         self._expected = [sum(1 for i in b.params if layout.numels[i] > 0) for b in layout.buckets]
+        # hook calls per param in one backward, learnt (at least 1): a bucket waits for that many of each param's
+        self._fires = [1] * len(params)
+        # per bucket: this rank's grads changed after the bucket's reduction (a late hook call, a grad set by hand)
+        self.dirty = [False] * len(layout.buckets)
+        # stage 2: those grads, 16-bit, until the bucket is reduced again
+        self._late: dict[int, torch.Tensor] = {}
         self._reset_pass()
+        self._mark()
         for i, p in enumerate(params):
             if layout.numels[i] > 0:
                 p.register_post_accumulate_grad_hook(weak_hook(self.on_grad, i))
 
     # --- per-backward bookkeeping ----------------------------------------------------------------------
     def _reset_pass(self) -> None:
-        self._ready = [0] * len(self.layout.buckets)
-        self._next = 0
+        self._ready = [0] * len(self.layout.buckets)  # params that got all their hook calls, per bucket
+        self._calls = [0] * len(self.params)
+        self._next = 0  # buckets below it are launched
         self._staging: dict[int, torch.Tensor] = {}
         self._pending: list = []
         self._callback: weakref.ref | None = None  # the end-of-backward callback this pass queued
+
+    def _mark(self) -> None:
+        """Remember the grads the shard now reflects (``collect`` tells a grad changed by hand from them)."""
+        self._marks = GradMarks(self.params)
+        self._version = None if self.flat_grad is None else self.flat_grad._version
 
     def _settle(self) -> None:
         """End the pass of a backward that raised after queueing its callback (autograd dropped it unrun)."""
@@ -142,6 +172,8 @@ class GradReducer:
         layout = self.layout
         b = layout.bucket_of[i]
         if self.accumulate:
+            if self._sync and b < self._next:
+                self._wait_for(b)  # the in-flight reduction reads this buffer
             self.grad_view(i).add_(param.grad)  # fp32 += 16-bit: the exact upcast, one fp32 rounding
             param.grad = None
         elif self.stage == 1:
@@ -150,26 +182,42 @@ class GradReducer:
                 # p.grad was None (or replaced): autograd made a fresh tensor holding this backward's grad
                 view.copy_(param.grad)
                 param.grad = view
-        else:
-            bucket = layout.buckets[b]
-            staging = self._staging.get(b)
-            if staging is None:
-                staging = self._staging[b] = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
-            off = layout.offsets[i] - bucket.start
-            staging[off : off + layout.numels[i]].copy_(param.grad.reshape(-1))
-            param.grad = None
         if self.whole_grads and not self._sync:
             return
+        self._calls[i] += 1
+        late = b < self._next  # a hook call after the bucket's reduction started: reduced again later
+        if self.stage == 2 and not self.accumulate:
+            self._stage(i, b, param.grad, late=late, first=self._calls[i] == 1)
+            param.grad = None
+        if late and not self._aliased:
+            self.dirty[b] = True
         if self._callback is None:
             self.overlapped = 0
             callback = self._end_of_backward  # a new bound method: autograd's engine holds the only reference
             self._callback = weakref.ref(callback)
             torch.autograd.Variable._execution_engine.queue_callback(callback)
-        self._ready[b] += 1
+        # a param whose hook runs again in one backward (a layer applied twice under reentrant checkpointing: one
+        # call per inner backward) counts once, when its calls reach the most seen in one backward so far
+        if self._calls[i] == self._fires[i]:
+            self._ready[b] += 1
+        self._fires[i] = max(self._fires[i], self._calls[i])
         while self._next < len(self._ready) and self._ready[self._next] >= self._expected[self._next]:
             self._launch(self._next)
             self._next += 1
             self.overlapped = self._next
+
+    def _stage(self, i: int, b: int, grad: torch.Tensor, *, late: bool, first: bool) -> None:
+        """Stage 2: put param ``i``'s 16-bit grad where bucket ``b``'s next reduction reads it (after the bucket's
+        reduction started: the late buffer, reduced at its next launch or at the step)."""
+        layout = self.layout
+        bucket = layout.buckets[b]
+        held = self._late if late else self._staging
+        buffer = held.get(b)
+        if buffer is None:
+            buffer = held[b] = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+        off = layout.offsets[i] - bucket.start
+        part = buffer[off : off + layout.numels[i]]
+        part.copy_(grad.reshape(-1)) if first and not late else part.add_(grad.reshape(-1))
 
     def _end_of_backward(self) -> None:
         with torch.no_grad():
@@ -180,6 +228,7 @@ class GradReducer:
                 self._complete(self._pending.pop(0))
         self._reset_pass()
         self.up_to_date = True
+        self._mark()
 
     # --- collectives -----------------------------------------------------------------------------------
     def _bucket_input(self, b: int) -> torch.Tensor:
@@ -187,7 +236,9 @@ class GradReducer:
         if self.whole_grads:
             grads = self._ensure_flat_grad()[bucket.start : bucket.start + bucket.numel]
         else:
-            grads = self._staging.pop(b, None)
+            grads, late = self._staging.pop(b, None), self._late.pop(b, None)
+            if late is not None:
+                grads = late if grads is None else grads.add_(late)
             if grads is None:
                 grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
         if self.comm_dtype == torch.float32:
@@ -203,18 +254,24 @@ class GradReducer:
         if self._aliased:
             return  # the shard is the whole grads: one rank's sum is its grads
         data = self._bucket_input(b)
+        self.dirty[b] = False  # the reduction reads every grad of the bucket this rank holds
         if self.whole_grads and self.comm_dtype == shard.dtype:
             out = shard  # overwrite: the whole accumulated grad is reduced at once
         else:
             out = torch.empty(bucket.shard, dtype=self.comm_dtype, device=self.device)
         work = _reduce_scatter(out, data, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        self._pending.append((work, out, shard, data))
+        self._pending.append((b, work, out, shard, data))
         if not self.whole_grads:
             while len(self._pending) > _MAX_IN_FLIGHT:
                 self._complete(self._pending.pop(0))
 
+    def _wait_for(self, b: int) -> None:
+        """Complete the reductions in flight up to bucket ``b``'s."""
+        while any(entry[0] == b for entry in self._pending):
+            self._complete(self._pending.pop(0))
+
     def _complete(self, entry) -> None:
-        work, out, shard, _ = entry
+        _, work, out, shard, _ = entry
         work.wait()
         if out is shard:
             return
@@ -231,6 +288,92 @@ class GradReducer:
             self._next = 0
             self._end_of_backward()
         return self._ensure_shard()
+
+    @torch.no_grad()
+    def collect(self) -> None:
+        """At the step: take the grads changed by hand since the shard last reflected ``.grad``, as this rank's
+        grads (each one marks its bucket ``dirty``; ``reduce_again`` reduces it on every rank).
+
+        At stage 1 with 16-bit grads ``.grad`` shows the whole grads: a grad assigned replaces the param's, one set
+        to None drops it (the param is then stepped only where some rank has a grad), an in-place edit (of any
+        param: the views share one version counter) marks every bucket. Elsewhere the hooks release ``.grad``:
+        a grad assigned is added to the param's (as the unsharded fp32 accumulation adds it). Nothing changed:
+        one identity and version check per grad, no tensor op."""
+        self._settle()
+        if self._marks.same(self.params):
+            return
+        whole16 = self.stage == 1 and not self.accumulate
+        edited = whole16 and self.flat_grad is not None and self.flat_grad._version != self._version
+        changed = [
+            i for i, p in enumerate(self.params) if self.layout.numels[i] > 0 and self._changed(i, p.grad)
+        ]
+        if not (changed or edited):
+            self._mark()
+            return
+        if self.consumed and self.stage == 2:
+            raise RuntimeError(
+                f"a grad was assigned to {self.names[changed[0]]!r} after step() consumed the ZeRO-2 grad shard it "
+                "would be added to; call zero_grad() after step(), then assign the grad before the next step()"
+            )
+        # a step consumed the shard in place (stage 1: unscaled and clipped it): every bucket is reduced again
+        everything = edited or self.applied or self.consumed
+        if self.consumed:
+            self._restart()  # fp32 accumulation: a step ended the sum, this grad starts the next one
+        for i in changed:
+            self._take(i)
+        for b, bucket in enumerate(self.layout.buckets):
+            if everything and bucket.params and not self._aliased:
+                self.dirty[b] = True
+        self.applied = False
+        self._mark()
+
+    def _changed(self, i: int, grad: torch.Tensor | None) -> bool:
+        if self.stage == 2 or self.accumulate:
+            return grad is not None
+        if grad is None:
+            return self.used[i]
+        return self.flat_grad is None or grad.data_ptr() != self.grad_view(i).data_ptr()
+
+    def _take(self, i: int) -> None:
+        """Make param ``i``'s ``.grad`` (changed by hand) this rank's grad of it."""
+        param, b = self.params[i], self.layout.bucket_of[i]
+        grad = param.grad
+        if self.accumulate:
+            self.grad_view(i).add_(grad)
+            param.grad = None
+        elif self.stage == 2:
+            self._stage(i, b, grad, late=True, first=False)
+            param.grad = None
+        elif grad is None:
+            self.grad_view(i).zero_()
+        else:
+            view = self.grad_view(i)
+            view.copy_(grad)
+            param.grad = view
+        self.used[i] = grad is not None
+        if not self._aliased:
+            self.dirty[b] = True
+
+    @torch.no_grad()
+    def reduce_again(self, buckets: list[int], finish) -> None:
+        """Reduce ``buckets`` again, every rank the same list (the ``dirty`` flags of all ranks, summed): with whole
+        grads the shard's part becomes the reduction of the whole grads; at stage 2 the reduction of the late grads
+        (zeros where a rank has none) is added. ``finish(t)`` turns a fresh reduction into what the shard holds
+        (the mean, unscaled)."""
+        shard = self._ensure_shard()
+        works = []
+        for b in buckets:
+            bucket = self.layout.buckets[b]
+            data = self._bucket_input(b)
+            out = torch.empty(bucket.shard, dtype=self.comm_dtype, device=self.device)
+            work = _reduce_scatter(out, data, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            works.append((bucket, work, out))
+        for bucket, work, out in works:
+            work.wait()
+            part = shard[bucket.local : bucket.local + bucket.shard]
+            reduced = finish(out.to(part.dtype))
+            part.copy_(reduced) if self.whole_grads else part.add_(reduced)
+        self.dirty = [False] * len(self.layout.buckets)
 
     # --- accumulation control ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -252,7 +395,7 @@ class GradReducer:
         """Zero the grads. ``set_to_none=False`` keeps the ``used`` flags, as torch keeps zero grads: a param
         that has had a grad since the last ``set_to_none=True`` call is then stepped with a zero grad. The
         reductions of a backward that raised are waited (they may write the shard) and the pass forgotten."""
-        for work, *_ in self._pending:
+        for _, work, *_ in self._pending:
             work.wait()
         self._reset_pass()
         if self.flat_grad is not None:
@@ -266,10 +409,13 @@ class GradReducer:
                 self.grad_shard.zero_()
         if set_to_none:
             self.used = [False] * len(self.params)
+        self.dirty = [False] * len(self.layout.buckets)
+        self._late = {}
         self.up_to_date = False
         self.frozen = False
         self.applied = False
         self.consumed = False
+        self._mark()
 
     def mark_applied(self) -> None:
         """A step read (and unscaled and clipped in place) the grad shard: applying it again is refused, and at
