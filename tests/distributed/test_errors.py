@@ -61,6 +61,19 @@ CASES = [
     (lambda m: torch.optim.AdamW(m.parameters()), {"max_grad_norm": -1.0}, ValueError, "max_grad_norm"),
     (lambda m: torch.optim.AdamW(m.parameters()), {"param_dtype": torch.float64}, ValueError, "param_dtype"),
     (lambda m: torch.optim.AdamW(m.parameters()), {}, RuntimeError, "needs an initialized process group"),
+    (
+        # refused before the process group is looked for: the value and the fix, not "not iterable"
+        lambda m: torch.optim.AdamW(m.parameters()),
+        {"named_parameters": None},
+        ValueError,
+        "^named_parameters must be the model or its named_parameters\\(\\), got None; pass named_parameters=model",
+    ),
+    (
+        lambda m: torch.optim.AdamW(m.parameters()),
+        {"named_parameters": 3},
+        ValueError,
+        "got 3; pass named_parameters=model",
+    ),
 ]
 
 
@@ -68,7 +81,7 @@ CASES = [
 def test_errors(make, kwargs, error, message):
     model = _model()
     with pytest.raises(error, match=message):
-        ShardedMixedPrecisionOptimizer(make(model), named_parameters=model, **kwargs)
+        ShardedMixedPrecisionOptimizer(make(model), **{"named_parameters": model, **kwargs})
 
 
 def test_lamb_like_optimizers_are_refused_by_name():

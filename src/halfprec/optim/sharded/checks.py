@@ -11,7 +11,13 @@ from torch.optim import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_options, check_torch_optimizer
 
-__all__ = ["ELEMENTWISE", "check_optimizer", "check_reduce_dtype", "named_trainable"]
+__all__ = [
+    "ELEMENTWISE",
+    "check_named_parameters",
+    "check_optimizer",
+    "check_reduce_dtype",
+    "named_trainable",
+]
 
 # Optimizers whose update of an element depends only on that element's grad, state and the group's scalars:
 # stepping a piece of a param is then exactly stepping the param. LAMB, LARS, Adafactor, Muon, Shampoo and
@@ -33,6 +39,16 @@ def check_optimizer(optimizer: Any, loss_scaler: Any, max_grad_norm: Any, param_
         )
     check_torch_optimizer(optimizer)  # a torch optimizer, floating params listed once, differentiable=False
     check_options(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype)
+
+
+def check_named_parameters(named_parameters: Any) -> None:
+    """Raise ValueError unless ``named_parameters`` is an ``nn.Module`` or an iterable (of ``(name, param)``
+    pairs, which ``named_trainable`` checks one by one)."""
+    if not isinstance(named_parameters, (torch.nn.Module, Iterable)):
+        raise ValueError(
+            f"named_parameters must be the model or its named_parameters(), got {named_parameters!r}; pass "
+            "named_parameters=model (the names key checkpoints)"
+        )
 
 
 def check_reduce_dtype(reduce_dtype: Any, grad_accum_dtype: torch.dtype | None) -> None:

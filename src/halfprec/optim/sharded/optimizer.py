@@ -42,12 +42,12 @@ import torch.distributed as dist
 
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
-from ..clip import clip_coefficient
 from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear_grads
+from ..clip import clip_coefficient
 from ..layout import Layout, check_masters
 from ..policy import select_impl
 from ..state import Target, move_state, restore_state_dtypes
-from .checks import check_optimizer, check_reduce_dtype, named_trainable
+from .checks import check_named_parameters, check_optimizer, check_reduce_dtype, named_trainable
 from .fused_step import FusedLocalStep
 from .grads import GradReducer
 from .masters import ShardMasters
@@ -104,6 +104,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         masters: str = "fp32",
     ) -> None:
         check_optimizer(optimizer, loss_scaler, max_grad_norm, param_dtype)
+        check_named_parameters(named_parameters)
         check_masters(masters, [param_dtype])
         check_grad_accum_dtype(grad_accum_dtype, strategy="sharded")
         self.impl = select_impl(optimizer, impl)
