@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import halfprec
-from halfprec import checkpoint as ckpt
+from halfprec.checkpoint.manifest import MANIFEST, CheckpointError, file_digest, manifest_digest
+from halfprec.checkpoint.read import load_pt
 
 from .engine_util import TiedLM, build, train
 
@@ -72,11 +73,11 @@ def _reseal(path, name: str, obj) -> None:
     import json
 
     torch.save(obj, path / f"{name}.pt")
-    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest = json.loads((path / MANIFEST).read_text())
     file = path / f"{name}.pt"
-    manifest["files"][f"{name}.pt"] = {"size": file.stat().st_size, "sha256": ckpt._digest(file)}
-    manifest["manifest_sha256"] = ckpt._manifest_digest(manifest)
-    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    manifest["files"][f"{name}.pt"] = {"size": file.stat().st_size, "sha256": file_digest(file)}
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
 
 
 # --- MixedPrecisionOptimizer.load_state_dict ---------------------------------------------------------------
@@ -158,7 +159,7 @@ def test_engine_load_of_another_optimizers_checkpoint_is_refused_naming_both(tmp
     assert_refused_unchanged(
         lambda: engine_snapshot(other),
         lambda: other.load_checkpoint(tmp_path),
-        ckpt.CheckpointError,
+        CheckpointError,
         "saved by AdamW, this optimizer is SGD",
     )
 
@@ -177,7 +178,7 @@ def test_engine_load_that_fails_in_a_later_part_changes_nothing(tmp_path, name, 
     engine = build("fp16")
     train(engine, 3)
     path = engine.save_checkpoint(tmp_path)
-    state = ckpt.load_pt(path, name)
+    state = load_pt(path, name)
     edit(state)
     _reseal(path, name, state)
     other = build("fp16", seed=5)
@@ -185,7 +186,7 @@ def test_engine_load_that_fails_in_a_later_part_changes_nothing(tmp_path, name, 
     assert_refused_unchanged(
         lambda: engine_snapshot(other),
         lambda: other.load_checkpoint(tmp_path),
-        (ckpt.CheckpointError, ValueError),
+        (CheckpointError, ValueError),
         message,
     )
 

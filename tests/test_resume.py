@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from halfprec import checkpoint as ckpt
+from halfprec.checkpoint.manifest import CheckpointError
 from halfprec.resume import scaler_kind_error
 
 from .engine_util import build, snapshot, train
@@ -56,7 +56,7 @@ def test_scaler_kind_mismatch_is_refused_before_anything_changes(tmp_path, saved
     engine = build("fp16", seed=4, **mine)
     train(engine, 2)  # inner state, masters and a scale of its own that a partial load would overwrite
     before = snapshot(engine)
-    with pytest.raises(ckpt.CheckpointError, match=pattern) as info:
+    with pytest.raises(CheckpointError, match=pattern) as info:
         engine.load_checkpoint(tmp_path)
     message = str(info.value)
     assert "static_loss_scale" in message and "load_optimizer_states=False" in message

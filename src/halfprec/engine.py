@@ -15,8 +15,12 @@ from typing import Any
 
 import torch
 
-from . import checkpoint as ckpt
 from ._checks import is_int
+from .checkpoint.directory import check_tag, reading, save_pt, stage, write_checkpoint
+from .checkpoint.directory import saving as saving_into
+from .checkpoint.manifest import ENGINE, ENGINE_SHARDED, CheckpointError, layout_of, read_manifest, seal
+from .checkpoint.plain import check_plain, rng_state, set_rng_state
+from .checkpoint.read import load_pt, load_weights, resolve
 from .config import Config, check_fields
 from .optim.base import MixedPrecisionOptimizer
 from .optim.checks import world_size
@@ -344,9 +348,9 @@ class Engine:
                 f"True just before it; the engine.step() calls before it do nothing and return None); {todo}, then "
                 "save"
             )
-        tag = f"step-{self.global_step}" if tag is None else ckpt.check_tag(tag)
+        tag = f"step-{self.global_step}" if tag is None else check_tag(tag)
         client_state = client_state or {}
-        ckpt.check_plain(client_state)
+        check_plain(client_state)
         names = {p: n for n, p in self.module.named_parameters()}  # first name of a tied param
         engine_state = {
             "global_step": self.global_step,
@@ -356,24 +360,24 @@ class Engine:
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "client_state": client_state,
         }
-        ckpt.check_plain(engine_state["lr_scheduler"], "lr_scheduler.state_dict()")
+        check_plain(engine_state["lr_scheduler"], "lr_scheduler.state_dict()")
         info = {
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
             "precision": self.config.precision,
             "loss_scale": self.optimizer.loss_scale,
-            "layout": ckpt.ENGINE_SHARDED if self._sharded else ckpt.ENGINE,
+            "layout": ENGINE_SHARDED if self._sharded else ENGINE,
         }
         if self._sharded:
             return self._save_sharded(directory, tag, engine_state, info, overwrite, keep_last)
-        engine_state["rng"] = ckpt.rng_state()
+        engine_state["rng"] = rng_state()
         files = {"optimizer": self.optimizer.state_dict(), "engine": engine_state}
         write = dict(
             weights=self.module.state_dict(), files=files, info=info, overwrite=overwrite, keep_last=keep_last
         )
         if self.optimizer.process_group is not None:
             return self._save_on_rank_0(directory, tag, write)
-        return ckpt.write_checkpoint(directory, tag, **write)
+        return write_checkpoint(directory, tag, **write)
 
     def _save_on_rank_0(self, directory, tag: str, write: dict[str, Any]) -> Path:
         """ZeRO-0 across ranks (``process_group``): every rank holds the same weights and optimizer state, so rank
@@ -390,7 +394,7 @@ class Engine:
         if rank == 0:
             write["files"].update({f"rng-{r}": state for r, state in enumerate(states)})
             try:
-                ckpt.write_checkpoint(directory, tag, **write)
+                write_checkpoint(directory, tag, **write)
             except (OSError, ValueError) as e:
                 error, outcome = e, [f"{type(e).__name__}: {e}"]
         dist.broadcast_object_list(outcome, src=src, group=group)
@@ -414,11 +418,11 @@ class Engine:
         with contextlib.ExitStack() as saving:
             outcome: list[Any] = [None]
             # one rank checks and cleans; the others raise the same error, so none is left waiting. Rank 0
-            # commits and publishes when the block ends (ckpt.saving)
+            # commits and publishes when the block ends (saving_into)
             if rank == 0:
                 try:
                     saving.enter_context(
-                        ckpt.saving(root, tag, overwrite=overwrite, keep_last=keep_last, tmp_name=tmp.name)
+                        saving_into(root, tag, overwrite=overwrite, keep_last=keep_last, tmp_name=tmp.name)
                     )
                 except (OSError, ValueError) as e:
                     outcome = [f"{type(e).__name__}: {e}"]
@@ -427,11 +431,11 @@ class Engine:
             if outcome[0] is not None:
                 raise RuntimeError(f"save_checkpoint failed on rank 0: {outcome[0]}")
             dckpt.save(self.optimizer, tmp / "optimizer")
-            ckpt.save_pt(ckpt.rng_state(), tmp / f"rng-{rank}.pt")
+            save_pt(rng_state(), tmp / f"rng-{rank}.pt")
             dist.barrier(group)
             if rank == 0:
-                ckpt.stage(tmp, weights=self.module.state_dict(), files={"engine": engine_state})
-                ckpt.seal(tmp, tag, info)
+                stage(tmp, weights=self.module.state_dict(), files={"engine": engine_state})
+                seal(tmp, tag, info)
         dist.barrier(group)
         return final
 
@@ -452,17 +456,17 @@ class Engine:
                 f"load_checkpoint(directory={directory!r}): pass the directory that save_checkpoint() wrote to, "
                 "or one of its tag directories"
             )
-        root = ckpt.resolve(directory, tag).parent
+        root = resolve(directory, tag).parent
         # a sharded engine's ranks load collectively (the lock would deadlock them); resolved again under the
         # lock: 'latest' or an interrupted replace may have moved on meanwhile
-        with contextlib.nullcontext() if self._sharded else ckpt.reading(root):
-            path = ckpt.resolve(directory, tag)
-            manifest = ckpt.read_manifest(path)
-            weights = ckpt.load_weights(path, manifest)
+        with contextlib.nullcontext() if self._sharded else reading(root):
+            path = resolve(directory, tag)
+            manifest = read_manifest(path)
+            weights = load_weights(path, manifest)
             _check_weights(self.module, weights, path)
-            engine_state = ckpt.load_pt(path, "engine")
+            engine_state = load_pt(path, "engine")
             counters = _check_engine_state(path, engine_state)
-            sharded_files = ckpt.layout_of(path, manifest) == ckpt.ENGINE_SHARDED
+            sharded_files = layout_of(path, manifest) == ENGINE_SHARDED
             if load_optimizer_states:
                 load_optimizer = self._staged_optimizer_load(path, engine_state, sharded_files)
             rng = self._staged_rng(path, engine_state) if load_rng_states else None
@@ -481,17 +485,17 @@ class Engine:
         if load_lr_scheduler_states and self.lr_scheduler is not None and scheduler_state is not None:
             self.lr_scheduler.load_state_dict(scheduler_state)
         if rng is not None:
-            ckpt.set_rng_state(rng)
+            set_rng_state(rng)
         return engine_state["client_state"]
 
     def _staged_optimizer_load(self, path: Path, engine_state: dict[str, Any], sharded_files: bool):
         """Read and check the checkpoint's optimizer part; return the function that loads it."""
         if self._sharded and not sharded_files:
-            raise ckpt.CheckpointError(
+            raise CheckpointError(
                 f"{path} holds an unsharded optimizer state (optimizer.pt); a ZeRO-{self.config.zero_stage} engine "
                 "loads checkpoints saved by a sharded engine, or pass load_optimizer_states=False"
             )
-        optim_state = None if sharded_files else ckpt.load_pt(path, "optimizer")
+        optim_state = None if sharded_files else load_pt(path, "optimizer")
         try:
             if sharded_files:
                 from .checkpoint.dcp import staged_load
@@ -504,7 +508,7 @@ class Engine:
                 raise kind_error from e
             if sharded_files:
                 raise
-            raise ckpt.CheckpointError(f"{path / 'optimizer.pt'}: {e}") from e
+            raise CheckpointError(f"{path / 'optimizer.pt'}: {e}") from e
         return lambda: self.optimizer.load_state_dict(optim_state)
 
     def _staged_rng(self, path: Path, engine_state: dict[str, Any]) -> Any:
@@ -517,7 +521,7 @@ class Engine:
 
             rank = dist.get_rank(self.optimizer.process_group)
         if (path / f"rng-{rank}.pt").exists():
-            return ckpt.load_pt(path, f"rng-{rank}")
+            return load_pt(path, f"rng-{rank}")
         warnings.warn(
             f"{path} has no RNG state for rank {rank} (saved at a smaller world size); RNG states not restored",
             RuntimeWarning,
@@ -529,15 +533,13 @@ class Engine:
 def _check_engine_state(path: Path, engine_state: Any) -> tuple[int, int]:
     """``(global_step, micro_step)`` of a checkpoint's ``engine.pt``, checked."""
     if not isinstance(engine_state, dict):
-        raise ckpt.CheckpointError(f"{path / 'engine.pt'} holds a {type(engine_state).__name__}, not a dict")
+        raise CheckpointError(f"{path / 'engine.pt'} holds a {type(engine_state).__name__}, not a dict")
     for key in ("global_step", "micro_step"):
         value = engine_state.get(key)
         if not is_int(value) or value < 0:
-            raise ckpt.CheckpointError(
-                f"{path / 'engine.pt'}: {key} must be a non-negative int, got {value!r}"
-            )
+            raise CheckpointError(f"{path / 'engine.pt'}: {key} must be a non-negative int, got {value!r}")
     if not isinstance(engine_state.get("client_state"), dict):
-        raise ckpt.CheckpointError(f"{path / 'engine.pt'}: client_state is not a dict")
+        raise CheckpointError(f"{path / 'engine.pt'}: client_state is not a dict")
     return engine_state["global_step"], engine_state["micro_step"]
 
 
@@ -547,15 +549,15 @@ def _check_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], pa
     for name, tensor in own.items():
         saved = weights.get(name)
         if saved is None:
-            raise ckpt.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {path} has no tensor {name!r} (shape {list(tensor.shape)}, "
                 f"{tensor.dtype}): it is of another model"
             )
         if saved.shape != tensor.shape or saved.dtype != tensor.dtype:
-            raise ckpt.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {path} does not match this model at {name!r}: saved shape {list(saved.shape)} "
                 f"{saved.dtype}, model shape {list(tensor.shape)} {tensor.dtype}"
             )
     extra = sorted(set(weights) - set(own))
     if extra:
-        raise ckpt.CheckpointError(f"checkpoint {path} has tensors this model lacks: {extra[:5]}")
+        raise CheckpointError(f"checkpoint {path} has tensors this model lacks: {extra[:5]}")

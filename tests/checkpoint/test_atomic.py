@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from halfprec import MixedPrecisionOptimizer
-from halfprec import checkpoint as ckpt
 from halfprec.checkpoint import atomic
 from halfprec.checkpoint.consolidate import consolidate
 from halfprec.checkpoint.export import export
+from halfprec.checkpoint.read import resolve
 from halfprec.distributed import checkpoint as dckpt
 
 from ..engine_util import build, train
@@ -122,7 +122,7 @@ def test_a_replace_that_died_between_its_renames_is_found_and_restored(tmp_path)
     train(engine, 1)
     final = engine.save_checkpoint(tmp_path, tag="t")
     os.rename(final, tmp_path / ".t.replaced")  # the state between the two renames of a replace
-    assert ckpt.resolve(tmp_path) == tmp_path / ".t.replaced"
+    assert resolve(tmp_path) == tmp_path / ".t.replaced"
     build("bf16", seed=3).load_checkpoint(tmp_path)
     with pytest.raises(FileExistsError, match="immutable"):  # restored first: still a published tag
         engine.save_checkpoint(tmp_path, tag="t")

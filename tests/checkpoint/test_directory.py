@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 import halfprec
-from halfprec import checkpoint as ckpt
+from halfprec.checkpoint.directory import write_checkpoint
+from halfprec.checkpoint.manifest import CheckpointError, file_digest, read_manifest
 
 from ..engine_util import TiedLM, build, snapshot, train
 
@@ -119,7 +120,7 @@ def test_other_model_names_first_mismatch(tmp_path):
     build("bf16").save_checkpoint(tmp_path)
     other = build("fp16")
     with pytest.raises(
-        ckpt.CheckpointError,
+        CheckpointError,
         match="at 'emb.weight': saved shape \\[37, 24\\] torch.bfloat16, model shape \\[37, 24\\] torch.float16",
     ):
         other.load_checkpoint(tmp_path)
@@ -168,7 +169,7 @@ def test_failed_optimizer_load_leaves_the_model_untouched(tmp_path):
     opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-3)  # other groups
     engine = halfprec.initialize(model, opt, precision="bf16")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ckpt.CheckpointError, match="optimizer.pt: state dict has param groups of sizes"):
+    with pytest.raises(CheckpointError, match="optimizer.pt: state dict has param groups of sizes"):
         engine.load_checkpoint(tmp_path)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -194,10 +195,10 @@ def test_a_published_tag_stays_immutable_after_a_rewind(tmp_path):
     train(engine, 1)
     engine.save_checkpoint(tmp_path, tag="rewind-2")  # latest now names an older step than step-3
     train(engine, 1)
-    before = ckpt._digest(tmp_path / "step-3" / "optimizer.pt")
+    before = file_digest(tmp_path / "step-3" / "optimizer.pt")
     with pytest.raises(FileExistsError, match="step-3 already exists and tags are immutable"):
         engine.save_checkpoint(tmp_path)  # step-3 again: published, so never moved aside
-    assert ckpt._digest(tmp_path / "step-3" / "optimizer.pt") == before
+    assert file_digest(tmp_path / "step-3" / "optimizer.pt") == before
     assert not [p for p in tmp_path.iterdir() if "unpublished" in p.name]
     engine.save_checkpoint(tmp_path, tag="rewind-3", keep_last=2)  # the two most recent saves stay
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
@@ -240,8 +241,8 @@ def test_checkpoints_written_before_the_log_and_the_self_digest_still_load_and_s
 
 
 def test_int_keys_in_the_manifest_info_do_not_break_its_digest(tmp_path):
-    ckpt.write_checkpoint(tmp_path, "t", weights=None, files={"x": {"a": 1}}, info={"sizes": {3: 1, 10: 2}})
-    assert ckpt.read_manifest(tmp_path / "t")["sizes"] == {"3": 1, "10": 2}
+    write_checkpoint(tmp_path, "t", weights=None, files={"x": {"a": 1}}, info={"sizes": {3: 1, 10: 2}})
+    assert read_manifest(tmp_path / "t")["sizes"] == {"3": 1, "10": 2}
 
 
 def test_a_torn_log_line_is_ended_before_the_next_append(tmp_path):

@@ -11,8 +11,8 @@ import traceback
 
 import torch
 
-from halfprec import checkpoint as ckpt
-from halfprec.checkpoint.directory import locked
+from halfprec.checkpoint.directory import locked, saving, stage
+from halfprec.checkpoint.manifest import CheckpointError, read_manifest, seal
 
 from ..engine_util import build, train
 
@@ -23,7 +23,7 @@ def _outcome(fn) -> str:
     """``"ok"``, or the exception as ``"Type: message"`` (a traceback for anything but the expected kinds)."""
     try:
         fn()
-    except (FileExistsError, FileNotFoundError, ckpt.CheckpointError) as e:
+    except (FileExistsError, FileNotFoundError, CheckpointError) as e:
         return f"{type(e).__name__}: {e}"
     except BaseException:
         return "UNEXPECTED " + traceback.format_exc()
@@ -70,18 +70,18 @@ def test_a_same_tag_save_during_another_is_refused_and_the_first_stays(tmp_path)
     train(engine, 1)
     root = tmp_path / "ck"
     results = _FORK.Queue()
-    with ckpt.saving(root, "t", overwrite=False, keep_last=None) as tmp:
-        ckpt.stage(tmp, weights=engine.module.state_dict(), files={})
+    with saving(root, "t", overwrite=False, keep_last=None) as tmp:
+        stage(tmp, weights=engine.module.state_dict(), files={})
         second = _FORK.Process(target=_same_tag_saver, args=(engine, root, 1, _FORK.Barrier(1), results))
         second.start()
         second.join(3.0)  # with the lock it waits for this save to finish
-        ckpt.seal(tmp, "t", {"global_step": 0})
+        seal(tmp, "t", {"global_step": 0})
     second.join(30)
     writer, outcome = results.get(timeout=10)
     assert outcome.startswith("FileExistsError:") and "already exists and tags are immutable" in outcome, (
         outcome
     )
-    assert ckpt.read_manifest(root / "t")["global_step"] == 0 and sorted(
+    assert read_manifest(root / "t")["global_step"] == 0 and sorted(
         p.name for p in (root / "t").iterdir()
     ) == [
         "manifest.json",

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from halfprec import checkpoint as ckpt
+from halfprec.checkpoint.manifest import FORMAT, CheckpointError
+from halfprec.checkpoint.read import resolve
 
 from ..engine_util import build, train
 
@@ -47,20 +48,20 @@ def test_invalid_tags_are_refused_before_anything_is_written(tmp_path, engine, t
         engine.save_checkpoint(tmp_path / "ck", tag=tag)
     assert not (tmp_path / "ck").exists()
     with pytest.raises(ValueError, match=pattern):
-        ckpt.resolve(tmp_path, tag)
+        resolve(tmp_path, tag)
 
 
 @pytest.mark.parametrize("tag", ["0", "step-1", "v1.0_final", "A", "a" * 200])
 def test_plain_names_are_tags(tmp_path, engine, tag):
     assert engine.save_checkpoint(tmp_path, tag=tag) == tmp_path / tag
     assert (tmp_path / "latest").read_text().strip() == tag
-    assert ckpt.resolve(tmp_path) == tmp_path / tag
+    assert resolve(tmp_path) == tmp_path / tag
 
 
 def test_a_damaged_latest_pointer_is_named(tmp_path, engine):
     engine.save_checkpoint(tmp_path, tag="good")
     (tmp_path / "latest").write_text("../elsewhere\n")
-    with pytest.raises(ckpt.CheckpointError, match="latest is damaged: .*pass tag= with one of: good"):
+    with pytest.raises(CheckpointError, match="latest is damaged: .*pass tag= with one of: good"):
         build("bf16").load_checkpoint(tmp_path)
 
 
@@ -80,9 +81,7 @@ def test_a_directory_halfprec_did_not_write_is_left_alone(tmp_path, engine, kind
     if kind == "foreign-manifest":
         (target / "manifest.json").write_text(json.dumps({"format": "other/1", "global_step": 9}))
     if kind == "other-tag":  # a halfprec checkpoint copied here under another name
-        (target / "manifest.json").write_text(
-            json.dumps({"format": ckpt.FORMAT, "tag": "x", "global_step": 9})
-        )
+        (target / "manifest.json").write_text(json.dumps({"format": FORMAT, "tag": "x", "global_step": 9}))
     before = _listing(tmp_path)
     with pytest.raises(
         FileExistsError, match=f"{target} exists and is not a halfprec checkpoint.*choose another"
@@ -107,9 +106,9 @@ def test_missing_pointer_lists_the_checkpoints_there(tmp_path, engine):
     engine.save_checkpoint(tmp_path, tag="b")
     engine.save_checkpoint(tmp_path, tag="a")
     (tmp_path / "latest").unlink()
-    with pytest.raises(ckpt.CheckpointError, match="latest does not exist; pass tag= with one of: a, b"):
-        ckpt.resolve(tmp_path)
-    with pytest.raises(ckpt.CheckpointError, match="checkpoint .*/c does not exist; checkpoints in .*: a, b"):
-        ckpt.resolve(tmp_path, "c")
-    with pytest.raises(ckpt.CheckpointError, match="the directory does not exist"):
-        ckpt.resolve(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="latest does not exist; pass tag= with one of: a, b"):
+        resolve(tmp_path)
+    with pytest.raises(CheckpointError, match="checkpoint .*/c does not exist; checkpoints in .*: a, b"):
+        resolve(tmp_path, "c")
+    with pytest.raises(CheckpointError, match="the directory does not exist"):
+        resolve(tmp_path / "nowhere")

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from halfprec import checkpoint as ckpt
+from halfprec.checkpoint.manifest import CheckpointError, file_digest, manifest_digest
 
 from ..engine_util import build, train
 
@@ -29,7 +29,7 @@ def test_damaged_files_are_named(tmp_path, damage):
         target.unlink()
     else:
         target.write_text("{not json")
-    with pytest.raises(ckpt.CheckpointError, match=str(target).replace(".", "\\.")):
+    with pytest.raises(CheckpointError, match=str(target).replace(".", "\\.")):
         build("bf16").load_checkpoint(tmp_path)
 
 
@@ -46,11 +46,11 @@ def test_code_running_pickle_is_refused_without_running(tmp_path):
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"]["engine.pt"] = {
         "size": (path / "engine.pt").stat().st_size,
-        "sha256": ckpt._digest(path / "engine.pt"),
+        "sha256": file_digest(path / "engine.pt"),
     }
-    manifest["manifest_sha256"] = ckpt._manifest_digest(manifest)  # an attacker can re-seal it all:
+    manifest["manifest_sha256"] = manifest_digest(manifest)  # an attacker can re-seal it all:
     (path / "manifest.json").write_text(json.dumps(manifest))  # the digests cannot save us, weights_only must
-    with pytest.raises(ckpt.CheckpointError, match="engine.pt with weights_only=True"):
+    with pytest.raises(CheckpointError, match="engine.pt with weights_only=True"):
         build("bf16").load_checkpoint(tmp_path)
     assert not marker.exists()
 
@@ -70,5 +70,5 @@ def test_an_edited_manifest_is_named_as_corrupted(tmp_path, edit):
     manifest = json.loads((path / "manifest.json").read_text())
     edit(manifest)
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ckpt.CheckpointError, match=r"manifest.json is corrupted"):
+    with pytest.raises(CheckpointError, match=r"manifest.json is corrupted"):
         build("bf16").load_checkpoint(tmp_path)

@@ -16,7 +16,8 @@ import pytest
 import torch
 from tests.engine_util import build, train
 
-from halfprec import checkpoint as ckpt
+from halfprec.checkpoint.directory import LATEST
+from halfprec.checkpoint.manifest import MANIFEST, CheckpointError, file_digest, manifest_digest
 from halfprec.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,10 +62,10 @@ def test_a_damaged_dcp_checkpoint_is_one_line_exit_2(tmp_path, capsys, damage, c
 
 def _reseal(path: Path, name: str, data: bytes) -> None:
     (path / name).write_bytes(data)
-    manifest = json.loads((path / ckpt.MANIFEST).read_text())
-    manifest["files"][name] = {"size": len(data), "sha256": ckpt._digest(path / name)}
-    manifest["manifest_sha256"] = ckpt._manifest_digest(manifest)
-    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"][name] = {"size": len(data), "sha256": file_digest(path / name)}
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize("command", ["inspect", "export"])
@@ -77,7 +78,7 @@ def test_a_damaged_safetensors_file_is_one_line_exit_2(tmp_path, capsys, command
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and "model.safetensors" in err and err.count("\n") == 1, err
-    with pytest.raises(ckpt.CheckpointError, match="cannot read .*model.safetensors"):
+    with pytest.raises(CheckpointError, match="cannot read .*model.safetensors"):
         build("bf16").load_checkpoint(path)
 
 
@@ -85,13 +86,13 @@ def test_a_binary_latest_pointer_is_named_as_damaged(tmp_path, capsys):
     engine = build("bf16")
     train(engine, 1)
     engine.save_checkpoint(tmp_path, tag="a")
-    (tmp_path / ckpt.LATEST).write_bytes(b"\xff\xfe\x00\x81step")
-    with pytest.raises(ckpt.CheckpointError, match=r"latest is damaged.*pass tag= with one of: a"):
+    (tmp_path / LATEST).write_bytes(b"\xff\xfe\x00\x81step")
+    with pytest.raises(CheckpointError, match=r"latest is damaged.*pass tag= with one of: a"):
         build("bf16").load_checkpoint(tmp_path)
     assert main(["inspect", str(tmp_path)]) == 2
     assert "latest is damaged" in capsys.readouterr().err
     engine.save_checkpoint(tmp_path, tag="b")  # a save replaces the damaged pointer
-    assert (tmp_path / ckpt.LATEST).read_text() == "b\n"
+    assert (tmp_path / LATEST).read_text() == "b\n"
 
 
 _SAVE_OVER_LIMIT = """

@@ -10,7 +10,7 @@ the world size that wrote it):
 ``hparam/{group}/{key}``       numeric group hyper-parameters (lr, betas, weight_decay, ...), fp64
 ``scaler/{key}``               loss-scaler state and settings; ``counters/skipped_steps``; ``format/version``
 ``kind/optimizer/{name}``      the optimizer (``algorithm()``) and ``kind/scaler/{type}`` the loss scaler: 1
-``manifest.json``              written by rank 0 last (``directory.seal``): the format, the directory's name,
+``manifest.json``              written by rank 0 last (``manifest.seal``): the format, the directory's name,
                                each file's size and SHA-256, its own SHA-256; verified before any file is read
 =============================  =====================================================================
 
@@ -43,9 +43,8 @@ from ..optim.state import is_elementwise
 from .atomic import commit, remove_if_dead
 from .atomic import held as held_dir  # ``held`` names what a rank holds here
 from .consolidate import hparam_groups
-from .directory import reraised
-from .directory import seal as seal_directory
-from .formats import DCP, DCP_FORMAT, MANIFEST
+from .manifest import DCP, DCP_FORMAT, MANIFEST, reraised
+from .manifest import seal as seal_directory
 from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, open_checkpoint
 
 __all__ = ["save", "load", "FORMAT_VERSION"]

@@ -6,7 +6,7 @@ Layout of ``<dir>/<tag>/``::
     optimizer.pt        MixedPrecisionOptimizer.state_dict(): torch-format inner state, fp32 masters, scaler
       (or optimizer/)   a ZeRO-1/2 engine's optimizer, a DCP directory (``checkpoint.dcp``)
     engine.pt           counters, param names, LR scheduler, RNG states, client_state
-    manifest.json       written last: format, layout, counters, ties, each file's size and SHA-256, its own SHA-256
+    manifest.json       written last (``manifest.seal``): counters, ties, each file's size and SHA-256, ...
 
 ``<dir>/.published`` logs every tag ``latest`` has named (published tags are immutable; ``keep_last`` keeps the
 most recent).
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import re
@@ -29,11 +28,10 @@ from typing import Any
 import torch
 
 from .._checks import is_int
-from .atomic import commit, fsync_path, held, recover, remove_leftovers, tmp_dir, unique_suffix, write_synced
-from .formats import ENGINE, FORMAT, LEGACY_FORMATS, MANIFEST, peek_manifest
+from .atomic import commit, fsync_path, held, recover, remove_leftovers, tmp_dir, unique_suffix
+from .manifest import FORMAT, LEGACY_FORMATS, MANIFEST, peek_manifest, seal, writing
 
 __all__ = [
-    "CheckpointError",
     "LATEST",
     "check_tag",
     "write_checkpoint",
@@ -41,45 +39,14 @@ __all__ = [
     "locked",
     "reading",
     "stage",
-    "seal",
     "save_pt",
     "save_safetensors",
     "read_latest",
-    "reraised",
 ]
 
 LATEST = "latest"
 PUBLISHED = ".published"  # the tags ``latest`` has named, oldest first, one per line (hidden: not a tag)
 LOCK = ".lock"  # held by every save into the directory (``locked``)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, corrupted or of another model."""
-
-
-@contextlib.contextmanager
-def reraised(errors: Any, what: str, kind: type[Exception] = CheckpointError) -> Iterator[None]:
-    """Re-raise ``errors`` (a type or a tuple) as ``kind(f"{what}: {error}")``, chained."""
-    try:
-        yield
-    except errors as e:
-        raise kind(f"{what}: {e}") from e
-
-
-def _manifest_digest(manifest: dict[str, Any]) -> str:
-    """SHA-256 of the manifest's canonical JSON, its own digest field left out."""
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    body = json.loads(json.dumps(body))  # as read back: int dict keys become strings
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _digest(path: Path) -> str:
-    try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-    except FileNotFoundError as e:  # pruned or replaced by another process since the caller listed it
-        raise CheckpointError(f"checkpoint file {path} is missing") from e
-
 
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _TAG_RULE = (
@@ -149,7 +116,7 @@ def saving(
     tmp_name: str | None = None,
 ) -> Iterator[Path]:
     """Under the directory's lock, :func:`_prepare`, then yield a new temporary directory to :func:`stage` and
-    :func:`seal`; on success commit it to ``<directory>/<tag>`` and :func:`_publish` it, on error remove it.
+    :func:`manifest.seal`; on success commit it to ``<directory>/<tag>`` and :func:`_publish` it, on error remove it.
     ``tmp_name`` is a fixed name for it, for a save whose other ranks must know where to write."""
     root, final = _checked(directory, tag, keep_last)
     _refuse_foreign(final)  # before the lock file is made: such a save writes nothing
@@ -274,7 +241,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], file: Path, metadata: dic
     """``safetensors.torch.save_file`` with the mode the umask gives (safetensors writes 0600)."""
     from safetensors.torch import save_file
 
-    with _writing(file):
+    with writing(file):
         save_file(tensors, str(file), metadata=metadata)
     os.chmod(file, _file_mode(file.parent))
 
@@ -293,45 +260,9 @@ def _file_mode(directory: Path) -> int:
 
 def save_pt(obj: Any, file: Path) -> None:
     """``torch.save(obj, file)`` through a Python file object, so that a full disk or a file-size limit surfaces
-    as the OS error (torch's writer says ``unexpected pos 2560 vs 2452``), named by :func:`_writing`."""
-    with _writing(file), open(file, "wb") as f:
+    as the OS error (torch's writer says ``unexpected pos 2560 vs 2452``), named by :func:`manifest.writing`."""
+    with writing(file), open(file, "wb") as f:
         torch.save(obj, f)
-
-
-@contextlib.contextmanager
-def _writing(file: Path) -> Iterator[None]:
-    """Turn a failed write of ``file`` into a CheckpointError that names the file and the OS error under it."""
-    try:
-        yield
-    except Exception as e:
-        cause: BaseException | None = e
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
-        reason = f"{type(cause).__name__}: {cause}" if cause is not None else f"{type(e).__name__}: {e}"
-        raise CheckpointError(
-            f"cannot write checkpoint file {file}: {reason}; nothing was published (free space or raise the "
-            "file-size limit, then save again)"
-        ) from e
-
-
-def seal(tmp: Path, tag: str, info: dict[str, Any]) -> None:
-    """fsync every file under ``tmp``, then write the manifest (sizes, digests, ties, ``info``)."""
-    entries = {}
-    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        fsync_path(path)
-        entries[path.relative_to(tmp).as_posix()] = {"size": path.stat().st_size, "sha256": _digest(path)}
-    ties = {}
-    if (tmp / "model.safetensors").exists():
-        from safetensors import safe_open
-
-        with safe_open(str(tmp / "model.safetensors"), framework="pt") as f:
-            ties = json.loads((f.metadata() or {}).get("ties", "{}"))
-    manifest = {"format": FORMAT, "layout": ENGINE, "tag": tag, "ties": ties, "files": entries, **info}
-    manifest["manifest_sha256"] = _manifest_digest(manifest)
-    with _writing(tmp / MANIFEST):
-        write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))  # fsyncs tmp too
-    for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
-        fsync_path(sub)
 
 
 def _publish(root: Path, tag: str, keep_last: int | None) -> None:

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from ..precision import DTYPES
-from . import read as ckpt
 from .atomic import fsync_path, remove_leftovers, tmp_dir, unique_suffix
 from .directory import reading, save_safetensors
-from .formats import DCP, ENGINE_SHARDED, layout_of
+from .manifest import DCP, ENGINE_SHARDED, check_counters, layout_of, read_manifest
+from .read import load_pt, load_weights
 
 __all__ = ["consolidated_weights", "export", "describe"]
 
@@ -49,9 +49,9 @@ def _read_engine(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], d
     fp32 masters by parameter name and the counters as its files hold them, cross-checked against the
     manifest's, so that what ``inspect`` shows is what a load restores."""
     with reading(path.parent):
-        manifest = ckpt.read_manifest(path)
-        weights = ckpt.load_weights(path, manifest)
-        engine = ckpt.load_pt(path, "engine")
+        manifest = read_manifest(path)
+        weights = load_weights(path, manifest)
+        engine = load_pt(path, "engine")
         if layout_of(path, manifest) == ENGINE_SHARDED:
             from .consolidate import masters_of, read_checkpoint  # noqa: PLC0415 - written by a ZeRO-1/2 engine
 
@@ -59,7 +59,7 @@ def _read_engine(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], d
             masters, source, optimizer = masters_of(items), "optimizer", "sharded (DCP, reshardable)"
             skipped, scale = items["counters/skipped_steps"].item(), items["scaler/scale"].item()
         else:
-            names, optim = engine["param_names"], ckpt.load_pt(path, "optimizer")
+            names, optim = engine["param_names"], load_pt(path, "optimizer")
             masters = {names[int(i)]: m for i, m in optim["masters"].items() if names[int(i)] is not None}
             source, optimizer = "optimizer.pt", f"MixedPrecisionOptimizer, {optim['scaler']['type']}"
             skipped, scale = (
@@ -72,7 +72,7 @@ def _read_engine(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], d
         "precision": (engine.get("config", {}).get("precision", manifest.get("precision")), "engine.pt"),
         "loss_scale": (scale, source),
     }
-    ckpt.check_counters(path, manifest, counters)
+    check_counters(path, manifest, counters)
     shown = {"optimizer": optimizer, **{key: value for key, (value, _) in counters.items()}}
     return manifest, weights, masters, shown
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .atomic import located
-from .read import read_dcp_manifest
+from .manifest import read_dcp_manifest
 
 __all__ = ["SafeFileSystemReader", "ChunkSavePlanner", "ChunkLoadPlanner", "open_checkpoint"]
 
@@ -86,7 +86,7 @@ class SafeFileSystemReader(FileSystemReader):
 
 def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Metadata]:
     """``(where, metadata)`` of the DCP checkpoint at ``path`` (``atomic.located``), checked before any item is
-    read: complete (a ``.metadata``), every file as its manifest records it (``read.read_dcp_manifest``), no
+    read: complete (a ``.metadata``), every file as its manifest records it (``manifest.read_dcp_manifest``), no
     item a pickled object (a byte item) that loading would unpickle, and a halfprec optimizer checkpoint's items."""
     path = located(Path(path))  # a replace that died midway left the previous checkpoint aside
     if not (path / ".metadata").is_file():

@@ -9,8 +9,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import checkpoint as ckpt
 from ..checkpoint.export import describe, export
+from ..checkpoint.manifest import CheckpointError
+from ..checkpoint.read import resolve
 
 __all__ = ["add_export_arguments", "add_inspect_arguments", "run_export", "run_inspect"]
 
@@ -39,10 +40,10 @@ def _run(command: str, args: argparse.Namespace, lines: Callable[[Path], list[st
 
     # What a bad checkpoint raises: halfprec's errors, and those of the readers under them (a damaged safetensors
     # file, DCP metadata that is not DCP's, DCP data files that do not match their metadata).
-    bad = (ckpt.CheckpointError, ValueError, OSError, EOFError, pickle.UnpicklingError, SafetensorError,
+    bad = (CheckpointError, ValueError, OSError, EOFError, pickle.UnpicklingError, SafetensorError,
            CheckpointException)  # fmt: skip
     try:
-        text = lines(ckpt.resolve(Path(args.checkpoint), args.tag, tag_option="--tag"))
+        text = lines(resolve(Path(args.checkpoint), args.tag, tag_option="--tag"))
     except bad as e:
         message = " ".join(str(e).split())  # one line, whatever the exception's text holds
         print(f"halfprec {command}: error: {message}", file=sys.stderr)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from halfprec import checkpoint as ckpt
 from halfprec.checkpoint.export import export
+from halfprec.checkpoint.manifest import DCP, DCP_FORMAT, ENGINE, layout_of, manifest_digest, read_manifest
 from halfprec.distributed import checkpoint as dckpt
 
 from ..engine_util import build, train
@@ -17,23 +17,23 @@ def test_the_writer_records_the_layout_and_legacy_checkpoints_still_load(tmp_pat
     engine = build("bf16")
     train(engine, 1)
     path = engine.save_checkpoint(tmp_path / "ck")
-    manifest = ckpt.read_manifest(path)
-    assert manifest["layout"] == ckpt.ENGINE
+    manifest = read_manifest(path)
+    assert manifest["layout"] == ENGINE
     # as written before the layout was recorded: no "layout" key, digest re-sealed
     manifest.pop("layout")
-    manifest["manifest_sha256"] = ckpt._manifest_digest(manifest)
+    manifest["manifest_sha256"] = manifest_digest(manifest)
     (path / "manifest.json").write_text(json.dumps(manifest))
-    assert ckpt.layout_of(path) == ckpt.ENGINE
+    assert layout_of(path) == ENGINE
     build("bf16", seed=3).load_checkpoint(tmp_path / "ck")
     export(path, tmp_path / "w.safetensors")
 
     model, mp = _mp()
     dckpt.save(mp, tmp_path / "dcp", named_parameters=model)
-    assert json.loads((tmp_path / "dcp" / "manifest.json").read_text())["format"] == ckpt.DCP_FORMAT
-    assert ckpt.layout_of(tmp_path / "dcp") == ckpt.DCP
+    assert json.loads((tmp_path / "dcp" / "manifest.json").read_text())["format"] == DCP_FORMAT
+    assert layout_of(tmp_path / "dcp") == DCP
     (tmp_path / "dcp" / "manifest.json").unlink()  # a DCP checkpoint written before it had a manifest
-    assert ckpt.layout_of(tmp_path / "dcp") == ckpt.DCP
+    assert layout_of(tmp_path / "dcp") == DCP
     export(tmp_path / "dcp", tmp_path / "d.safetensors")
     fresh_model, fresh = _mp()
     dckpt.load(fresh, tmp_path / "dcp", named_parameters=fresh_model)
-    assert ckpt.layout_of(Path(tmp_path / "nothing")) is None
+    assert layout_of(Path(tmp_path / "nothing")) is None
