@@ -14,7 +14,7 @@ fast path: its step must run no collective beyond the usual ones).
 Oracle: this rank computes every rank's grads on a plain 16-bit copy of the model whose hooks record each firing's
 contribution, and combines them as the configuration does. 16-bit accumulation adds a rank's contributions in 16
 bits (stage 1: all of the step's; stage 2: each backward's, reduced separately); fp32 accumulation adds each in
-fp32. (Stage 2, 16-bit, a bucket per param: the first backward's second hook calls are reduced apart, see
+fp32. With ``reduce="param"`` each rank's value is divided by 2 and the two are added in 16 bits. (Stage 2, 16-bit, a bucket per param: the first backward's second hook calls are reduced apart, see
 ``_units``.) The hand edits act on what ``.grad`` shows after backward: the 16-bit whole grads at stage 1 (replaced,
 zeroed, dropped), nothing at stage 2 or with fp32 accumulation, whose hooks release ``.grad`` (an assigned grad is
 then added, as the unsharded fp32 accumulation adds it). Each reduction adds the ranks' fp32 values, the step adds
@@ -191,12 +191,18 @@ def oracle_grads(model: torch.nn.Module, step: int, cfg: dict) -> dict:
             continue
         total = torch.zeros(p.shape)
         for u in range(max(len(units) for units, _ in per_rank)):
-            reduced = torch.zeros(p.shape)
-            for units, _ in per_rank:
-                if u < len(units) and units[u] is not None:
-                    reduced = reduced + units[u].float()
-            total = total + reduced
-        out[name] = total / WORLD
+            values = [units[u] if u < len(units) and units[u] is not None else None for units, _ in per_rank]
+            values = [torch.zeros(p.shape, dtype=torch.bfloat16) if v is None else v for v in values]
+            if cfg.get("reduce", "fp32") == "fp32":
+                reduced = torch.zeros(p.shape)
+                for v in values:
+                    reduced = reduced + v.float()
+            else:  # each rank's grad divided by the world size, summed in 16 bits
+                reduced = values[0] / WORLD
+                for v in values[1:]:
+                    reduced = reduced + v / WORLD
+            total = total + reduced.float()
+        out[name] = total / WORLD if cfg.get("reduce", "fp32") == "fp32" else total
     return out
 
 
@@ -252,6 +258,8 @@ def _run(cfg: dict) -> dict:
         stage=cfg["stage"],
         bucket_size=cfg["bucket"],
         grad_accum_dtype=torch.float32 if cfg["accum"] == "fp32" else None,
+        reduce_dtype=cfg.get("reduce", "fp32"),
+        impl=cfg.get("impl", "torch"),
     )
     steps, collectives = [], []
     for step in range(cfg["steps"]):
