@@ -18,9 +18,9 @@ import torch
 from ._checks import is_int
 from .checkpoint.directory import check_tag, reading, save_pt, stage, write_checkpoint
 from .checkpoint.directory import saving as saving_into
-from .checkpoint.manifest import ENGINE, ENGINE_SHARDED, CheckpointError, layout_of, read_manifest, seal
+from .checkpoint.manifest import ENGINE, ENGINE_SHARDED, CheckpointError, layout_of, seal
 from .checkpoint.plain import check_plain, rng_state, set_rng_state
-from .checkpoint.read import load_pt, load_weights, resolve
+from .checkpoint.read import load_pt, load_weights, resolve, verify
 from .config import Config, check_fields
 from .optim.base import MixedPrecisionOptimizer
 from .optim.checks import world_size
@@ -461,7 +461,7 @@ class Engine:
         # lock: 'latest' or an interrupted replace may have moved on meanwhile
         with contextlib.nullcontext() if self._sharded else reading(root):
             path = resolve(directory, tag)
-            manifest = read_manifest(path)
+            manifest = verify(path)
             weights = load_weights(path, manifest)
             _check_weights(self.module, weights, path)
             engine_state = load_pt(path, "engine")

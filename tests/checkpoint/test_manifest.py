@@ -1,12 +1,25 @@
-"""The layout a writer records in ``manifest.json``, and how checkpoints written before it was recorded are read."""
+"""``manifest.json``: the layout a writer records (and how checkpoints written before it was recorded are read), and
+the files a reader may open."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import pytest
+
 from halfprec.checkpoint.export import export
-from halfprec.checkpoint.manifest import DCP, DCP_FORMAT, ENGINE, layout_of, manifest_digest, read_manifest
+from halfprec.checkpoint.manifest import (
+    DCP,
+    DCP_FORMAT,
+    ENGINE,
+    MANIFEST,
+    CheckpointError,
+    layout_of,
+    manifest_digest,
+    read_manifest,
+)
 from halfprec.distributed import checkpoint as dckpt
 
 from ..engine_util import build, train
@@ -37,3 +50,16 @@ def test_the_writer_records_the_layout_and_legacy_checkpoints_still_load(tmp_pat
     fresh_model, fresh = _mp()
     dckpt.load(fresh, tmp_path / "dcp", named_parameters=fresh_model)
     assert layout_of(Path(tmp_path / "nothing")) is None
+
+
+def test_a_dcp_data_file_the_manifest_does_not_list_is_refused(tmp_path):
+    model, mp = _mp()
+    path = dckpt.save(mp, tmp_path / "dcp", named_parameters=model)
+    data = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    manifest = json.loads((path / MANIFEST).read_text())
+    del manifest["files"][data.name]
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    fresh_model, fresh = _mp()
+    with pytest.raises(CheckpointError, match=re.escape(f"{data} is not listed in {path / MANIFEST}")):
+        dckpt.load(fresh, path, named_parameters=fresh_model)

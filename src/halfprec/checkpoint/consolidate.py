@@ -8,19 +8,32 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .safe_dcp import SafeFileSystemReader, open_checkpoint
 
-__all__ = ["consolidate", "read_checkpoint", "masters_of", "hparam_groups"]
+__all__ = ["consolidate", "read_checkpoint", "read_items", "masters_of", "hparam_groups"]
 
 
 def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every item of the checkpoint as a whole CPU tensor (masters and elementwise state stay 1-D)."""
     checkpoint_dir, metadata = open_checkpoint(checkpoint_dir)
-    out = {
-        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-    }
+    return _read(checkpoint_dir, metadata.state_dict_metadata)
+
+
+def read_items(checkpoint_dir: str | os.PathLike, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Those of the items ``keys`` that the checkpoint holds as tensors, for a caller that has verified its files
+    (an engine checkpoint's manifest covers its ``optimizer/``): nothing else is read."""
+    saved = SafeFileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
+    return _read(
+        checkpoint_dir, {k: saved[k] for k in keys if isinstance(saved.get(k), TensorStorageMetadata)}
+    )
+
+
+def _read(
+    checkpoint_dir: str | os.PathLike, saved: dict[str, TensorStorageMetadata]
+) -> dict[str, torch.Tensor]:
+    out = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in saved.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group: loading single-process" is what we want
         dcp.load(out, storage_reader=SafeFileSystemReader(str(checkpoint_dir)), no_dist=True)

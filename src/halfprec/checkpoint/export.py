@@ -14,8 +14,8 @@ import torch
 from ..precision import DTYPES
 from .atomic import fsync_path, remove_leftovers, tmp_dir, unique_suffix
 from .directory import reading, save_safetensors
-from .manifest import DCP, ENGINE_SHARDED, check_counters, layout_of, read_manifest
-from .read import load_pt, load_weights
+from .manifest import DCP, ENGINE_SHARDED, layout_of
+from .read import load_pt, load_weights, verify
 
 __all__ = ["consolidated_weights", "export", "describe"]
 
@@ -44,37 +44,22 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
     return out
 
 
-def _read_engine(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-    """``(manifest, weights, masters, counters)`` of an engine checkpoint, read under its directory's lock: the
-    fp32 masters by parameter name and the counters as its files hold them, cross-checked against the
-    manifest's, so that what ``inspect`` shows is what a load restores."""
+def _read_engine(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor], str]:
+    """``(manifest, weights, masters, optimizer)`` of an engine checkpoint, read under its directory's lock and
+    verified as a load verifies it (:func:`read.verify`: the counters in its manifest are those its files hold,
+    so what ``inspect`` shows is what a load restores); the fp32 masters by parameter name."""
     with reading(path.parent):
-        manifest = read_manifest(path)
+        manifest = verify(path)
         weights = load_weights(path, manifest)
-        engine = load_pt(path, "engine")
         if layout_of(path, manifest) == ENGINE_SHARDED:
             from .consolidate import masters_of, read_checkpoint  # noqa: PLC0415 - written by a ZeRO-1/2 engine
 
-            items = read_checkpoint(path / "optimizer")
-            masters, source, optimizer = masters_of(items), "optimizer", "sharded (DCP, reshardable)"
-            skipped, scale = items["counters/skipped_steps"].item(), items["scaler/scale"].item()
+            masters, optimizer = masters_of(read_checkpoint(path / "optimizer")), "sharded (DCP, reshardable)"
         else:
-            names, optim = engine["param_names"], load_pt(path, "optimizer")
+            names, optim = load_pt(path, "engine")["param_names"], load_pt(path, "optimizer")
             masters = {names[int(i)]: m for i, m in optim["masters"].items() if names[int(i)] is not None}
-            source, optimizer = "optimizer.pt", f"MixedPrecisionOptimizer, {optim['scaler']['type']}"
-            skipped, scale = (
-                optim.get("skipped_steps", manifest.get("skipped_steps")),
-                optim["scaler"]["scale"],
-            )
-    counters = {
-        "global_step": (engine["global_step"], "engine.pt"),
-        "skipped_steps": (skipped, source),
-        "precision": (engine.get("config", {}).get("precision", manifest.get("precision")), "engine.pt"),
-        "loss_scale": (scale, source),
-    }
-    check_counters(path, manifest, counters)
-    shown = {"optimizer": optimizer, **{key: value for key, (value, _) in counters.items()}}
-    return manifest, weights, masters, shown
+            optimizer = f"MixedPrecisionOptimizer, {optim['scaler']['type']}"
+    return manifest, weights, masters, optimizer
 
 
 def export(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32") -> Path:
@@ -102,15 +87,16 @@ def describe(path: str | os.PathLike) -> list[tuple[str, Any]]:
     path = Path(path)
     if layout_of(path) == DCP:
         return _describe_dcp(path)
-    manifest, weights, masters, counters = _read_engine(path)
+    manifest, weights, masters, optimizer = _read_engine(path)
+    scale = manifest.get("loss_scale")
     rows: list[tuple[str, Any]] = [
         ("path", str(path)),
         ("tag", manifest["tag"]),
-        ("global_step", counters["global_step"]),
-        ("skipped_steps", counters["skipped_steps"]),
-        ("precision", counters["precision"]),
-        ("optimizer", counters["optimizer"]),
-        ("loss scale", f"{counters['loss_scale']:g}"),
+        ("global_step", manifest.get("global_step")),
+        ("skipped_steps", manifest.get("skipped_steps")),
+        ("precision", manifest.get("precision")),
+        ("optimizer", optimizer),
+        ("loss scale", f"{scale:g}" if isinstance(scale, (int, float)) else scale),
         ("tensors", len(weights)),
         ("tied names", len(manifest.get("ties", {}))),
         ("elements by dtype", _by_dtype(weights.values())),

@@ -2,9 +2,9 @@
 
 :func:`seal` writes it last: the format, the layout (which kind of checkpoint the directory holds), the name the
 directory is published as, each file's size and SHA-256, the writer's counters, and its own SHA-256. Readers verify
-it before they open any file (:func:`read_manifest`, :func:`read_dcp_manifest`). They never guess the layout from
-the files present, except for checkpoints written before it was recorded (by the rule of that time: where DCP's
-``.metadata`` is).
+it before they open any file (:func:`read_manifest`, :func:`read_dcp_manifest`) and open only files it lists
+(:func:`_check_listed`). They never guess the layout from the files present, except for checkpoints written before
+it was recorded (by the rule of that time: where DCP's ``.metadata`` is).
 """
 
 from __future__ import annotations
@@ -52,6 +52,14 @@ ENGINE = "engine"
 ENGINE_SHARDED = "engine-sharded"  # its optimizer a DCP directory ``optimizer/``
 DCP = "dcp"  # a bare ``halfprec.distributed.checkpoint.save``
 _LAYOUTS = (ENGINE, ENGINE_SHARDED, DCP)
+
+# The files a reader of each layout opens, as globs under the checkpoint: (needed, read when present). The manifest
+# must list each of them that is there, or the reader would use bytes that no digest covers.
+_READS = {
+    ENGINE: (("model.safetensors", "engine.pt", "optimizer.pt"), ("rng-*.pt",)),
+    ENGINE_SHARDED: (("model.safetensors", "engine.pt", "optimizer/.metadata"), ("rng-*.pt", "optimizer/*")),
+    DCP: ((".metadata",), ("*.distcp",)),
+}
 
 
 class CheckpointError(RuntimeError):
@@ -153,7 +161,8 @@ def layout_of(path: str | Path, manifest: dict[str, Any] | None = None) -> str |
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    """Read an engine checkpoint's ``manifest.json`` and verify it (:func:`_verify`); errors name the file."""
+    """Read an engine checkpoint's ``manifest.json``, verify it (:func:`_verify`) and that it lists every file its
+    layout reads (:func:`_check_listed`); errors name the file."""
     manifest = _manifest_json(path)
     if _format(manifest) in (DCP_FORMAT, *DCP_LEGACY_FORMATS):
         raise CheckpointError(
@@ -162,6 +171,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         )
     digest = {"manifest_sha256"} & set(manifest) if isinstance(manifest, dict) else set()
     _verify(path, manifest, FORMAT, LEGACY_FORMATS, digest)
+    _check_listed(path, manifest, layout_of(path, manifest))
     return manifest
 
 
@@ -175,6 +185,7 @@ def read_dcp_manifest(path: Path) -> None:
     extra = set(manifest) - {"format", "format_version"} if isinstance(manifest, dict) else set()
     if manifest is not None and (_format(manifest) not in DCP_LEGACY_FORMATS or extra):
         _verify(path, manifest, DCP_FORMAT, DCP_LEGACY_FORMATS, extra)
+        _check_listed(path, manifest, DCP)
     elif str(path) not in _UNVERIFIED:
         _UNVERIFIED.add(str(path))
         warnings.warn(
@@ -233,6 +244,27 @@ def _verify(path: Path, manifest: Any, current: str, legacy: tuple[str, ...], ex
             raise CheckpointError(
                 f"checkpoint file {file} is corrupted: its SHA-256 does not match the manifest"
             )
+
+
+def _check_listed(path: Path, manifest: dict[str, Any], layout: str) -> None:
+    """Raise unless ``manifest`` lists every file that a reader of ``layout`` opens in ``path``: those the layout
+    needs, and those read when present."""
+    needed, when_present = _READS[layout]
+    for name in needed:
+        if name not in manifest["files"]:
+            raise CheckpointError(
+                f"{path / MANIFEST} does not list {name}, which a checkpoint of layout {layout!r} needs, so "
+                f"{path / name} cannot be verified: the manifest was edited after the save; load an intact copy of "
+                "this checkpoint, or another tag"
+            )
+    for pattern in when_present:
+        for file in sorted(path.glob(pattern)):
+            if file.is_file() and file.relative_to(path).as_posix() not in manifest["files"]:
+                raise CheckpointError(
+                    f"{file} is not listed in {path / MANIFEST}, so it cannot be verified: it was added after the "
+                    "save or its entry was removed; delete it if it is not part of the checkpoint, else load an "
+                    "intact copy of this checkpoint, or another tag"
+                )
 
 
 def check_counters(path: Path, manifest: dict[str, Any], found: dict[str, tuple[Any, str]]) -> None:

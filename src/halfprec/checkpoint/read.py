@@ -1,5 +1,5 @@
-"""Reading a checkpoint directory: find it (``latest``, tags, a DCP directory) and load its files, once its
-manifest is verified (``manifest.read_manifest``)."""
+"""Reading an engine checkpoint directory: find it (``latest``, tags, a DCP directory), verify it before any file
+is used (:func:`verify`, which ``Engine.load_checkpoint``, ``export`` and ``inspect`` all call), load its files."""
 
 from __future__ import annotations
 
@@ -12,13 +12,16 @@ import torch
 from .atomic import located
 from .directory import LATEST, check_tag, read_latest
 from .manifest import (
+    ENGINE_SHARDED,
     MANIFEST,
     CheckpointError,
+    check_counters,
     layout_of,
+    read_manifest,
     reraised,
 )
 
-__all__ = ["resolve", "load_weights", "load_pt"]
+__all__ = ["resolve", "verify", "load_weights", "load_pt"]
 
 
 def resolve(directory: str | os.PathLike, tag: str | None = None, *, tag_option: str = "tag=") -> Path:
@@ -70,6 +73,43 @@ def _tags_in(root: Path, limit: int = 10) -> str:
     return ", ".join(tags[:limit] + more) or "(none)"
 
 
+def verify(path: Path) -> dict[str, Any]:
+    """Verify the engine checkpoint at ``path`` as every reader of it does first (``Engine.load_checkpoint``,
+    ``export``, ``inspect``) and return its manifest: :func:`manifest.read_manifest` (every file it lists intact,
+    every file its layout reads listed), then its counters checked against those its files hold."""
+    manifest = read_manifest(path)
+    check_counters(path, manifest, _counters(path, manifest))
+    return manifest
+
+
+def _counters(path: Path, manifest: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    """``{key: (value, file)}`` for the counters a manifest records, as the files that a load restores them from
+    hold them (None where a file lacks one: its reader names what is wrong with it)."""
+    engine = load_pt(path, "engine")
+    if layout_of(path, manifest) == ENGINE_SHARDED:
+        from .consolidate import read_items  # noqa: PLC0415 - imports torch.distributed.checkpoint
+
+        keys = ["counters/skipped_steps", "scaler/scale"]
+        items = read_items(path / "optimizer", keys)
+        source, (skipped, scale) = "optimizer", (items[k].item() if k in items else None for k in keys)
+    else:
+        optimizer = load_pt(path, "optimizer", mmap=True)  # two numbers: the tensors are not read
+        skipped, scale = _get(optimizer, "skipped_steps"), _get(optimizer, "scaler", "scale")
+        source = "optimizer.pt"
+    return {
+        "global_step": (_get(engine, "global_step"), "engine.pt"),
+        "skipped_steps": (skipped, source),
+        "precision": (_get(engine, "config", "precision"), "engine.pt"),
+        "loss_scale": (scale, source),
+    }
+
+
+def _get(value: Any, *keys: str) -> Any:
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
 def load_weights(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The model state dict, ties restored (an alias is the same tensor object as its stored name)."""
     from safetensors import SafetensorError
@@ -82,7 +122,8 @@ def load_weights(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor
     return weights
 
 
-def load_pt(path: Path, name: str) -> Any:
-    """``<path>/<name>.pt`` through ``torch.load(weights_only=True)``: plain data only, no code runs."""
+def load_pt(path: Path, name: str, *, mmap: bool = False) -> Any:
+    """``<path>/<name>.pt`` through ``torch.load(weights_only=True)``: plain data only, no code runs. ``mmap``:
+    tensors are read only when used."""
     with reraised(Exception, f"cannot load {path / name}.pt with weights_only=True"):
-        return torch.load(path / f"{name}.pt", map_location="cpu", weights_only=True)
+        return torch.load(path / f"{name}.pt", map_location="cpu", weights_only=True, mmap=mmap)
