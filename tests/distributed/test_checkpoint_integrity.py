@@ -143,7 +143,7 @@ def _engine_checkpoint(root):
 def _edit(path, **changes) -> None:
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
     manifest.update(changes)
-    manifest["manifest_sha256"] = ckpt._manifest_digest(manifest)  # re-sealed: consistent-looking
+    manifest["manifest_sha256"] = ckpt.manifest_digest(manifest)  # re-sealed: consistent-looking
     (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
 
 
