@@ -20,7 +20,7 @@ from tests.engine_util import build, train
 
 from conftest import CKPT
 from halfprec import MixedPrecisionOptimizer
-from halfprec import checkpoint as ckpt
+from halfprec.checkpoint import manifest as ckpt
 from halfprec.checkpoint.dcp import seal
 from halfprec.cli.main import main
 from halfprec.distributed import checkpoint, consolidate, read_checkpoint
