@@ -280,9 +280,11 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 "unscaled in place); call zero_grad() and backward() before the next step()"
             )
         shard = self._finish_reduction(self._reducer.finish())
-        for i, piece_param in self._piece_params.items():  # what master_params() callers read (rank-local)
-            pc = self.layout.piece_of[i]
-            piece_param.grad = shard[pc.local : pc.local + pc.numel]
+        if shard.dtype == torch.float32:
+            # what master_params() callers read, rank-local (a 16-bit shard stays scaled for the fused kernel)
+            for i, piece_param in self._piece_params.items():
+                pc = self.layout.piece_of[i]
+                piece_param.grad = shard[pc.local : pc.local + pc.numel]
         self._s.unscaled = True
         self._reducer.frozen = True
 
