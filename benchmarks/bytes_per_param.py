@@ -18,9 +18,9 @@ from halfprec.optim import FusedAdamW
 
 CONFIGS = [
     ("fp32 masters, 16-bit grads", dict(masters="fp32")),
-    ("fp32 masters, fp32 grads", dict(masters="fp32", grad_accum_dtype=torch.float32)),
+    ("fp32 masters, fp32 grads", dict(masters="fp32", grad_accum_dtype="fp32")),
     ("split masters, 16-bit grads", dict(masters="split")),
-    ("split masters, fp32 grads", dict(masters="split", grad_accum_dtype=torch.float32)),
+    ("split masters, fp32 grads", dict(masters="split", grad_accum_dtype="fp32")),
 ]
 
 

@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import pytest
-import torch
 
 from halfprec.config import OLD_NAMES, Config, config_name, dynamic_scaling
 
@@ -167,21 +166,21 @@ def test_replace_names_unknown_fields_and_close_matches(changes, regex):
     ("fields", "expected"),
     [
         # any world size: at stage 0 across processes the optimizer all-reduces the fp32 sums itself (no DDP)
-        ({"precision": "bf16", "gradient_accumulation_steps": 4}, torch.float32),
-        ({"precision": "bf16", "gradient_accumulation_steps": 1}, None),  # nothing to sum
+        ({"precision": "bf16", "gradient_accumulation_steps": 4}, "fp32"),
+        ({"precision": "bf16", "gradient_accumulation_steps": 1}, "param"),  # nothing to sum
         (
             {"precision": "fp16", "gradient_accumulation_steps": 4},
-            None,
+            "param",
         ),  # the loss scale keeps 16-bit sums close
-        ({"precision": "fp32", "gradient_accumulation_steps": 4}, None),
-        ({"precision": "bf16", "gradient_accumulation_steps": 4, "zero_stage": 2}, torch.float32),
+        ({"precision": "fp32", "gradient_accumulation_steps": 4}, "param"),
+        ({"precision": "bf16", "gradient_accumulation_steps": 4, "zero_stage": 2}, "fp32"),
         (
             {"precision": "bf16", "gradient_accumulation_steps": 4, "zero_stage": 1, "reduce_dtype": "param"},
-            None,
+            "param",
         ),
-        ({"precision": "bf16", "gradient_accumulation_steps": 4, "grad_accum_dtype": "param"}, None),
-        ({"precision": "fp16", "gradient_accumulation_steps": 1, "grad_accum_dtype": "fp32"}, torch.float32),
+        ({"precision": "bf16", "gradient_accumulation_steps": 4, "grad_accum_dtype": "param"}, "param"),
+        ({"precision": "fp16", "gradient_accumulation_steps": 1, "grad_accum_dtype": "fp32"}, "fp32"),
     ],
 )
 def test_grad_accum_dtype_auto_resolves_like_megatron_for_bf16(fields, expected):
-    assert Config(**fields).accum_dtype() is expected
+    assert Config(**fields).grad_accum() == expected

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from halfprec import precision
+from halfprec.precision import GRAD_ACCUM, check_grad_accum
 
 
 def test_precision_vocabulary():
@@ -51,3 +52,25 @@ def test_a_str_subclass_is_not_a_precision_name():
 
     with pytest.raises(ValueError, match="got 'bf16'"):
         precision.check_precision(Name("bf16"))
+
+
+@pytest.mark.parametrize(
+    ("value", "auto", "match"),
+    [
+        (None, False, r"got None; use 'param'"),
+        (torch.float32, False, r"got torch.float32; use 'fp32'"),
+        (torch.bfloat16, False, r"got torch.bfloat16; use 'param'"),
+        ("float32", True, r"\('auto', 'param', 'fp32'\), got 'float32'; use 'fp32'"),
+        ("auto", False, r"\('param', 'fp32'\), got 'auto'$"),
+        ([], False, r"got \[\]$"),
+    ],
+)
+def test_grad_accum_has_one_vocabulary_and_refuses_aliases_with_the_name(value, auto, match):
+    with pytest.raises(ValueError, match=match):
+        check_grad_accum(value, auto=auto)
+
+
+def test_grad_accum_names_map_to_the_sum_dtype():
+    assert {name: check_grad_accum(name) for name in GRAD_ACCUM} == {"param": "param", "fp32": "fp32"}
+    assert GRAD_ACCUM["fp32"] is torch.float32 and GRAD_ACCUM["param"] is None
+    assert check_grad_accum("auto", auto=True) == "auto"

@@ -25,10 +25,10 @@ from ._checks import (
     is_int,
 )
 from .deepspeed_config import read_deepspeed
-from .precision import DTYPES, Precision, check_precision
+from .precision import DTYPES, Precision, check_grad_accum, check_precision
 from .scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
-__all__ = ["OLD_NAMES", "Config", "auto_accum_dtype", "check_fields", "config_name", "dynamic_scaling"]
+__all__ = ["OLD_NAMES", "Config", "auto_grad_accum", "check_fields", "config_name", "dynamic_scaling"]
 
 
 class _NotGiven:
@@ -103,9 +103,9 @@ class Config:
 
     grad_accum_dtype: Literal["auto", "param", "fp32"] = "auto"
     """Where micro-batch grads accumulate: the params' 16-bit ``.grad`` (``"param"``), or fp32 (``"fp32"``, the
-    optimizers' ``grad_accum_dtype=torch.float32``: at stage 0 the master grads, all-reduced by the optimizer
+    optimizers' ``grad_accum_dtype="fp32"``: at stage 0 the master grads, all-reduced by the optimizer
     across processes instead of DDP; at stages 1/2 an fp32 buffer, reduce-scattered in fp32). ``"auto"``:
-    :func:`auto_accum_dtype`'s rule, resolved by ``accum_dtype()``."""
+    :func:`auto_grad_accum`'s rule, resolved by ``grad_accum()``."""
 
     masters: Literal["fp32", "split"] = "fp32"
     """How the fused optimizers store the fp32 masters of bf16 params: fp32 buffers, or ``"split"``: the bf16 param
@@ -141,9 +141,9 @@ class Config:
         if is_int(self.zero_stage) and self.zero_stage == 3:
             raise ValueError(f"zero_stage=3 is not supported: {FSDP2_HINT}")
         # the values their Literal annotations name
-        for name in ("zero_stage", "reduce_dtype", "impl", "grad_accum_dtype", "masters"):
-            hint = "; 'fp32' is torch.float32" if name == "grad_accum_dtype" else ""
-            choice(name, getattr(self, name), get_args(_HINTS[name]), hint)
+        for name in ("zero_stage", "reduce_dtype", "impl", "masters"):
+            choice(name, getattr(self, name), get_args(_HINTS[name]))
+        check_grad_accum(self.grad_accum_dtype, auto=True)
         if self.masters == "split" and (self.impl == "torch" or self.precision == "fp16"):
             raise ValueError(
                 f"masters='split' with impl={self.impl!r}, precision={self.precision!r}: split masters are the "
@@ -157,14 +157,14 @@ class Config:
                 "reduce_dtype='fp32' (the default), or grad_accum_dtype='param'"
             )
 
-    def accum_dtype(self) -> torch.dtype | None:
-        """The optimizers' ``grad_accum_dtype`` this config asks for (at any world size: several ranks at stage 0
+    def grad_accum(self) -> str:
+        """The optimizers' ``grad_accum_dtype`` this config asks for, ``"param"`` or ``"fp32"`` (at any world size: several ranks at stage 0
         all-reduce the fp32 sums themselves; at stages 1/2 ``reduce_dtype="param"`` rules fp32 sums out)."""
         if self.grad_accum_dtype == "auto":
             sharded_16 = self.zero_stage != 0 and self.reduce_dtype == "param"
             steps = self.gradient_accumulation_steps
-            return auto_accum_dtype(DTYPES[self.precision], steps, fp32_sums=not sharded_16)
-        return torch.float32 if self.grad_accum_dtype == "fp32" else None
+            return auto_grad_accum(DTYPES[self.precision], steps, fp32_sums=not sharded_16)
+        return self.grad_accum_dtype
 
     def _dynamic_settings(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in DYNAMIC_SETTINGS}
@@ -220,14 +220,12 @@ _HINTS = get_type_hints(Config)
 Config.initial_scale = property(lambda self: self.init_scale, doc="Old name of ``init_scale``.")  # type: ignore[assignment]
 
 
-def auto_accum_dtype(
-    param_dtype: torch.dtype, micro_batches: int, *, fp32_sums: bool = True
-) -> torch.dtype | None:
+def auto_grad_accum(param_dtype: torch.dtype, micro_batches: int, *, fp32_sums: bool = True) -> str:
     """What ``grad_accum_dtype="auto"`` asks the optimizers for, the engine's and the integrations' default:
-    ``torch.float32`` for bf16 params summing several micro-batches where fp32 sums are possible (``fp32_sums``),
-    else None, the params' 16-bit ``.grad``: bf16 sums lose 2.7e-3 relative at 4 micro-batches, fp16's go through
+    ``"fp32"`` for bf16 params summing several micro-batches where fp32 sums are possible (``fp32_sums``),
+    else ``"param"``, the params' 16-bit ``.grad``: bf16 sums lose 2.7e-3 relative at 4 micro-batches, fp16's go through
     the loss scale (3.3e-4) for 2 B/param less, one micro-batch has nothing to sum (docs/guarantees.md)."""
-    return torch.float32 if param_dtype == torch.bfloat16 and micro_batches > 1 and fp32_sums else None
+    return "fp32" if param_dtype == torch.bfloat16 and micro_batches > 1 and fp32_sums else "param"
 
 
 def dynamic_scaling(precision: str, static_loss_scale: float | None) -> bool:

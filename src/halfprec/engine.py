@@ -121,7 +121,7 @@ def initialize(
                 f"param {name!r} is {p.dtype} but precision={config.precision!r}; pass the model in fp32 (halfprec "
                 f"casts it) or set precision to match"
             )
-    accum = config.accum_dtype()
+    accum = config.grad_accum()
     _check_not_ddp(model, accum, config.zero_stage)
     options = dict(
         loss_scaler=config.loss_scaler(),
@@ -131,7 +131,7 @@ def initialize(
         impl=config.impl,
         grad_accum_dtype=accum,
     )
-    if config.zero_stage == 0 and accum is not None and world_size() > 1:
+    if config.zero_stage == 0 and accum == "fp32" and world_size() > 1:
         # ZeRO-0 with fp32 sums: the optimizer all-reduces them (optim/accumulate.py), not DDP
         options["process_group"] = torch.distributed.group.WORLD
     if config.zero_stage:
@@ -142,10 +142,10 @@ def initialize(
     return Engine(model, mp, config, lr_scheduler)
 
 
-def _check_not_ddp(model: torch.nn.Module, accum: torch.dtype | None, zero_stage: int) -> None:
+def _check_not_ddp(model: torch.nn.Module, accum: str, zero_stage: int) -> None:
     """Refuse a DDP-wrapped model where the optimizer reduces the grads itself: fp32 accumulation releases the
     16-bit ``.grad`` that DDP would all-reduce, and ZeRO-1/2 reduce-scatter them."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and (zero_stage or accum is not None):
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and (zero_stage or accum == "fp32"):
         sharded = f"zero_stage={zero_stage} reduces the grads"
         why = sharded if zero_stage else "grad_accum_dtype resolves to 'fp32'"
         raise ValueError(

@@ -11,7 +11,10 @@ import torch
 
 from ._checks import choice
 
-__all__ = ["DTYPES", "LOW_PRECISION", "PRECISIONS", "Precision", "check_low_precision", "check_precision"]
+__all__ = [
+    "DTYPES", "GRAD_ACCUM", "GradAccum", "LOW_PRECISION", "PRECISIONS", "Precision", "check_grad_accum",
+    "check_low_precision", "check_precision",
+]  # fmt: skip
 
 Precision = Literal["bf16", "fp16", "fp32"]
 """The dtype a model's weights are held in; the fp32 masters do not depend on it."""
@@ -26,6 +29,14 @@ DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 LOW_PRECISION: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 """The 16-bit dtypes halfprec keeps fp32 masters for."""
 
+GradAccum = Literal["param", "fp32"]
+"""Where micro-batch grads are summed: in the params' own 16-bit ``.grad``, or in fp32 as backward produces them.
+The same two names in ``Config``, the optimizers and the integrations; ``Config`` and the integrations also take
+``"auto"`` (their accumulation count decides: ``config.auto_grad_accum``)."""
+
+# the one map from those names to the dtype the sums are kept in (None: the param's own)
+GRAD_ACCUM: Mapping[str, torch.dtype | None] = MappingProxyType({"param": None, "fp32": torch.float32})
+
 # torch's and numpy's spellings, which users reach for first: refused, with the name to use instead
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
@@ -36,6 +47,26 @@ def check_precision(value: object, name: str = "precision", allowed: tuple[str, 
     alias = _ALIASES.get(value) if isinstance(value, str) else None
     choice(name, value, allowed, f"; use {alias!r}" if alias in allowed else "")
     return value
+
+
+_GRAD_ACCUM_ALIASES = {
+    None: "param", torch.bfloat16: "param", torch.float16: "param", "bf16": "param", "fp16": "param",
+    torch.float32: "fp32", "float32": "fp32", "float": "fp32",
+}  # fmt: skip
+
+
+def check_grad_accum(value: object, name: str = "grad_accum_dtype", *, auto: bool = False) -> str:
+    """Return ``value`` when it is ``"param"`` or ``"fp32"`` (or ``"auto"``, where ``auto``); else ValueError naming
+    it and, for a dtype or another spelling, the name to write."""
+    allowed = ("auto", *get_args(GradAccum)) if auto else get_args(GradAccum)
+    if isinstance(value, str) and value in allowed:
+        return value
+    try:
+        alias = _GRAD_ACCUM_ALIASES.get(value)  # type: ignore[call-overload]
+    except TypeError:  # unhashable
+        alias = None
+    hint = f"; use {alias!r}" if alias else ""
+    raise ValueError(f"{name} must be one of {allowed}, got {value!r}{hint}")
 
 
 def check_low_precision(

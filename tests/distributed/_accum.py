@@ -80,7 +80,7 @@ def _shard(opt) -> dict:
 
 
 def _run(cfg: dict, impl: str) -> dict:
-    model, opt = build_sharded(cfg, impl=impl, grad_accum_dtype=torch.float32)
+    model, opt = build_sharded(cfg, impl=impl, grad_accum_dtype="fp32")
     ref = Net()
     with torch.no_grad():
         for p, q in zip(ref.parameters(), model.parameters(), strict=True):
@@ -114,7 +114,7 @@ def _unsharded_refusal() -> str:
     the 16-bit grads the hooks release)."""
     model = make_model(torch.bfloat16)
     try:
-        MixedPrecisionOptimizer(make_optimizer(model, "adamw"), grad_accum_dtype=torch.float32)
+        MixedPrecisionOptimizer(make_optimizer(model, "adamw"), grad_accum_dtype="fp32")
     except ValueError as e:
         return str(e)
     return "no error"

@@ -257,7 +257,7 @@ def _run(cfg: dict) -> dict:
         named_parameters=model,
         stage=cfg["stage"],
         bucket_size=cfg["bucket"],
-        grad_accum_dtype=torch.float32 if cfg["accum"] == "fp32" else None,
+        grad_accum_dtype=cfg["accum"],
         reduce_dtype=cfg.get("reduce", "fp32"),
         impl=cfg.get("impl", "torch"),
     )

@@ -80,7 +80,7 @@ def _build(cfg: dict):
     model = Chain(torch.float16)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
     scaler = halfprec.DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=1)
-    accum = torch.float32 if cfg["accumulate"] else None
+    accum = "fp32" if cfg["accumulate"] else "param"
     if cfg["kind"] == "sharded":
         opt = ShardedMixedPrecisionOptimizer(
             inner, named_parameters=model, stage=cfg["stage"], loss_scaler=scaler, reduce_dtype=cfg["reduce"],

@@ -53,9 +53,7 @@ def _run(cfg: dict, impl: str) -> dict:
     dtype = DTYPES[cfg["dtype"]]
     model = make_model(dtype)
     names = group_order_names(model)
-    options = dict(
-        loss_scaler=make_scaler(cfg), grad_accum_dtype=torch.float32, process_group=dist.group.WORLD
-    )
+    options = dict(loss_scaler=make_scaler(cfg), grad_accum_dtype="fp32", process_group=dist.group.WORLD)
     torch_opt = make_optimizer(model, "adamw")
     if impl == "torch":
         opt = halfprec.MixedPrecisionOptimizer(torch_opt, impl="torch", **options)
@@ -95,9 +93,9 @@ def _run(cfg: dict, impl: str) -> dict:
 
 
 ERRORS = {  # name: the options of MixedPrecisionOptimizer on 2 ranks (impl="torch" unless given)
-    "no group": dict(grad_accum_dtype=torch.float32),
+    "no group": dict(grad_accum_dtype="fp32"),
     "16-bit sums": dict(process_group="group"),
-    "not a group": dict(grad_accum_dtype=torch.float32, process_group="world"),
+    "not a group": dict(grad_accum_dtype="fp32", process_group="world"),
 }
 
 
@@ -106,7 +104,7 @@ def _triton() -> list:
     opt = halfprec.MixedPrecisionOptimizer(
         make_optimizer(make_model(torch.float16), "adamw"),
         impl="triton",
-        grad_accum_dtype=torch.float32,
+        grad_accum_dtype="fp32",
         process_group=dist.group.WORLD,
     )
     return [type(opt).__name__, opt.process_group is dist.group.WORLD]
@@ -132,7 +130,7 @@ def _own_master() -> dict:
     opt = halfprec.MixedPrecisionOptimizer(
         make_optimizer(model, "adamw"),
         impl="torch",
-        grad_accum_dtype=torch.float32,
+        grad_accum_dtype="fp32",
         process_group=dist.group.WORLD,
     )
     for m in range(4):

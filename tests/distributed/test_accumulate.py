@@ -1,4 +1,4 @@
-"""FP32 gradient accumulation on the sharded optimizer (``grad_accum_dtype=torch.float32``), 2 gloo ranks.
+"""FP32 gradient accumulation on the sharded optimizer (``grad_accum_dtype="fp32"``), 2 gloo ranks.
 
 With k = 1, 4, 16 micro-batches, bf16 and fp16 (loss-scaled, one overflow on one rank), stages 1 and 2, the fp32
 grad shard a step reads equals, bit for bit, the fp32 sum in micro-batch order of each rank's 16-bit micro-batch
@@ -83,8 +83,5 @@ def test_the_oracle_is_not_16_bit_accumulation(ranks):
 
 def test_unsharded_optimizer_refuses_fp32_accumulation_with_two_ranks(ranks):
     for r in ranks:
-        assert r["unsharded"].startswith("grad_accum_dtype=torch.float32 with a process group of 2 ranks")
-        assert (
-            "ShardedMixedPrecisionOptimizer(..., stage=1 or 2, grad_accum_dtype=torch.float32)"
-            in r["unsharded"]
-        )
+        assert r["unsharded"].startswith("grad_accum_dtype='fp32' with a process group of 2 ranks")
+        assert "MixedPrecisionOptimizer(..., stage=1 or 2, grad_accum_dtype='fp32'" in r["unsharded"]

@@ -131,7 +131,7 @@ def test_a_process_group_other_than_the_optimizers_own_is_refused(tmp_path):
         model = torch.nn.Linear(5, 3).bfloat16()
         mp = halfprec.MixedPrecisionOptimizer(
             torch.optim.AdamW(model.parameters()),
-            grad_accum_dtype=torch.float32,
+            grad_accum_dtype="fp32",
             process_group=dist.group.WORLD,
         )
         other = dist.new_group([0])

@@ -41,20 +41,20 @@ CASES = [
     ),
     (
         lambda m: torch.optim.AdamW(m.parameters()),
-        {"grad_accum_dtype": torch.float32, "reduce_dtype": "param"},
+        {"grad_accum_dtype": "fp32", "reduce_dtype": "param"},
         ValueError,
-        "grad_accum_dtype=torch.float32 with reduce_dtype='param'.*pass reduce_dtype='fp32'",
+        "grad_accum_dtype='fp32' with reduce_dtype='param'.*pass reduce_dtype='fp32'",
     ),
     (
         lambda m: torch.optim.AdamW(m.parameters()),
         {"grad_accum_dtype": torch.bfloat16},
         ValueError,
-        "grad_accum_dtype must be None .* or torch.float32",
+        r"grad_accum_dtype must be one of \('param', 'fp32'\), got torch.bfloat16; use 'param'",
     ),
     (
         # fp32 accumulation passes the option checks: refused only for the missing process group
         lambda m: torch.optim.AdamW(m.parameters()),
-        {"grad_accum_dtype": torch.float32, "stage": 2},
+        {"grad_accum_dtype": "fp32", "stage": 2},
         RuntimeError,
         "needs an initialized process group",
     ),

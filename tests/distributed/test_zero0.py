@@ -81,7 +81,7 @@ def test_engine_at_stage_0_all_reduces_fp32_sums_saves_on_rank_0_and_refuses_ddp
     launch(2, "engine_zero0", tmp_path)
     res = results(tmp_path, 2)
     for rank, r in enumerate(res):
-        assert r["grouped"] and r["accum"] == "torch.float32", f"rank {rank}"
+        assert r["grouped"] and r["accum"] == "fp32", f"rank {rank}"
         assert_equal(r["weights"], res[0]["weights"], f"rank {rank} vs rank 0: the ranks' weights")
         assert_equal(r["resumed"], r["weights"], f"rank {rank}: resumed weights")
         assert torch.equal(*r["rng"]), f"rank {rank}: its own RNG stream after the resume"
@@ -96,10 +96,10 @@ def test_engine_at_stage_0_all_reduces_fp32_sums_saves_on_rank_0_and_refuses_ddp
 @pytest.mark.parametrize(
     ("name", "regex"),
     [
-        ("no group", "grad_accum_dtype=torch.float32 with a process group of 2 ranks: .*pass process_group="),
+        ("no group", "grad_accum_dtype='fp32' with a process group of 2 ranks: .*pass process_group="),
         (
             "16-bit sums",
-            "process_group= all-reduces the fp32 grad sums, which needs grad_accum_dtype=torch.float32",
+            "process_group= all-reduces the fp32 grad sums, which needs grad_accum_dtype='fp32'",
         ),
         ("not a group", "process_group must be a torch.distributed.ProcessGroup .* got str"),
     ],

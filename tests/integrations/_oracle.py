@@ -80,7 +80,7 @@ def make_optimizer(
     dtype: torch.dtype,
     max_grad_norm: float | None = CLIP,
     impl: str = "torch",
-    grad_accum_dtype: torch.dtype | None = None,
+    grad_accum_dtype: str = "param",
 ):
     inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     return halfprec.MixedPrecisionOptimizer(
@@ -136,7 +136,7 @@ def plain_loop(
     cast_targets=False,
     impl="torch",
     device="cpu",
-    grad_accum_dtype=None,
+    grad_accum_dtype="param",
 ):
     """The reference: ``mp.backward(loss / accum)`` per micro-batch, ``mp.step()`` at each boundary.
 

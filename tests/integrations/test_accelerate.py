@@ -100,7 +100,7 @@ def test_matches_plain_loop(name, accum):
 
 def test_wrap_optimizer_accumulates_bf16_in_fp32_as_the_plain_loop_asked_for_it():
     dtype, batches = torch.bfloat16, make_batches(6)
-    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2, grad_accum_dtype=torch.float32)
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2, grad_accum_dtype="fp32")
     accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=2)
     model = make_model()
     inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -110,17 +110,17 @@ def test_wrap_optimizer_accumulates_bf16_in_fp32_as_the_plain_loop_asked_for_it(
     )
     rec = Record()
     _train(accelerator, model, mp, opt, loader, sched, dtype, rec)
-    assert mp.grad_accum_dtype is torch.float32 and rec == ref
+    assert mp.grad_accum_dtype == "fp32" and rec == ref
     assert_same_weights(model, mp, ref_model, ref_mp)
 
 
 @pytest.mark.parametrize(
     ("name", "accum", "kwargs", "expected"),
     [
-        ("bf16", 1, {}, None),  # one micro-batch: nothing to sum
-        ("fp16", 2, {}, None),  # the loss scale keeps 16-bit sums close
-        ("bf16", 2, {"grad_accum_dtype": None}, None),
-        ("fp16", 1, {"grad_accum_dtype": torch.float32}, torch.float32),
+        ("bf16", 1, {}, "param"),  # one micro-batch: nothing to sum
+        ("fp16", 2, {}, "param"),  # the loss scale keeps 16-bit sums close
+        ("bf16", 2, {"grad_accum_dtype": "param"}, "param"),
+        ("fp16", 1, {"grad_accum_dtype": "fp32"}, "fp32"),
     ],
 )
 def test_wrap_optimizer_grad_accum_dtype(name, accum, kwargs, expected):
@@ -128,7 +128,7 @@ def test_wrap_optimizer_grad_accum_dtype(name, accum, kwargs, expected):
     model = make_model()
     inner = torch.optim.AdamW(model.parameters(), lr=LR)
     mp = hp_accelerate.wrap_optimizer(accelerator, inner, param_dtype=DTYPES[name], **kwargs)
-    assert mp.grad_accum_dtype is expected
+    assert mp.grad_accum_dtype == expected
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])

@@ -130,7 +130,7 @@ def test_trainer_built_optimizer_matches_plain_loop(name, tmp_path):
     args = _args(tmp_path, 3, weight_decay=0.1)
     model = RegressionModel()
     trainer = HalfprecTrainer(
-        model=model, args=args, train_dataset=_dataset(batches), param_dtype=dtype, grad_accum_dtype=None
+        model=model, args=args, train_dataset=_dataset(batches), param_dtype=dtype, grad_accum_dtype="param"
     )  # 16-bit accumulation, as the plain loop
     trainer.train()
 
@@ -174,7 +174,7 @@ def test_overflow_skip_holds_schedule(name, tmp_path, recwarn):
 
 def test_default_accumulates_bf16_in_fp32_as_the_plain_loop_asked_for_it(tmp_path):
     dtype, batches = torch.bfloat16, make_batches(6)
-    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2, grad_accum_dtype=torch.float32)
+    ref_model, ref_mp, _, ref = plain_loop(dtype, batches, accum=2, grad_accum_dtype="fp32")
     model = RegressionModel()
     inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     trainer = HalfprecTrainer(
@@ -187,7 +187,7 @@ def test_default_accumulates_bf16_in_fp32_as_the_plain_loop_asked_for_it(tmp_pat
     )
     trainer.train()
     mp = trainer.halfprec_optimizer
-    assert mp.grad_accum_dtype is torch.float32 and model.losses == ref.losses
+    assert mp.grad_accum_dtype == "fp32" and model.losses == ref.losses
     assert _logged(trainer, "grad_norm") == ref.grad_norms
     assert_same_weights(model.net, mp, ref_model, ref_mp)
 
@@ -195,11 +195,11 @@ def test_default_accumulates_bf16_in_fp32_as_the_plain_loop_asked_for_it(tmp_pat
 @pytest.mark.parametrize(
     ("name", "accum", "kwargs", "expected"),
     [
-        ("bf16", 2, {}, torch.float32),
-        ("bf16", 1, {}, None),  # one micro-batch: nothing to sum
-        ("fp16", 2, {}, None),  # the loss scale keeps 16-bit sums close
-        ("bf16", 2, {"grad_accum_dtype": None}, None),
-        ("fp16", 1, {"grad_accum_dtype": torch.float32}, torch.float32),
+        ("bf16", 2, {}, "fp32"),
+        ("bf16", 1, {}, "param"),  # one micro-batch: nothing to sum
+        ("fp16", 2, {}, "param"),  # the loss scale keeps 16-bit sums close
+        ("bf16", 2, {"grad_accum_dtype": "param"}, "param"),
+        ("fp16", 1, {"grad_accum_dtype": "fp32"}, "fp32"),
     ],
 )
 def test_grad_accum_dtype_default_follows_gradient_accumulation_steps(
@@ -212,7 +212,7 @@ def test_grad_accum_dtype_default_follows_gradient_accumulation_steps(
         param_dtype=DTYPES[name],
         **kwargs,
     )
-    assert trainer.create_optimizer().grad_accum_dtype is expected
+    assert trainer.create_optimizer().grad_accum_dtype == expected
 
 
 @pytest.mark.parametrize(("device", "impl"), _oracle.FUSED_PATHS)
@@ -236,7 +236,7 @@ def test_fused_path_clips_in_the_kernel(name, device, impl, tmp_path):
         param_dtype=dtype,
         loss_scaler=make_scaler(dtype),
         impl=impl,
-        grad_accum_dtype=None,  # 16-bit accumulation, as the plain loop
+        grad_accum_dtype="param",  # 16-bit accumulation, as the plain loop
     )
     injector = InfInjector(model.net[0].weight, inf_at)
     trainer.train()

@@ -1,4 +1,4 @@
-"""FP32 gradient accumulation on the exact strategy (``grad_accum_dtype=torch.float32``, optim/accumulate.py).
+"""FP32 gradient accumulation on the exact strategy (``grad_accum_dtype="fp32"``, optim/accumulate.py).
 
 Oracle: a twin model with the same weights runs plain 16-bit backward per micro-batch; the fp32 sum, in micro-batch
 order, of its cloned micro-batch grads is what the optimizer must see (bit for bit, unscaled exactly), and a plain
@@ -17,7 +17,7 @@ from halfprec import Config, initialize
 
 from ..reference import SCALED_BY_HAND, bits_equal, make_model
 
-FP32 = torch.float32
+FP32 = "fp32"  # grad_accum_dtype: fp32 sums
 HP = dict(lr=1e-2, weight_decay=0.1)
 SCALE = 2.0**10  # fp16's static loss scale here: a power of two, so unscaling is exact
 
@@ -98,7 +98,7 @@ def test_master_grads_are_the_fp32_sum_and_updates_match_fp32_torch(dtype, k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_one_micro_batch_is_todays_path_bit_for_bit(dtype, clip):
-    runs = [build(dtype, accum, max_grad_norm=clip) for accum in (None, FP32)]
+    runs = [build(dtype, accum, max_grad_norm=clip) for accum in ("param", FP32)]
     seen = [seen_grads(mp) for _, mp in runs]
     for step in range(4):
         step_alike(runs, step, dtype)
@@ -118,7 +118,7 @@ def step_alike(runs, step: int, dtype: torch.dtype, loss=loss_of) -> None:
 
 
 def test_grads_set_by_hand_are_accumulated_too():
-    runs = [build(torch.bfloat16, accum) for accum in (None, FP32)]
+    runs = [build(torch.bfloat16, accum) for accum in ("param", FP32)]
     for step in range(3):
         for model, mp in runs:
             for p, g in zip(model.parameters(), twin_sums(model, step, 1, torch.bfloat16, 1.0), strict=True):
@@ -257,11 +257,11 @@ def test_frozen_params_and_added_groups():
     [
         (
             dict(impl="torch", grad_accum_dtype=torch.bfloat16),
-            "grad_accum_dtype must be None .* got torch.bfloat16",
+            r"grad_accum_dtype must be one of \('param', 'fp32'\), got torch.bfloat16; use 'param'",
         ),
-        (dict(impl="torch", grad_accum_dtype="fp32"), "grad_accum_dtype must be None .* got 'fp32'"),
+        (dict(impl="torch", grad_accum_dtype=None), r"got None; use 'param'"),
         (  # no process group exists in this process
-            dict(impl="torch", grad_accum_dtype=torch.float32, process_group="world"),
+            dict(impl="torch", grad_accum_dtype="fp32", process_group="world"),
             "process_group='world' but torch.distributed is not initialised: .*init_process_group",
         ),
     ],
@@ -281,7 +281,7 @@ def test_bad_options(kwargs, regex):
         ),
         (
             dict(grad_accum_dtype=torch.float32),
-            "grad_accum_dtype must be one of 'auto', 'param', 'fp32'.*torch.float32",
+            r"grad_accum_dtype must be one of \('auto', 'param', 'fp32'\), got torch.float32; use 'fp32'",
         ),
     ],
 )
@@ -302,7 +302,7 @@ def test_engine_accumulates_in_fp32():
             engine.backward(loss_of(engine, micro // 4, micro % 4, torch.float32))
             engine.step()
         runs.append(engine)
-    assert runs[0].optimizer.grad_accum_dtype is None and runs[1].optimizer.grad_accum_dtype is FP32
+    assert runs[0].optimizer.grad_accum_dtype == "param" and runs[1].optimizer.grad_accum_dtype == "fp32"
     assert runs[1].global_step == 2 and runs[1].skipped_steps == 0
     # 16-bit and fp32 accumulation differ (the point of the option), by rounding only
     for a, b in zip(runs[0].module.parameters(), runs[1].module.parameters(), strict=True):

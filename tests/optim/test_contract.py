@@ -50,7 +50,9 @@ def _build(strategy, model, **extra):
     options, cls = STRATEGIES[strategy]
     if "stage" in options:
         extra["named_parameters"] = model
-    scaler = halfprec.DynamicLossScaler(init_scale=256.0, hysteresis=1)  # fp16 grads of a tiny model: no overflow
+    scaler = halfprec.DynamicLossScaler(
+        init_scale=256.0, hysteresis=1
+    )  # fp16 grads of a tiny model: no overflow
     mp = halfprec.MixedPrecisionOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2), loss_scaler=scaler, **options, **extra
     )

@@ -30,8 +30,8 @@ def _run(accum, set_to_none, steps=3):
 def test_fp32_sums_step_the_same_params_as_16_bit_sums(set_to_none):
     # zero_grad(set_to_none=False) leaves zero grads, which torch steps (AdamW's momentum keeps moving b);
     # set_to_none=True leaves None, which torch does not step: fp32 accumulation must follow either rule
-    plain, plain_mp = _run(None, set_to_none)
-    fp32, fp32_mp = _run(torch.float32, set_to_none)
+    plain, plain_mp = _run("param", set_to_none)
+    fp32, fp32_mp = _run("fp32", set_to_none)
     for (name, p), q in zip(plain.named_parameters(), fp32.parameters(), strict=True):
         assert torch.equal(p, q), name
     for m, n in zip(plain_mp.master_params(), fp32_mp.master_params(), strict=True):
@@ -43,7 +43,7 @@ def test_fp32_sums_step_the_same_params_as_16_bit_sums(set_to_none):
 
 
 def test_zero_grad_keeps_zeroed_master_grads_until_the_next_backward():
-    model, mp = _run(torch.float32, set_to_none=False, steps=1)
+    model, mp = _run("fp32", set_to_none=False, steps=1)
     grads = [m.grad for m in mp.master_params()]
     assert all(g is not None and not g.any() for g in grads)
     mp.zero_grad(set_to_none=True)

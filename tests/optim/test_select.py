@@ -31,7 +31,15 @@ BAD_OPTIONS = [
     (dict(bucket_size=64), r"bucket_size=64 applies to the sharded strategy"),
     (dict(named_parameters=[]), r"named_parameters=\[\] applies to the sharded strategy"),
     (dict(stage=1), r"stage=1 needs named_parameters=model"),
-    (dict(grad_accum_dtype=torch.float16), r"grad_accum_dtype must be None .* or torch.float32"),
+    (
+        dict(grad_accum_dtype=torch.float32),
+        r"grad_accum_dtype must be one of \('param', 'fp32'\), got torch.float32; use 'fp32'",
+    ),
+    (
+        dict(grad_accum_dtype=None),
+        r"grad_accum_dtype must be one of \('param', 'fp32'\), got None; use 'param'",
+    ),
+    (dict(grad_accum_dtype="auto"), r"grad_accum_dtype must be one of \('param', 'fp32'\), got 'auto'$"),
     (dict(max_grad_norm=-1.0), r"max_grad_norm"),
     (
         dict(loss_scaler=2.0),

@@ -32,7 +32,7 @@ __all__ = [
 # 16-bit param; SGD with momentum and Adagrad: 22; LAMB: its three passes (norm 2 + stage 22 + apply 18).
 FLOOR_BYTES = {"adamw": 30, "sgd": 22, "adagrad": 22, "lamb": 42}
 # impl -> bytes per param it adds to that floor. "split" (fused, masters="split", bf16): the master read and write
-# become P and L (4 + 4 B) and the separate param write goes. "fused32" (fused, grad_accum_dtype=torch.float32):
+# become P and L (4 + 4 B) and the separate param write goes. "fused32" (fused, grad_accum_dtype="fp32"):
 # the norm and the update passes read 4-byte grads.
 _IMPL_FLOOR_BYTES = {"split": -2, "fused32": 4}
 # name -> list of param shapes (268M: 16 weights of 4096x4096 and 16 biases of 4096)
@@ -110,7 +110,7 @@ def _torch_opt(name, params, *, fused=None):
     return cls(params, **hyper, fused=fused)
 
 
-def bench_fused_optimizer(name, params, masters="fp32", grad_accum_dtype=None):
+def bench_fused_optimizer(name, params, masters="fp32", grad_accum_dtype="param"):
     """The fused optimizer ``name`` over ``params`` as the bench times it (clipping at 1.0; fp16 scaled)."""
     _, cls, hyper = _OPTIMIZERS[name]
     scaler = halfprec.DynamicLossScaler() if params[0].dtype == torch.float16 else None
@@ -184,7 +184,7 @@ def _measure(impl: str, name: str, shapes, dtype, *, warmup: int, iters: int) ->
         opt = bench_fused_optimizer(name, params, masters="split" if impl == "split" else "fp32")
         mark = opt.mark_grads  # what backward's hooks do
     elif impl == "fused32":
-        opt = bench_fused_optimizer(name, params, grad_accum_dtype=torch.float32)
+        opt = bench_fused_optimizer(name, params, grad_accum_dtype="fp32")
 
         def mark(params=params) -> None:
             # backward's hooks: each 16-bit grad copied into the fp32 buffer and released

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from ..config import auto_accum_dtype
+from ..config import auto_grad_accum
 from ..optim.checks import check_grad_accum_dtype, world_size
+from ..precision import check_grad_accum
 
 __all__ = ["check_strategy", "require", "resolve_grad_accum_dtype"]
 
@@ -34,18 +35,14 @@ def check_strategy(impl: Any, grad_accum_dtype: Any) -> None:
             f"impl must be 'auto' (the fused path on CUDA, else the exact one), 'torch' (the exact path) or "
             f"'triton' (the fused path), got {impl!r}"
         )
-    if grad_accum_dtype not in ("auto", None, torch.float32):
-        raise ValueError(
-            "grad_accum_dtype must be 'auto' (fp32 for bf16 params when the tool accumulates micro-batches), None "
-            f"(the params' 16-bit .grad) or torch.float32, got {grad_accum_dtype!r}"
-        )
-    if grad_accum_dtype is torch.float32:
+    # 'auto': fp32 for bf16 params when the tool accumulates micro-batches
+    if check_grad_accum(grad_accum_dtype, auto=True) == "fp32":
         check_grad_accum_dtype(grad_accum_dtype)
 
 
 def resolve_grad_accum_dtype(
     choice: Any, optimizer: torch.optim.Optimizer, param_dtype: torch.dtype | None, micro_batches: int
-) -> torch.dtype | None:
+) -> str:
     """The ``grad_accum_dtype`` an adapter wraps ``optimizer`` with (its params cast to ``param_dtype``; None: they
     are 16-bit already): ``"auto"`` is ``Config``'s rule for the tool's ``micro_batches``, 16-bit when several
     processes train (the tool's DDP all-reduces the 16-bit ``.grad``, which fp32 accumulation releases); an
@@ -55,4 +52,4 @@ def resolve_grad_accum_dtype(
     if param_dtype is None:
         bf16 = any(p.dtype == torch.bfloat16 for group in optimizer.param_groups for p in group["params"])
         param_dtype = torch.bfloat16 if bf16 else torch.float16
-    return auto_accum_dtype(param_dtype, micro_batches, fp32_sums=world_size() == 1)
+    return auto_grad_accum(param_dtype, micro_batches, fp32_sums=world_size() == 1)

@@ -87,12 +87,12 @@ def wrap_optimizer(
     optimizer: torch.optim.Optimizer,
     *,
     param_dtype: torch.dtype | None = None,
-    grad_accum_dtype: torch.dtype | str | None = "auto",
+    grad_accum_dtype: str = "auto",
     **kwargs: Any,
 ) -> MixedPrecisionOptimizer:
     """``MixedPrecisionOptimizer(optimizer, param_dtype=..., **kwargs)`` accumulating as ``grad_accum_dtype``
     says: ``"auto"`` (the default) is fp32 for bf16 with ``accelerator.gradient_accumulation_steps > 1`` on one
-    process, None the params' 16-bit ``.grad``, ``torch.float32`` fp32. Call it before :func:`prepare`."""
+    process, ``"param"`` the params' 16-bit ``.grad``, ``"fp32"`` fp32. Call it before :func:`prepare`."""
     check_strategy(kwargs.get("impl", "auto"), grad_accum_dtype)
     steps = accelerator.gradient_accumulation_steps
     accum = resolve_grad_accum_dtype(grad_accum_dtype, optimizer, param_dtype, steps)

@@ -111,8 +111,8 @@ class HalfprecTrainerMixin:
         impl: ``"auto"`` (the fused optimizer on CUDA when it supports the optimizer, else the exact path),
             ``"torch"`` (the exact path) or ``"triton"``; for an optimizer passed in ``optimizers=``, only when it
             is a plain torch one.
-        grad_accum_dtype: ``torch.float32`` accumulates ``gradient_accumulation_steps`` micro-batches in fp32
-            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads; ``"auto"``: fp32 for bf16
+        grad_accum_dtype: ``"fp32"`` accumulates ``gradient_accumulation_steps`` micro-batches in fp32
+            (``MixedPrecisionOptimizer``'s argument); ``"param"`` in the 16-bit grads; ``"auto"``: fp32 for bf16
             with ``gradient_accumulation_steps > 1`` on one process.
     """
 
@@ -122,7 +122,7 @@ class HalfprecTrainerMixin:
         param_dtype: torch.dtype | None = None,
         loss_scaler: LossScaler | None = None,
         impl: str = "auto",
-        grad_accum_dtype: torch.dtype | str | None = "auto",
+        grad_accum_dtype: str = "auto",
         **kwargs: Any,
     ) -> None:
         # refused before the Trainer builds anything on these arguments

@@ -58,7 +58,7 @@ class _Common:
         loss_scaler: LossScaler | None = None,
         skip_nonfinite: bool = True,
         impl: str = "auto",
-        grad_accum_dtype: torch.dtype | str | None = "auto",
+        grad_accum_dtype: str = "auto",
     ) -> None:
         if precision not in _LIGHTNING_NAME:  # the 16-bit ones: fp32 weights need no plugin
             raise ValueError(
@@ -254,8 +254,8 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
         skip_nonfinite: skip steps with non-finite bf16 grads too (fp16 is always checked).
         impl: ``"auto"`` (the fused optimizer on CUDA when it supports the optimizer, else the exact path),
             ``"torch"`` (the exact path: fp32 master grads that hooks and value clipping can edit) or ``"triton"``.
-        grad_accum_dtype: ``torch.float32`` accumulates ``accumulate_grad_batches`` micro-batches in fp32
-            (``MixedPrecisionOptimizer``'s argument); ``None`` in the 16-bit grads; ``"auto"``: fp32 for bf16
+        grad_accum_dtype: ``"fp32"`` accumulates ``accumulate_grad_batches`` micro-batches in fp32
+            (``MixedPrecisionOptimizer``'s argument); ``"param"`` in the 16-bit grads; ``"auto"``: fp32 for bf16
             with ``accumulate_grad_batches > 1`` on one process (Fabric: only when told).
     """
 

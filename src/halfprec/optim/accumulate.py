@@ -1,4 +1,4 @@
-"""FP32 gradient accumulation for the exact strategy (``grad_accum_dtype=torch.float32``), and ZeRO-0 data
+"""FP32 gradient accumulation for the exact strategy (``grad_accum_dtype="fp32"``), and ZeRO-0 data
 parallelism over the fp32 sums (``process_group=``, the exact and fused strategies).
 
 A post-accumulate-grad hook on every 16-bit trained param adds the grad backward just produced into the param's
@@ -32,7 +32,7 @@ __all__ = ["GradAccumulator", "all_reduce_master_grads", "all_reduce_mean", "che
 
 def check_process_group(group: Any, grad_accum_dtype: Any) -> None:
     """Raise ValueError unless ``group`` is None, or a process group of an initialised ``torch.distributed`` given
-    with ``grad_accum_dtype=torch.float32`` (what the ZeRO-0 all-reduce sums)."""
+    with ``grad_accum_dtype="fp32"`` (what the ZeRO-0 all-reduce sums)."""
     if group is None:
         return
     if not (dist.is_available() and dist.is_initialized()):
@@ -45,9 +45,9 @@ def check_process_group(group: Any, grad_accum_dtype: Any) -> None:
             f"process_group must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD), got "
             f"{type(group).__name__}"
         )
-    if grad_accum_dtype is not torch.float32:
+    if grad_accum_dtype != "fp32":
         raise ValueError(
-            f"process_group= all-reduces the fp32 grad sums, which needs grad_accum_dtype=torch.float32, got "
+            f"process_group= all-reduces the fp32 grad sums, which needs grad_accum_dtype='fp32', got "
             f"{grad_accum_dtype!r}; for 16-bit accumulation wrap the model in DDP and pass no process_group"
         )
 

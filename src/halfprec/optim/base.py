@@ -102,7 +102,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
     impl = (
         "torch"  # the step's implementation: "torch" (a torch optimizer's step) or "triton" (fused kernels)
     )
-    grad_accum_dtype: torch.dtype | None = None  # None: 16-bit .grad; torch.float32: fp32 sums
+    grad_accum_dtype = "param"  # where micro-batch grads are summed: "param" (16-bit .grad) or "fp32"
     process_group: Any = None  # the data-parallel group the grads are reduced over; None: no reduction
     unscales_in_place = True  # unscale_() fills the masters' fp32 .grad with unscaled values
     _FORMAT = FORMAT

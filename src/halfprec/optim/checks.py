@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .._checks import check_max_grad_norm
-from ..precision import check_low_precision
+from ..precision import check_grad_accum, check_low_precision
 from ..scaler import LossScaler
 
 __all__ = [
@@ -39,25 +39,22 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def check_grad_accum_dtype(value: Any, *, strategy: str = "torch", process_group: Any = None) -> None:
-    """Raise ValueError unless ``value`` is None or ``torch.float32``; on the unsharded strategies (``"torch"``,
-    ``"fused"``) across ranks only with ``process_group`` (``accumulate.py``: DDP would reduce 16-bit grads)."""
-    if value is None:
-        return
-    if value is not torch.float32:
-        raise ValueError(
-            f"grad_accum_dtype must be None (accumulate in the params' 16-bit .grad) or torch.float32 (in the fp32 "
-            f"master grads), got {value!r}"
-        )
+def check_grad_accum_dtype(value: Any, *, strategy: str = "torch", process_group: Any = None) -> str:
+    """``value`` when it is ``"param"`` (sum in the params' 16-bit ``.grad``) or ``"fp32"`` (in fp32); else
+    ValueError. On the unsharded strategies (``"torch"``, ``"fused"``) fp32 sums across ranks only with
+    ``process_group`` (``accumulate.py``: DDP would reduce 16-bit grads)."""
+    if check_grad_accum(value) == "param":
+        return value
     if strategy != "sharded" and process_group is None and world_size() > 1:
         raise ValueError(
-            f"grad_accum_dtype=torch.float32 with a process group of {world_size()} ranks: DDP's all-reduce "
+            f"grad_accum_dtype='fp32' with a process group of {world_size()} ranks: DDP's all-reduce "
             "reads the 16-bit .grad that fp32 accumulation releases; data-parallel fp32 accumulation is halfprec's "
             "own, without DDP: pass process_group=torch.distributed.group.WORLD (ZeRO-0: the fp32 sums are "
             "all-reduced at the step; do not wrap the model in DDP), or "
-            "halfprec.distributed.ShardedMixedPrecisionOptimizer(..., stage=1 or 2, grad_accum_dtype=torch.float32), "
-            "or use grad_accum_dtype=None"
+            "MixedPrecisionOptimizer(..., stage=1 or 2, grad_accum_dtype='fp32', named_parameters=model), or use "
+            "grad_accum_dtype='param'"
         )
+    return value
 
 
 def check_unfrozen(frozen: Iterable[torch.Tensor]) -> None:

@@ -1,6 +1,6 @@
 """The exact strategy: the wrapped torch optimizer's own step, run on FP32 masters.
 
-``unscale_()`` copies the 16-bit grads into fp32 master grads (or, with ``grad_accum_dtype=torch.float32``, takes
+``unscale_()`` copies the 16-bit grads into fp32 master grads (or, with ``grad_accum_dtype="fp32"``, takes
 the fp32 sums ``accumulate.py`` kept) and divides them by the loss scale, exactly (scales are powers of two); the
 step computes the global norm, updates the scaler, and unless the step is skipped clips, runs the inner torch step
 on the masters and rounds them into the model (to nearest even). N steps equal N steps of the plain torch optimizer
@@ -29,11 +29,11 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     """``optimizer``'s step on fp32 masters of its 16-bit params (``MixedPrecisionOptimizer(..., impl="torch")``).
 
     Args beyond the contract's (``MixedPrecisionOptimizer``):
-        grad_accum_dtype: ``None`` accumulates micro-batch grads in the params' 16-bit ``.grad``; ``torch.float32``
+        grad_accum_dtype: ``"param"`` accumulates micro-batch grads in the params' 16-bit ``.grad``; ``"fp32"``
             adds each 16-bit grad, as backward produces it, into its fp32 master grad and releases it
             (``accumulate.py``: one fp32 rounding per micro-batch, no extra memory).
-        process_group: ``None``: no data parallelism (or DDP, with ``grad_accum_dtype=None``); a process group
-            with ``grad_accum_dtype=torch.float32``: ZeRO-0 instead of DDP (do not wrap the model): ``step()``
+        process_group: ``None``: no data parallelism (or DDP, with ``grad_accum_dtype="param"``); a process group
+            with ``grad_accum_dtype="fp32"``: ZeRO-0 instead of DDP (do not wrap the model): ``step()``
             takes the mean of the ranks' fp32 sums (``accumulate.py``).
     """
 
@@ -47,7 +47,7 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = True,
         param_dtype: torch.dtype | None = None,
-        grad_accum_dtype: torch.dtype | None = None,
+        grad_accum_dtype: str = "param",
         process_group: Any = None,
     ) -> None:
         check_wrappable(optimizer)
@@ -55,7 +55,7 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
             param_dtype=param_dtype, wrapped=optimizer,
         )  # fmt: skip
-        check_grad_accum_dtype(grad_accum_dtype, process_group=process_group)
+        self.grad_accum_dtype = check_grad_accum_dtype(grad_accum_dtype, process_group=process_group)
         check_process_group(process_group, grad_accum_dtype)
         self.process_group = process_group
         self._store = MasterStore()
@@ -76,8 +76,7 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             )
         device = devices.pop() if devices else torch.device("cpu")
         self._init_scaler(loss_scaler, dtypes={p.dtype for p in self._trained}, device=device)
-        if grad_accum_dtype is not None:
-            self.grad_accum_dtype = grad_accum_dtype
+        if grad_accum_dtype == "fp32":
             self._accumulator = GradAccumulator(self._store, self._s)
 
     # --- params --------------------------------------------------------------------------------------

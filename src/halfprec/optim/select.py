@@ -33,7 +33,7 @@ _SHARDED_ONLY = ("named_parameters", "reduce_dtype", "bucket_size")
 def build(
     optimizer: torch.optim.Optimizer, *, loss_scaler: LossScaler | None = None, max_grad_norm: float | None = None,
     skip_nonfinite: bool = True, param_dtype: torch.dtype | None = None, impl: str = "auto", stage: int = 0,
-    masters: str = "fp32", grad_accum_dtype: torch.dtype | None = None, process_group: Any = None,
+    masters: str = "fp32", grad_accum_dtype: str = "param", process_group: Any = None,
     named_parameters: Any = None, reduce_dtype: str | None = None, bucket_size: int | None = None,
     tool_flags: bool = False,
 ) -> MixedPrecisionOptimizer:  # fmt: skip
@@ -45,9 +45,9 @@ def build(
         stage: ZeRO stage, 0 (default), 1 (masters and optimizer state sharded over ``process_group``) or 2
             (grads too).
         masters: ``"fp32"`` or ``"split"`` (bf16 params only; the fused kernels: docs/split-masters.md).
-        grad_accum_dtype: ``None`` (micro-batch grads summed in the params' 16-bit ``.grad``) or
-            ``torch.float32`` (summed in fp32 as backward produces them).
-        process_group: stage 0: ``None``, or a group with ``grad_accum_dtype=torch.float32`` (ZeRO-0: the fp32
+        grad_accum_dtype: ``"param"`` (micro-batch grads summed in the params' 16-bit ``.grad``) or ``"fp32"``
+            (summed in fp32 as backward produces them).
+        process_group: stage 0: ``None``, or a group with ``grad_accum_dtype="fp32"`` (ZeRO-0: the fp32
             sums are all-reduced at the step; no DDP). Stages 1/2: the data-parallel group (None: the default).
         named_parameters: stages 1/2: the model (or its ``named_parameters()``), whose names key checkpoints.
         reduce_dtype: stages 1/2: ``"fp32"`` (default) or ``"param"``. bucket_size: stages 1/2, in elements.

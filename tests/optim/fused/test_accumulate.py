@@ -1,4 +1,4 @@
-"""FP32 gradient accumulation on the fused optimizers (``grad_accum_dtype=torch.float32``, optim/fused/grads.py).
+"""FP32 gradient accumulation on the fused optimizers (``grad_accum_dtype="fp32"``, optim/fused/grads.py).
 
 Oracles: the fp32 sum, in micro-batch order, of a twin model's plain 16-bit micro-batch grads is what the kernels
 must read (bit for bit, still scaled); the exact path with fp32 accumulation fed the same micro-batch grads is
@@ -22,7 +22,7 @@ from ...tolerances import approx
 from ..helpers import DEVICE, assert_same_state
 from ..test_accumulate import loss_of, step_alike, twin_sums
 
-FP32 = torch.float32
+FP32 = "fp32"  # grad_accum_dtype: fp32 sums
 SCALE = 2.0**10
 DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 TORCH = {  # the torch optimizer of each fused one, and its hyper-parameters here
@@ -96,7 +96,7 @@ def test_steps_match_the_exact_path_skip_included(name, dtype):
         for impl in ("torch", "triton")
     ]  # fmt: skip
     (ref_model, ref), (model, fused) = runs
-    assert fused.impl == "triton" and fused.grad_accum_dtype is FP32
+    assert fused.impl == "triton" and fused.grad_accum_dtype == "fp32"
     for step in range(5):
         for j in range(4):
             for m, mp in runs:
@@ -121,7 +121,7 @@ def test_one_micro_batch_is_the_16_bit_path_bit_for_bit(name):
     # an fp32 grad that is a 16-bit one upcast is read as the same fp32 value: same updates; the same norm in the
     # interpreter (compiled, the norm's in-block summation order may follow the load width)
     dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
-    runs = [build(name, dtype, accum) for accum in (None, FP32)]
+    runs = [build(name, dtype, accum) for accum in ("param", FP32)]
     for step in range(3):
         step_alike(runs, step, dtype, loss)
         norm = runs[0][1].grad_norm
@@ -214,8 +214,15 @@ def test_unscaled_backward_is_seen_by_the_scale_guard():
 @pytest.mark.parametrize(
     ("accum", "regex"),
     [
-        (torch.bfloat16, "grad_accum_dtype must be None .* got torch.bfloat16"),
-        ("fp32", "grad_accum_dtype must be None .* got 'fp32'"),
+        (
+            torch.bfloat16,
+            r"grad_accum_dtype must be one of \('param', 'fp32'\), got torch.bfloat16; use 'param'",
+        ),
+        (
+            torch.float32,
+            r"grad_accum_dtype must be one of \('param', 'fp32'\), got torch.float32; use 'fp32'",
+        ),
+        ("float32", r"got 'float32'; use 'fp32'"),
     ],
 )
 def test_bad_options(accum, regex):
@@ -230,7 +237,7 @@ def test_engine_threads_it_to_the_fused_path():
         model, torch.optim.AdamW(model.parameters(), lr=1e-2), Config(precision="fp16", impl="triton",
         gradient_accumulation_steps=4, grad_accum_dtype="fp32"),
     )  # fmt: skip
-    assert isinstance(engine.optimizer, FusedAdamW) and engine.optimizer.grad_accum_dtype is FP32
+    assert isinstance(engine.optimizer, FusedAdamW) and engine.optimizer.grad_accum_dtype == "fp32"
     for micro in range(8):
         engine.backward(loss_of(engine, micro // 4, micro % 4, torch.float32))
         assert all(p.grad is None for p in model.parameters())
@@ -246,7 +253,7 @@ def test_engine_on_cuda_picks_the_fused_path_with_fp32_accumulation(precision):
         model, torch.optim.AdamW(model.parameters(), lr=1e-2), precision=precision, gradient_accumulation_steps=4,
         grad_accum_dtype="fp32",
     )  # fmt: skip
-    assert isinstance(engine.optimizer, FusedAdamW) and engine.optimizer.grad_accum_dtype is FP32
+    assert isinstance(engine.optimizer, FusedAdamW) and engine.optimizer.grad_accum_dtype == "fp32"
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     for step in range(2):
         sums = twin_sums(copy.deepcopy(model), step, 4, dtype, engine.optimizer.loss_scale / 4)

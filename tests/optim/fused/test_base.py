@@ -184,7 +184,7 @@ def test_max_grad_norm_set_per_step_clips_that_step_in_the_kernel():
     assert_same_state(ref, fused, torch.float16)
 
 
-@pytest.mark.parametrize("accum", [None, torch.float32])
+@pytest.mark.parametrize("accum", ["param", "fp32"])
 def test_unscaled_grads_are_the_exact_paths_master_grads(accum):
     scaler = lambda: halfprec.StaticLossScaler(2.0**10)  # noqa: E731
     a, b = make_params(SIZES + [5], torch.float16)

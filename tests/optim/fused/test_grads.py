@@ -23,7 +23,7 @@ from halfprec.optim.layout import chunk_params
 
 from ..helpers import DEVICE, AtenOps, warm_up_on_side_stream
 
-FP32 = torch.float32
+FP32 = "fp32"  # grad_accum_dtype: fp32 sums
 _INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 
@@ -112,7 +112,13 @@ STEPS = [
 
 @pytest.mark.parametrize(
     ("cls", "accum"),
-    [(FusedAdamW, None), (FusedAdamW, FP32), (FusedSGD, None), (FusedLamb, FP32), (FusedAdagrad, None)],
+    [
+        (FusedAdamW, "param"),
+        (FusedAdamW, FP32),
+        (FusedSGD, "param"),
+        (FusedLamb, FP32),
+        (FusedAdagrad, "param"),
+    ],
 )
 @pytest.mark.parametrize("batch_bytes", [None, 1], ids=["batched", "a-copy-per-grad"])
 def test_freed_buffers_give_the_kept_buffers_results_bit_for_bit(cls, accum, batch_bytes, monkeypatch):
@@ -149,7 +155,7 @@ def test_freed_buffers_give_the_kept_buffers_results_bit_for_bit(cls, accum, bat
 def test_a_hook_after_the_optimizers_reads_and_edits_the_fresh_grad():
     # post-accumulate-grad hooks registered after the optimizer run after its own, before the batched copy: they
     # read the backward's grad, an in-place edit reaches the step, and a replaced .grad is the one it adopts
-    (model, mp), (twin, ref) = build(FusedAdamW, None)
+    (model, mp), (twin, ref) = build(FusedAdamW, "param")
     seen = []
 
     def halve(p):
@@ -192,14 +198,16 @@ def test_a_held_back_grad_counts_its_whole_storage_against_the_bound(monkeypatch
     assert float(mp.state_dict()["optimizer"]["state"][0]["step"]) == 1.0
 
 
-@pytest.mark.parametrize("accum", [None, FP32])
+@pytest.mark.parametrize("accum", ["param", FP32])
 def test_zero_grad_frees_the_buffers_and_the_next_grad_makes_them(accum):
     (model, mp), _ = build(FusedAdamW, accum)
     mp.backward(model(batch(0, 0)).float().pow(2).mean())
     buffers = storages(grads_held(model, mp))  # (with fp32 accumulation the masters' .grad until the step)
     mp.step()
     # a 16-bit chunk (9*41, 41, 3*5 and 5 params, each padded to 16) and an fp32 one (41*7 and 7): 2 or 4 B/param
-    assert sorted(buffers.values()) == sorted([(384 + 48 + 16 + 16) * (4 if accum else 2), (288 + 16) * 4])
+    assert sorted(buffers.values()) == sorted(
+        [(384 + 48 + 16 + 16) * (4 if accum == FP32 else 2), (288 + 16) * 4]
+    )
     before = live_bytes()
     mp.zero_grad(set_to_none=False)
     assert live_bytes() == before  # zeroed and kept
@@ -352,7 +360,7 @@ MARKS = {
 }
 
 
-@pytest.mark.parametrize("accum", [None, FP32])
+@pytest.mark.parametrize("accum", ["param", FP32])
 @pytest.mark.parametrize("case", MARKS)
 def test_a_step_updates_the_params_marked_since_the_last_one(case, accum):
     (model, mp), _ = build(FusedAdamW, accum)
@@ -374,7 +382,7 @@ def test_a_step_updates_the_params_marked_since_the_last_one(case, accum):
 def test_a_create_graph_backward_leaves_the_grad_buffers_out_of_autograd():
     # the hooks run with grad mode on in a create_graph=True backward: their copies must not be recorded (the
     # flat buffers would require grad and hold the graph)
-    (model, mp), (twin, ref) = build(FusedAdamW, None)
+    (model, mp), (twin, ref) = build(FusedAdamW, "param")
     for _ in range(2):
         mp.backward(model(batch(0, 0)).float().pow(2).mean(), create_graph=True)
         ref.backward(twin(batch(0, 0)).float().pow(2).mean())
@@ -385,7 +393,7 @@ def test_a_create_graph_backward_leaves_the_grad_buffers_out_of_autograd():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("accum", [None, FP32])
+@pytest.mark.parametrize("accum", ["param", FP32])
 def test_the_forward_peak_drops_by_the_grad_buffer(accum):
     def forward_peak(set_to_none: bool) -> tuple[int, int]:
         torch.manual_seed(0)
@@ -405,7 +413,7 @@ def test_the_forward_peak_drops_by_the_grad_buffer(accum):
 
     kept, buffer = forward_peak(False)
     freed, _ = forward_peak(True)
-    assert buffer == 4 * (1024 * 1024 + 1024) * (4 if accum else 2)
+    assert buffer == 4 * (1024 * 1024 + 1024) * (4 if accum == FP32 else 2)
     assert kept - freed == buffer
 
 

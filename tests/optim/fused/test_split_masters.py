@@ -210,7 +210,7 @@ def test_interpreted_steps_match_the_fp32_master_optimizer(cls, hp):
 @pytest.mark.parametrize(("cls", "hp"), ALGORITHMS, ids=_IDS)
 def test_fp32_grad_accumulation_composes_with_split_masters(cls, hp):
     # 4 micro-batches of bf16 grads, summed in fp32 by both (backward's hook: mark_grads); the step reads the sums
-    split, ref, a, b = _pair(cls, hp, _sources([9, 41, 127, (7, 13)]), grad_accum_dtype=torch.float32)
+    split, ref, a, b = _pair(cls, hp, _sources([9, 41, 127, (7, 13)]), grad_accum_dtype="fp32")
     for step in range(3):
         g = torch.Generator().manual_seed(step)
         for _ in range(4):

@@ -29,6 +29,7 @@ import torch
 from ...kernels import triton_status
 from ...kernels.settings import settings
 from ...kernels.slots import PSCAL_WIDTH, HyperTable, Kind
+from ...precision import GRAD_ACCUM
 from ...scaler import LossScaler
 from ..accumulate import check_process_group
 from ..base import MixedPrecisionOptimizer
@@ -84,11 +85,13 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = True,
         param_dtype: torch.dtype | None = None,
-        grad_accum_dtype: torch.dtype | None = None,
+        grad_accum_dtype: str = "param",
         masters: str = "fp32",
         process_group: Any = None,
     ) -> None:
-        check_grad_accum_dtype(grad_accum_dtype, strategy="fused", process_group=process_group)
+        grad_accum_dtype = check_grad_accum_dtype(
+            grad_accum_dtype, strategy="fused", process_group=process_group
+        )
         check_process_group(process_group, grad_accum_dtype)
         ok, why = triton_status()
         if not ok:
@@ -176,7 +179,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._pscal = torch.zeros(n, PSCAL_WIDTH, dtype=torch.float32, device=dev)
         self._hyper = HyperTable(len(self.param_groups), dev)
         self._scalars = torch.zeros(8, dtype=torch.float32, device=dev)
-        self._grads = GradViews(trainable, self._where, dev, self.grad_accum_dtype)
+        self._grads = GradViews(trainable, self._where, dev, GRAD_ACCUM[self.grad_accum_dtype])
 
     # --- per-algorithm hooks (subclasses) --------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
@@ -263,7 +266,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     # --- grads ---------------------------------------------------------------------------------------
     def _backward_params(self) -> list[torch.Tensor]:
         """The params whose ``.grad`` a backward fills; with fp32 accumulation the fp32 masters too (``grads.py``)."""
-        held = self.grad_accum_dtype is not None and self.masters == "fp32"
+        held = self.grad_accum_dtype == "fp32" and self.masters == "fp32"
         return self._model_params + (self.master_params() if held else [])
 
     def mark_grads(self) -> None:

@@ -51,17 +51,17 @@ def check_named_parameters(named_parameters: Any) -> None:
         )
 
 
-def check_reduce_dtype(reduce_dtype: Any, grad_accum_dtype: torch.dtype | None) -> None:
+def check_reduce_dtype(reduce_dtype: Any, grad_accum_dtype: str) -> None:
     """Raise ValueError for a ``reduce_dtype`` other than ``"fp32"``/``"param"``, and for fp32 accumulation with
     ``"param"``: the fp32 sums would be rounded to 16 bits before the ranks' sum, the very rounding fp32
     accumulation is there to avoid (Megatron ties the two: ``accumulate_allreduce_grads_in_fp32``)."""
     if reduce_dtype not in ("fp32", "param"):
         raise ValueError(f"reduce_dtype must be 'fp32' or 'param', got {reduce_dtype!r}")
-    if grad_accum_dtype is not None and reduce_dtype == "param":
+    if grad_accum_dtype == "fp32" and reduce_dtype == "param":
         raise ValueError(
-            "grad_accum_dtype=torch.float32 with reduce_dtype='param': the fp32 sums of the micro-batch grads would "
+            "grad_accum_dtype='fp32' with reduce_dtype='param': the fp32 sums of the micro-batch grads would "
             "be rounded to the params' 16-bit dtype for the reduction; fp32 accumulation reduces in fp32: pass "
-            "reduce_dtype='fp32' (the default), or grad_accum_dtype=None"
+            "reduce_dtype='fp32' (the default), or grad_accum_dtype='param'"
         )
 
 

@@ -380,7 +380,7 @@ class GradReducer:
     def no_sync(self) -> Iterator[None]:
         if not self.whole_grads:
             raise RuntimeError(
-                "no_sync() is only meaningful at stage 1 or with grad_accum_dtype=torch.float32: stage 2 keeps no "
+                "no_sync() is only meaningful at stage 1 or with grad_accum_dtype='fp32': stage 2 keeps no "
                 "whole 16-bit gradients, so it reduces every micro-batch as backward produces it; call backward() "
                 "for each micro-batch without no_sync()"
             )

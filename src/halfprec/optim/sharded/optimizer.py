@@ -8,7 +8,7 @@ optimizers, the only ones accepted.
 
 A step (every rank takes the same decisions, made from all-reduced values):
 
-1. ``unscale_()``: finish the gradient reduce-scatter (``grads.py``; with ``grad_accum_dtype=torch.float32``
+1. ``unscale_()``: finish the gradient reduce-scatter (``grads.py``; with ``grad_accum_dtype="fp32"``
    the reduce-scatter of each rank's fp32 sum of its micro-batch grads), take the mean over ranks and multiply
    by the reciprocal of the loss scale, on the fp32 grad shard (a 16-bit one, of ``reduce_dtype="param"`` with
    the fused step, stays scaled: its norm and the kernel's coefficient take the reciprocal instead).
@@ -76,8 +76,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             ``"triton"``, the fused update kernel over the flat local buffers (torch Adam, AdamW, SGD and
             Adagrad; the fused path's tolerance), raising when it cannot run; ``"auto"``, ``"triton"`` when
             ``halfprec.optim.select.select_impl`` picks it.
-        grad_accum_dtype: ``None`` accumulates micro-batch grads in 16 bits (stage 1: the whole 16-bit grads;
-            stage 2: each micro-batch is reduced, and the results added in fp32); ``torch.float32`` adds each
+        grad_accum_dtype: ``"param"`` accumulates micro-batch grads in 16 bits (stage 1: the whole 16-bit grads;
+            stage 2: each micro-batch is reduced, and the results added in fp32); ``"fp32"`` adds each
             16-bit grad into a whole fp32 grad buffer as backward produces it and reduce-scatters the fp32 sums
             (``grads.py``; needs ``reduce_dtype="fp32"``; ``no_sync()`` then works at both stages).
         masters: ``"fp32"``, or ``"split"``: bf16 params keep exact fp32 masters as the param plus its low 16
@@ -100,13 +100,13 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         process_group: dist.ProcessGroup | None = None,
         impl: str = "auto",
-        grad_accum_dtype: torch.dtype | None = None,
+        grad_accum_dtype: str = "param",
         masters: str = "fp32",
     ) -> None:
         check_optimizer(optimizer, loss_scaler, max_grad_norm, param_dtype)
         check_named_parameters(named_parameters)
         check_masters(masters, [param_dtype])
-        check_grad_accum_dtype(grad_accum_dtype, strategy="sharded")
+        grad_accum_dtype = check_grad_accum_dtype(grad_accum_dtype, strategy="sharded")
         self.impl = select_impl(optimizer, impl)
         if stage not in (1, 2) or isinstance(stage, bool):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}; stage 0 is MixedPrecisionOptimizer + DDP")
@@ -146,9 +146,11 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._init_scaler(loss_scaler, dtypes={self.dtype} if self._params else set(), device=self.device)
         # the fused kernel reads 16-bit grads as they are (unscaled by its coefficient); torch steps fp32 grads
         sixteen = self._fused is not None and reduce_dtype == "param" and self.dtype != torch.float32
+        # a 16-bit shard stays scaled until the fused kernel reads it: unscale_() leaves no unscaled .grad then
+        self.unscales_in_place = not sixteen
         self._reducer = GradReducer(
             self._params, self.layout, stage=stage, reduce_dtype=reduce_dtype, group=process_group,
-            accumulate=grad_accum_dtype is not None, shard_dtype=self.dtype if sixteen else torch.float32,
+            accumulate=grad_accum_dtype == "fp32", shard_dtype=self.dtype if sixteen else torch.float32,
             names=self._names,
         )  # fmt: skip
 
