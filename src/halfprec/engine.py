@@ -16,9 +16,11 @@ from typing import Any
 import torch
 
 from ._checks import is_int
-from .checkpoint.directory import check_tag, reading, save_pt, stage, write_checkpoint
+from .checkpoint.dcp import save as save_optimizer
+from .checkpoint.dcp import staged_load
+from .checkpoint.directory import check_tag, reading, save_pt, stage
 from .checkpoint.directory import saving as saving_into
-from .checkpoint.manifest import ENGINE, ENGINE_SHARDED, CheckpointError, layout_of, seal
+from .checkpoint.manifest import ENGINE_SHARDED, CheckpointError, layout_of, seal
 from .checkpoint.plain import check_plain, rng_state, set_rng_state
 from .checkpoint.read import load_pt, load_weights, resolve, verify
 from .config import Config, check_fields
@@ -355,7 +357,7 @@ class Engine:
         engine_state = {
             "global_step": self.global_step,
             "micro_step": self.micro_step,
-            "param_names": [] if self._sharded else [names.get(p) for p in self.optimizer.model_params()],
+            "param_names": [names.get(p) for p in self.optimizer.model_params()],
             "config": asdict(self.config),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "client_state": client_state,
@@ -366,77 +368,48 @@ class Engine:
             "skipped_steps": self.skipped_steps,
             "precision": self.config.precision,
             "loss_scale": self.optimizer.loss_scale,
-            "layout": ENGINE_SHARDED if self._sharded else ENGINE,
+            "layout": ENGINE_SHARDED,
         }
-        if self._sharded:
-            return self._save_sharded(directory, tag, engine_state, info, overwrite, keep_last)
-        engine_state["rng"] = rng_state()
-        files = {"optimizer": self.optimizer.state_dict(), "engine": engine_state}
-        write = dict(
-            weights=self.module.state_dict(), files=files, info=info, overwrite=overwrite, keep_last=keep_last
-        )
-        if self.optimizer.process_group is not None:
-            return self._save_on_rank_0(directory, tag, write)
-        return write_checkpoint(directory, tag, **write)
+        return self._write(Path(directory), tag, engine_state, info, overwrite=overwrite, keep_last=keep_last)
 
-    def _save_on_rank_0(self, directory, tag: str, write: dict[str, Any]) -> Path:
-        """ZeRO-0 across ranks (``process_group``): every rank holds the same weights and optimizer state, so rank
-        0 writes the checkpoint, with every rank's RNG state (``rng-<rank>.pt``: dropout streams differ by rank),
-        and the others wait for it and raise its error."""
-        import torch.distributed as dist
-
-        group = self.optimizer.process_group
-        rank, src = dist.get_rank(group), dist.get_global_rank(group, 0)
-        states = [None] * dist.get_world_size(group) if rank == 0 else None
-        dist.gather_object(write["files"]["engine"].pop("rng"), states, dst=src, group=group)
-        outcome: list[Any] = [None]
-        error = None
-        if rank == 0:
-            write["files"].update({f"rng-{r}": state for r, state in enumerate(states)})
-            try:
-                write_checkpoint(directory, tag, **write)
-            except (OSError, ValueError) as e:
-                error, outcome = e, [f"{type(e).__name__}: {e}"]
-        dist.broadcast_object_list(outcome, src=src, group=group)
-        if error is not None:
-            raise error
-        if outcome[0] is not None:
-            raise RuntimeError(f"save_checkpoint failed on rank 0: {outcome[0]}")
-        return Path(directory) / tag
-
-    def _save_sharded(self, directory, tag, engine_state, info, overwrite, keep_last) -> Path:
-        """Every rank writes its optimizer shard (DCP) and RNG state into one temporary directory; rank 0 adds
-        weights and counters, seals it and renames it. Assumes a filesystem that every rank sees."""
-        import torch.distributed as dist
-
-        from .distributed import checkpoint as dckpt
-
-        group = self.optimizer.process_group
-        rank = dist.get_rank(group)
-        root = Path(directory)
+    def _write(
+        self, root: Path, tag: str, engine_state, info, *, overwrite: bool, keep_last: int | None
+    ) -> Path:
+        """One protocol for every strategy: the optimizer in ``halfprec.distributed.checkpoint``'s format (model
+        space, reshardable), written by every rank that holds a part of it (``optimizer.collective``: all ranks of
+        its group, into one temporary directory on a filesystem they all see; else this process alone), each
+        rank's RNG state beside it; rank 0 adds the weights and counters, seals and publishes the directory."""
+        mp = self.optimizer
+        group, collective = mp.process_group, mp.collective
+        rank = torch.distributed.get_rank(group) if collective else 0
         final, tmp = root / tag, root / f".{tag}.tmp-sharded"
         with contextlib.ExitStack() as saving:
             outcome: list[Any] = [None]
             # one rank checks and cleans; the others raise the same error, so none is left waiting. Rank 0
-            # commits and publishes when the block ends (saving_into)
+            # commits and publishes when the block ends (directory.saving)
             if rank == 0:
                 try:
                     saving.enter_context(
                         saving_into(root, tag, overwrite=overwrite, keep_last=keep_last, tmp_name=tmp.name)
                     )
                 except (OSError, ValueError) as e:
+                    if not collective:
+                        raise
                     outcome = [f"{type(e).__name__}: {e}"]
-            src = dist.get_global_rank(group, 0) if group else 0
-            dist.broadcast_object_list(outcome, src=src, group=group)
-            if outcome[0] is not None:
-                raise RuntimeError(f"save_checkpoint failed on rank 0: {outcome[0]}")
-            dckpt.save(self.optimizer, tmp / "optimizer")
+            if collective:
+                src = torch.distributed.get_global_rank(group, 0) if group else 0
+                torch.distributed.broadcast_object_list(outcome, src=src, group=group)
+                if outcome[0] is not None:
+                    raise RuntimeError(f"save_checkpoint failed on rank 0: {outcome[0]}")
+            save_optimizer(mp, tmp / "optimizer", named_parameters=self.module, local=not collective)
             save_pt(rng_state(), tmp / f"rng-{rank}.pt")
-            dist.barrier(group)
+            if collective:
+                torch.distributed.barrier(group)
             if rank == 0:
                 stage(tmp, weights=self.module.state_dict(), files={"engine": engine_state})
                 seal(tmp, tag, info)
-        dist.barrier(group)
+        if collective:
+            torch.distributed.barrier(group)
         return final
 
     def load_checkpoint(
@@ -457,18 +430,17 @@ class Engine:
                 "or one of its tag directories"
             )
         root = resolve(directory, tag).parent
-        # a sharded engine's ranks load collectively (the lock would deadlock them); resolved again under the
+        # a collective optimizer's ranks load together (the lock would deadlock them); resolved again under the
         # lock: 'latest' or an interrupted replace may have moved on meanwhile
-        with contextlib.nullcontext() if self._sharded else reading(root):
+        with contextlib.nullcontext() if self.optimizer.collective else reading(root):
             path = resolve(directory, tag)
             manifest = verify(path)
             weights = load_weights(path, manifest)
             _check_weights(self.module, weights, path)
             engine_state = load_pt(path, "engine")
             counters = _check_engine_state(path, engine_state)
-            sharded_files = layout_of(path, manifest) == ENGINE_SHARDED
             if load_optimizer_states:
-                load_optimizer = self._staged_optimizer_load(path, engine_state, sharded_files)
+                load_optimizer = self._staged_optimizer_load(path, engine_state, layout_of(path, manifest))
             rng = self._staged_rng(path, engine_state) if load_rng_states else None
         configured = self.optimizer.loss_scaler.state_dict() if load_optimizer_states else {}
         # nothing has changed so far; from here on every step is a write
@@ -488,27 +460,24 @@ class Engine:
             set_rng_state(rng)
         return engine_state["client_state"]
 
-    def _staged_optimizer_load(self, path: Path, engine_state: dict[str, Any], sharded_files: bool):
-        """Read and check the checkpoint's optimizer part; return the function that loads it."""
-        if self._sharded and not sharded_files:
-            raise CheckpointError(
-                f"{path} holds an unsharded optimizer state (optimizer.pt); a ZeRO-{self.config.zero_stage} engine "
-                "loads checkpoints saved by a sharded engine, or pass load_optimizer_states=False"
-            )
-        optim_state = None if sharded_files else load_pt(path, "optimizer")
+    def _staged_optimizer_load(self, path: Path, engine_state: dict[str, Any], layout: str):
+        """Read and check the checkpoint's optimizer part; return the function that loads it. Every strategy
+        loads the reshardable format (``optimizer/``); ``optimizer.pt``, of checkpoints from before it, through
+        the optimizer's ``load_state_dict``."""
         try:
-            if sharded_files:
-                from .checkpoint.dcp import staged_load
-
-                return staged_load(self.optimizer, path / "optimizer", named_parameters=self.module)
+            if layout == ENGINE_SHARDED:
+                return staged_load(
+                    self.optimizer, path / "optimizer", named_parameters=self.module,
+                    local=not self.optimizer.collective,
+                )  # fmt: skip
+            optim_state = load_pt(path, "optimizer")
             self.optimizer.check_state_dict(optim_state)
         except ValueError as e:
             kind_error = scaler_kind_error(path, e, engine_state, self.config)
             if kind_error is not None:
                 raise kind_error from e
-            if sharded_files:
-                raise
-            raise CheckpointError(f"{path / 'optimizer.pt'}: {e}") from e
+            where = "" if layout == ENGINE_SHARDED else f"{path / 'optimizer.pt'}: "  # DCP's names its path
+            raise CheckpointError(f"{where}{e}") from e
         return lambda: self.optimizer.load_state_dict(optim_state)
 
     def _staged_rng(self, path: Path, engine_state: dict[str, Any]) -> Any:
@@ -516,10 +485,8 @@ class Engine:
         if "rng" in engine_state:
             return engine_state["rng"]
         rank = 0
-        if self._sharded or self.optimizer.process_group is not None:
-            import torch.distributed as dist
-
-            rank = dist.get_rank(self.optimizer.process_group)
+        if self.optimizer.collective:
+            rank = torch.distributed.get_rank(self.optimizer.process_group)
         if (path / f"rng-{rank}.pt").exists():
             return load_pt(path, f"rng-{rank}")
         warnings.warn(

@@ -56,16 +56,18 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _run_dcp(run, state_dict: dict[str, torch.Tensor], group, planner, **storage) -> None:
-    """``dcp.save`` or ``dcp.load`` (``run``), without DCP's warning that no process group means one process."""
+def _run_dcp(run, state_dict: dict[str, torch.Tensor], group, planner, local: bool, **storage) -> None:
+    """``dcp.save`` or ``dcp.load`` (``run``), without DCP's warning that no process group means one process;
+    ``local``: this process alone, whatever torch.distributed holds."""
+    alone = local or not _distributed()
     with warnings.catch_warnings():
-        if not _distributed():
+        if alone:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        run(state_dict, planner=planner, process_group=group, no_dist=not _distributed(), **storage)
+        run(state_dict, planner=planner, process_group=group, no_dist=alone, **storage)
 
 
-def _barrier(group) -> None:
-    if _distributed():
+def _barrier(group, local: bool) -> None:
+    if _distributed() and not local:
         dist.barrier(group=group)
 
 
@@ -179,12 +181,15 @@ def _group(optimizer, process_group):
 
 
 # --- save -------------------------------------------------------------------------------------------------
-def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None) -> Path:
+def save(
+    optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None, local: bool = False
+) -> Path:
     """Write ``optimizer`` (any ``MixedPrecisionOptimizer``; an unsharded one needs ``named_parameters``, the
-    model) to the directory ``path``, atomically; returns ``path``. Collective when distributed."""
+    model) to the directory ``path``, atomically; returns ``path``. Collective when distributed, unless ``local``
+    (an unsharded optimizer saved by this process alone: ``optimizer.collective`` is False)."""
     path = Path(path)
     group = _group(optimizer, process_group)
-    rank = dist.get_rank(group) if _distributed() else 0
+    rank = dist.get_rank(group) if _distributed() and not local else 0
     held, every, full = _model_space(optimizer, named_parameters)
     state_dict: dict[str, torch.Tensor] = {}
     chunks: dict[str, tuple[int, int]] = {}
@@ -208,15 +213,20 @@ def save(optimizer, path: str | os.PathLike, *, named_parameters=None, process_g
                 )
             tmp.mkdir(parents=True)
             hold.enter_context(held_dir(tmp))  # until committed: no other save takes it for a leftover
-        _barrier(group)
+        _barrier(group, local)
         _run_dcp(
-            dcp.save, state_dict, group, ChunkSavePlanner(chunks), storage_writer=FileSystemWriter(str(tmp))
+            dcp.save,
+            state_dict,
+            group,
+            ChunkSavePlanner(chunks),
+            local,
+            storage_writer=FileSystemWriter(str(tmp)),
         )
-        _barrier(group)
+        _barrier(group, local)
         if rank == 0:  # after every rank's files are in
             seal(tmp, path.name)
             commit(tmp, path)
-    _barrier(group)
+    _barrier(group, local)
     if full is None:  # sharded: the joined split masters are no longer needed
         optimizer.release_model_space()
     return path
@@ -246,14 +256,20 @@ def _live_keys(h: _Held) -> list[tuple[str, bool]]:
 
 
 # --- load -------------------------------------------------------------------------------------------------
-def load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None) -> None:
+def load(
+    optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None, local: bool = False
+) -> None:
     """Load a checkpoint written at any world size into ``optimizer`` (any ``MixedPrecisionOptimizer``).
-    Collective when distributed. Everything is read and checked before the first write: a failed load changes
-    nothing."""
-    staged_load(optimizer, path, named_parameters=named_parameters, process_group=process_group)()
+    Collective when distributed, unless ``local`` (as for ``save``). Everything is read and checked before the
+    first write: a failed load changes nothing."""
+    staged_load(
+        optimizer, path, named_parameters=named_parameters, process_group=process_group, local=local
+    )()
 
 
-def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None):
+def staged_load(
+    optimizer, path: str | os.PathLike, *, named_parameters=None, process_group=None, local: bool = False
+):
     """Read and check the checkpoint at ``path`` for ``optimizer`` (collective when distributed); return the
     function that applies it. Raises (ValueError, or CheckpointError for unreadable files) before anything of
     ``optimizer`` changes, so a caller can check several parts of a checkpoint before applying any."""
@@ -272,7 +288,14 @@ def staged_load(optimizer, path: str | os.PathLike, *, named_parameters=None, pr
     for item, md in saved.items():
         if item.startswith(("hparam/", "scaler/", "counters/", "group/", "shape/")):
             items[item] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    _run_dcp(dcp.load, items, group, ChunkLoadPlanner(chunks), storage_reader=SafeFileSystemReader(str(path)))
+    _run_dcp(
+        dcp.load,
+        items,
+        group,
+        ChunkLoadPlanner(chunks),
+        local,
+        storage_reader=SafeFileSystemReader(str(path)),
+    )
     _check_params(path, items, held, len(optimizer.param_groups))
     hparams = _hparams(path, items, optimizer.param_groups)
     scaler_state = _scaler_state(path, items, optimizer.loss_scaler)

@@ -54,7 +54,11 @@ def _read_engine(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], d
         if layout_of(path, manifest) == ENGINE_SHARDED:
             from .consolidate import masters_of, read_checkpoint  # noqa: PLC0415 - written by a ZeRO-1/2 engine
 
-            masters, optimizer = masters_of(read_checkpoint(path / "optimizer")), "sharded (DCP, reshardable)"
+            items = read_checkpoint(path / "optimizer")
+            kinds = sorted(
+                k.rpartition("/")[2] for k in items if k.startswith("kind/")
+            )  # optimizer, then scaler
+            masters, optimizer = masters_of(items), f"{', '.join(kinds)} (reshardable)"
         else:
             names, optim = load_pt(path, "engine")["param_names"], load_pt(path, "optimizer")
             masters = {names[int(i)]: m for i, m in optim["masters"].items() if names[int(i)] is not None}

@@ -166,6 +166,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
             p.data = p.data.to(self.param_dtype)
 
     @property
+    def collective(self) -> bool:
+        """Whether the ranks of ``process_group`` save and load this optimizer together (its state is reduced
+        among them, ZeRO-0, or spread over them, ZeRO-1/2); False: this process alone."""
+        return self.process_group is not None
+
+    @property
     def _checks_grads(self) -> bool:
         """Whether a step checks its grads for non-finite values: always with fp16 (all grads are loss-scaled)."""
         return self._has_fp16 or self.skip_nonfinite

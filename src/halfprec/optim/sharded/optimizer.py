@@ -85,6 +85,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     """
 
     _FORMAT = FORMAT
+    collective = True  # its state is spread over the ranks of process_group (None: the default group)
 
     def __init__(
         self,
