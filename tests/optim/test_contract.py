@@ -27,6 +27,9 @@ DIFFERS = {
     # stage 1's model grads are views of its flat 16-bit buffer: zero_grad() zeroes them instead of dropping them
     # (no allocation per step); a param stepped or not is still decided by the grads of the last backward
     "grads_after_zero_grad": {"exact": None, "fused": None, "stage1": 0.0, "stage2": None},
+    # stage 2 reduces into a shard that the step consumed: a backward after a step without the optimizer's
+    # zero_grad() (model.zero_grad() cannot reach the shard) is refused
+    "backward_after_model_zero_grad": {"exact": None, "fused": None, "stage1": None, "stage2": RuntimeError},
 }
 
 
@@ -232,3 +235,25 @@ def test_add_param_group(strategy):
     mp.backward(extra(model(x)).float().sum())
     mp.step()
     assert not torch.equal(before, extra.weight)
+
+
+def test_a_grad_the_caller_dropped_after_a_step_is_not_applied_again(strategy):
+    # torch.nn.Module.zero_grad() sets every .grad to None; a param the next backward does not reach then has no
+    # grad, and torch does not step it
+    model = _model()
+    mp = _build(strategy, model)
+    x = torch.randn(2, 5).to(device=DEVICE, dtype=torch.float16)
+    mp.backward(model(x).float().pow(2).sum())
+    mp.step()
+    model.zero_grad()
+    last = model[2]
+    before = [last.weight.detach().clone(), last.bias.detach().clone()]
+    frozen_head = model[0](x).float().pow(2).sum()  # reaches the first layer only
+    expected = DIFFERS["backward_after_model_zero_grad"][strategy]
+    if expected is not None:
+        with pytest.raises(expected, match="zero_grad"):
+            mp.backward(frozen_head)
+        return
+    mp.backward(frozen_head)
+    mp.step()
+    assert torch.equal(before[0], last.weight) and torch.equal(before[1], last.bias)

@@ -107,6 +107,9 @@ class GradReducer:
         self.dirty = [False] * len(layout.buckets)
         # stage 2: those grads, 16-bit, until the bucket is reduced again
         self._late: dict[int, torch.Tensor] = {}
+        # stage 1, 16-bit: the next grad is the first since a step or zero_grad(), when the caller may have
+        # dropped .grad (model.zero_grad()) of params the coming backward does not reach
+        self._unchecked = False
         self._reset_pass()
         self._mark()
         for i, p in enumerate(params):
@@ -177,6 +180,8 @@ class GradReducer:
             self.grad_view(i).add_(param.grad)  # fp32 += 16-bit: the exact upcast, one fp32 rounding
             param.grad = None
         elif self.stage == 1:
+            if self._unchecked:
+                self._forget_dropped()
             view = self.grad_view(i)
             if param.grad.data_ptr() != view.data_ptr():
                 # p.grad was None (or replaced): autograd made a fresh tensor holding this backward's grad
@@ -205,6 +210,16 @@ class GradReducer:
             self._launch(self._next)
             self._next += 1
             self.overlapped = self._next
+
+    def _forget_dropped(self) -> None:
+        """Stage 1, 16-bit: a param whose ``.grad`` the caller set to None since the step has no grad, as in
+        torch: its part of the whole buffer (which ``.grad`` viewed) is zeroed and it is not stepped unless some
+        backward reaches it again. Without this its old grad would be reduced and applied again."""
+        self._unchecked = False
+        for j, p in enumerate(self.params):
+            if p.grad is None and self.flat_grad is not None and self.layout.numels[j]:
+                self.grad_view(j).zero_()
+                self.used[j] = False
 
     def _stage(self, i: int, b: int, grad: torch.Tensor, *, late: bool, first: bool) -> None:
         """Stage 2: put param ``i``'s 16-bit grad where bucket ``b``'s next reduction reads it (after the bucket's
@@ -422,6 +437,7 @@ class GradReducer:
         stage 2 or with fp32 accumulation the next grad cannot be added to it (fp32: it starts a new sum)."""
         self.applied = True
         self.consumed = self.stage == 2 or self.accumulate
+        self._unchecked = True
 
     def _restart(self) -> None:
         """The first grad after a step that consumed an fp32 accumulation: start a new one from zero."""
