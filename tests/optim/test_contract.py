@@ -29,6 +29,9 @@ DIFFERS = {
     "grads_after_zero_grad": {"exact": None, "fused": None, "stage1": 0.0, "stage2": None},
     # stage 2 reduces into a shard that the step consumed: a backward after a step without the optimizer's
     # zero_grad() (model.zero_grad() cannot reach the shard) is refused
+    # the fused strategy keeps its flat grad buffers through zero_grad(set_to_none=False) but updates only the
+    # params that get a new grad (torch steps every param whose grad was zeroed): docs/guarantees.md
+    "steps_zeroed_grads": {"exact": True, "fused": False, "stage1": True, "stage2": True},
     "backward_after_model_zero_grad": {"exact": None, "fused": None, "stage1": None, "stage2": RuntimeError},
 }
 
@@ -257,3 +260,30 @@ def test_a_grad_the_caller_dropped_after_a_step_is_not_applied_again(strategy):
     mp.backward(frozen_head)
     mp.step()
     assert torch.equal(before[0], last.weight) and torch.equal(before[1], last.bias)
+
+
+def _partly_used(strategy, set_to_none, grad_accum_dtype):
+    """Three steps where the last layer gets a grad in the first only; its weights after them."""
+    model = _model()
+    mp = _build(strategy, model, grad_accum_dtype=grad_accum_dtype)
+    g = torch.Generator().manual_seed(4)
+    for step in range(3):
+        x = torch.randn(4, 5, generator=g).to(device=DEVICE, dtype=torch.float16)
+        h = model[1](model[0](x))
+        out = model[2](h) if step == 0 else h
+        mp.backward(out.float().pow(2).mean())
+        mp.step()
+        mp.zero_grad(set_to_none=set_to_none)
+    return [p.detach().clone() for p in model[2].parameters()]
+
+
+@pytest.mark.parametrize("grad_accum_dtype", ["param", "fp32"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_which_params_a_step_updates_follows_torchs_zero_grad_rule(strategy, set_to_none, grad_accum_dtype):
+    # torch steps a param whose grad was zeroed (set_to_none=False: momentum and decay move it) and not one whose
+    # grad is None; every strategy and both accumulation dtypes follow that rule
+    first = _partly_used(strategy, True, grad_accum_dtype)  # stepped in the first step only
+    got = _partly_used(strategy, set_to_none, grad_accum_dtype)
+    moved_after_first = not all(torch.equal(a, b) for a, b in zip(first, got, strict=True))
+    stepped = not set_to_none and DIFFERS["steps_zeroed_grads"][strategy]
+    assert moved_after_first == stepped
