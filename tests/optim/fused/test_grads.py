@@ -350,7 +350,8 @@ MARKS = {
         {0, 1, 2, 3, 4},
     ),
     "zero_grad()": ([_backward, lambda m, o: o.zero_grad()], set()),
-    "zero_grad(set_to_none=False)": ([_backward, lambda m, o: o.zero_grad(set_to_none=False)], set()),
+    # zeroed grads are grads: torch steps those params (AdamW's count and decay move them)
+    "zero_grad(set_to_none=False)": ([_backward, lambda m, o: o.zero_grad(set_to_none=False)], {0, 1, 2, 3}),
     "a backward after zero_grad(set_to_none=False)": (
         [_backward, lambda m, o: o.zero_grad(set_to_none=False), _backward],
         {0, 1, 2, 3},

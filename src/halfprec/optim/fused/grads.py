@@ -82,6 +82,9 @@ class GradViews:
         self._cuda = self.flags.is_cuda
         self._marked = [False] * len(self.params)
         self._on_device = [False] * len(self.params)  # what flags holds, but during all_reduce and finalize
+        # got a grad since the last zero_grad(set_to_none=True): zero_grad(set_to_none=False) keeps it a (zero)
+        # grad, which torch steps (momentum and decay move the param)
+        self._had_grad = [False] * len(self.params)
         self._callback: weakref.ref | None = None  # this backward's queued write of the marks
         # fresh grads whose copy waits for flush(), with the stream their hook ran on (on CUDA)
         self._held_back: dict[int, tuple[torch.Tensor, Any]] = {}
@@ -152,6 +155,7 @@ class GradViews:
                 view.copy_(g)
                 p.grad = view
         self._marked[i] = True
+        self._had_grad[i] = True
         if pinned:
             self._flag_views[i].fill_(1)
             self._on_device[i] = True
@@ -280,6 +284,15 @@ class GradViews:
         if self.pinned or any(self._on_device):  # a step left them cleared: no launch
             self.flags.zero_()
         self.consumed()  # the masters' .grad (fp32 accumulation) let go of their views
+        if set_to_none:
+            self._had_grad = [False] * len(self.params)
+        else:  # the zeroed grads are this step's grads, as torch steps a param whose grad was zeroed
+            for i, had in enumerate(self._had_grad):
+                if had:
+                    self._marked[i] = True
+                    chunk, local = self.where[i]
+                    if self._accumulates[i] and chunk.master_views:
+                        chunk.master_views[local].grad = chunk.grad_views[local]
         if set_to_none and not self.pinned:
             for chunk in chunks:
                 chunk.free_grad()
