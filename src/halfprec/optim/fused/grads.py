@@ -290,6 +290,9 @@ class GradViews:
             for i, had in enumerate(self._had_grad):
                 if had:
                     self._marked[i] = True
+                    if self.pinned:  # a captured step reads the device's marks, as a captured hook writes them
+                        self._flag_views[i].fill_(1)
+                        self._on_device[i] = True
                     chunk, local = self.where[i]
                     if self._accumulates[i] and chunk.master_views:
                         chunk.master_views[local].grad = chunk.grad_views[local]
