@@ -15,6 +15,11 @@ all-reduce per flat fp32 grad buffer, divided by the world size (the sharded red
 grad on any rank is stepped on every rank, with a zero grad where it got none; on none, it is not stepped. Every
 rank then holds the same grads, so the norm, the overflow check and the loss-scale update agree without another
 collective. Not overlapped with backward: one pass of 4 B/param plus the collectives.
+
+FSDP2 (DTensor params, ``mesh.py``) calls a sharded param's post-accumulate-grad hooks after each reduce-scatter,
+with ``.grad`` the reduced 16-bit shard: the same hooks sum the shards in fp32, without an unsharded fp32 buffer.
+A backward under ``set_requires_gradient_sync(False)`` reduces nothing and calls no hook (FSDP2 keeps its grads
+in its unsharded buffer, out of reach), so the step counts the backwards against the hooks and refuses the gap.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from .layout import MasterStore
-from .results import StepState, weak_hook
+from .mesh import local
+from .results import ScaleGuard, StepState, weak_hook
 
 __all__ = ["GradAccumulator", "all_reduce_master_grads", "all_reduce_mean", "check_process_group"]
 
@@ -98,13 +104,17 @@ def all_reduce_master_grads(
 
 class GradAccumulator:
     """The hooks that accumulate ``store``'s model grads into its fp32 master grads. ``state``: the optimizer's
-    step record (its ``unscaled`` flag makes a backward between ``unscale_()`` and ``step()`` an error)."""
+    step record (its ``unscaled`` flag makes a backward between ``unscale_()`` and ``step()`` an error).
+    ``backwards``: for FSDP2's sharded params, the guard whose ``marks`` count the backwards (module docstring)."""
 
-    def __init__(self, store: MasterStore, state: StepState) -> None:
+    def __init__(self, store: MasterStore, state: StepState, backwards: ScaleGuard | None = None) -> None:
         self.store = store
         self.state = state
         self.consumed = False  # a step read the master grads: the next grad starts a new accumulation
         self.hooked = 0  # chunks of the store whose params carry the hook (add_param_group adds chunks)
+        self.backwards = backwards
+        self.counted = 0 if backwards is None else backwards.marks  # backwards before this accumulation
+        self.fired: dict[tuple[int, int], int] = {}  # hook calls per param in this accumulation (FSDP2)
         self.hook_new_chunks()
 
     def hook_new_chunks(self) -> None:
@@ -121,6 +131,8 @@ class GradAccumulator:
                 "a backward ran after unscale_() and before step(): its grads would be added, still loss-scaled, "
                 "to unscaled ones. Call unscale_() after the last backward() of the step."
             )
+        if self.backwards is not None:
+            self.fired[c, k] = self.fired.get((c, k), 0) + 1
         self.take(c, k, self.store.chunks[c].params[k])
 
     def cleared(self) -> None:
@@ -130,12 +142,27 @@ class GradAccumulator:
     def collect(self) -> list[torch.Tensor]:
         """At the step: take the model grads assigned by hand (no hook ran for them), end the accumulation (the
         next grad starts a new one) and return the master grads that hold a grad (still scaled)."""
+        if self.backwards is not None:
+            self.check_reduced()
         for c, chunk in enumerate(self.store.chunks):
             for k, p in enumerate(chunk.params):
                 if p.grad is not None:
                     self.take(c, k, p)
         self.consumed = True
         return [m.grad for m in self.store.master_params() if m.grad is not None]
+
+    def check_reduced(self) -> None:
+        """RuntimeError when more backwards ran in this accumulation than FSDP2 delivered sharded grads for."""
+        ran, most = self.backwards.marks - self.counted, max(self.fired.values(), default=0)
+        self.counted, self.fired = self.backwards.marks, {}
+        if ran > most:
+            raise RuntimeError(
+                f"{ran} backward() calls since the last step, and FSDP2 delivered the sharded grads of {most}: a "
+                "backward under model.set_requires_gradient_sync(False) leaves its grads in FSDP2's unsharded "
+                "buffer, which grad_accum_dtype='fp32' cannot reach. Keep set_requires_gradient_sync(True) on "
+                "every micro-batch (the fp32 sums of the sharded grads replace FSDP2's unsharded accumulation), "
+                "or pass grad_accum_dtype='param'"
+            )
 
     def take(self, c: int, k: int, param: torch.Tensor) -> None:
         """Add ``param.grad`` into master ``k`` of chunk ``c`` and release it; first drop the master grads a step
@@ -144,5 +171,5 @@ class GradAccumulator:
         if self.consumed:
             self.store.clear_grads()
             self.consumed = False
-        self.store.add_grad(c, k, param.grad)
+        self.store.add_grad(c, k, local(param.grad))
         param.grad = None

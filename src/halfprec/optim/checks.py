@@ -42,7 +42,8 @@ def world_size() -> int:
 def check_grad_accum_dtype(value: Any, *, strategy: str = "torch", process_group: Any = None) -> str:
     """``value`` when it is ``"param"`` (sum in the params' 16-bit ``.grad``) or ``"fp32"`` (in fp32); else
     ValueError. On the unsharded strategies (``"torch"``, ``"fused"``) fp32 sums across ranks only with
-    ``process_group`` (``accumulate.py``: DDP would reduce 16-bit grads)."""
+    ``process_group`` (``accumulate.py``: DDP would reduce 16-bit grads); ``"sharded"``: ZeRO-1/2, or params
+    sharded by FSDP2, which reduces each grad before the fp32 sum."""
     if check_grad_accum(value) == "param":
         return value
     if strategy != "sharded" and process_group is None and world_size() > 1:

@@ -5,6 +5,10 @@ the fp32 sums ``accumulate.py`` kept) and divides them by the loss scale, exactl
 step computes the global norm, updates the scaler, and unless the step is skipped clips, runs the inner torch step
 on the masters and rounds them into the model (to nearest even). N steps equal N steps of the plain torch optimizer
 on fp32 copies, bit for bit, state included (docs/guarantees.md).
+
+Over params sharded by ``fully_shard`` (FSDP2's DTensors, ``mesh.py``) the same step runs on the local shards:
+masters of this rank's rows, the global norm and overflow flag reduced over the mesh, the masters rounded back
+into the shards; its ``state_dict()`` is this rank's, and ``halfprec.distributed.checkpoint`` reshards it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from .base import MixedPrecisionOptimizer, check_wrappable
 from .checks import check_dtypes, check_grad_accum_dtype, check_params, check_unfrozen, clear_grads
 from .clip import clip_coefficient
 from .layout import LOW_PRECISION, MasterStore
+from .mesh import Mesh, check_sharded_options, is_dtensor, local_grad
 from .results import GradMarks
 from .state import Target, move_state, restore_state_dtypes
 
@@ -38,6 +43,7 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
     """
 
     _accumulator: GradAccumulator | None = None  # the fp32 accumulation's hooks
+    _mesh: Mesh | None = None  # the mesh of FSDP2-sharded (DTensor) params: masters of local shards (mesh.py)
 
     def __init__(
         self,
@@ -55,7 +61,15 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
             param_dtype=param_dtype, wrapped=optimizer,
         )  # fmt: skip
-        self.grad_accum_dtype = check_grad_accum_dtype(grad_accum_dtype, process_group=process_group)
+        trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self._mesh = Mesh.of(trained)
+        if self._mesh is not None:
+            check_sharded_options(trained, param_dtype=param_dtype, process_group=process_group)
+        self.grad_accum_dtype = check_grad_accum_dtype(
+            grad_accum_dtype,
+            strategy="torch" if self._mesh is None else "sharded",
+            process_group=process_group,
+        )
         check_process_group(process_group, grad_accum_dtype)
         self.process_group = process_group
         self._store = MasterStore()
@@ -64,7 +78,7 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._trained_dtypes: list[torch.dtype] = []  # their dtypes when wrapped (after the param_dtype cast)
         self._frozen: list[torch.nn.Parameter] = []  # those frozen when wrapped: no master, never trained
         mapping = self._build_masters(optimizer.param_groups)
-        move_state(optimizer, {p: Target(m, 0, p.numel()) for p, m in mapping.items()})
+        move_state(optimizer, {p: Target(m, 0, m.numel()) for p, m in mapping.items()})
         for group in optimizer.param_groups:
             group["params"] = [mapping.get(p, p) for p in group["params"]]
 
@@ -77,7 +91,13 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         device = devices.pop() if devices else torch.device("cpu")
         self._init_scaler(loss_scaler, dtypes={p.dtype for p in self._trained}, device=device)
         if grad_accum_dtype == "fp32":
-            self._accumulator = GradAccumulator(self._store, self._s)
+            guard = None if self._mesh is None else self._scale_guard
+            self._accumulator = GradAccumulator(self._store, self._s, backwards=guard)
+
+    @property
+    def collective(self) -> bool:
+        """FSDP2-sharded params' masters and state are spread over the mesh: its ranks save them together."""
+        return self.process_group is not None or self._mesh is not None
 
     # --- params --------------------------------------------------------------------------------------
     def _build_masters(self, groups: list[dict[str, Any]]) -> dict:
@@ -119,6 +139,7 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                 f"add_param_group adds params on {sorted(map(str, devices))}; one MixedPrecisionOptimizer keeps "
                 "one device: build another optimizer for the other device"
             )
+        self._mesh = Mesh.of(self._trained + [p for p in params if p.requires_grad])
         mapping = self._build_masters([{"params": params}])
         if self._accumulator is not None:
             self._accumulator.hook_new_chunks()
@@ -162,11 +183,11 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         filled = self._store.copy_grads_in() if self._accumulator is None else self._accumulator.collect()
         if self.process_group is not None:
             filled = all_reduce_master_grads(self._store, self._own, self.process_group)
-        own = [p.grad for p in self._own if p.grad is not None]
+        own = [local_grad(p) for p in self._own if p.grad is not None]
         if filled + own and not self.loss_scaler.is_unit:
             torch._foreach_mul_(filled + own, self.loss_scaler.inv_scale())
         # param-group order, as clip_grad_norm_(mp.master_params()) sums them: the norm's bits depend on it
-        self._s.grads = [m.grad for m in self.master_params() if m.grad is not None]
+        self._s.grads = [local_grad(m) for m in self.master_params() if m.grad is not None]
         self._s.unscaled_grads = GradMarks(self._store.model_params())
         self._s.unscaled = True
 
@@ -182,12 +203,14 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         grads, self._s.unscaled = self._s.grads, False
         check = self._checks_grads
         norm = None
-        if grads and (check or self.max_grad_norm is not None):
-            norm = torch.nn.utils.get_total_norm(grads, 2.0, False, None)
         device = self.loss_scaler.device
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        if check and norm is not None:
-            found_inf = (~torch.isfinite(norm)).to(device=device, dtype=torch.float32)
+        if self._mesh is not None and (check or self.max_grad_norm is not None):
+            norm, found_inf = self._mesh.norm_and_flag(grads, check=check, device=device)  # on every rank
+        elif grads and (check or self.max_grad_norm is not None):
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, False, None)
+            if check:
+                found_inf = (~torch.isfinite(norm)).to(device=device, dtype=torch.float32)
         values = self.loss_scaler.step_update(found_inf)
         if norm is not None:
             values = torch.cat([values, norm.to(device=device, dtype=torch.float32).reshape(1)])
@@ -195,7 +218,7 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._record_step(values, values[4] if norm is not None else None)
         if not self._s.step_was_skipped:
             if self.max_grad_norm is not None:
-                grads = [m.grad for m in self.master_params() if m.grad is not None]
+                grads = [local_grad(m) for m in self.master_params() if m.grad is not None]
                 torch._foreach_mul_(grads, clip_coefficient(self.max_grad_norm, norm).to(grads[0].device))
             self.optimizer.step()
             self._store.copy_params_out()
@@ -212,12 +235,15 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     # --- the state-dict payload ----------------------------------------------------------------------
     def _param_entries(self) -> list[dict[str, Any]]:
+        """A DTensor param's entry also holds the rows of it this rank keeps: a rank-local payload."""
         masters = set(self._store.master_params())
         params = self._index_params()
-        return [
-            {"shape": list(p.shape), "dtype": str(m.dtype), "master": p in masters}
-            for p, m in zip(params, self._model_params, strict=True)
-        ]
+        entries = []
+        for p, m in zip(params, self._model_params, strict=True):
+            entries.append({"shape": list(p.shape), "dtype": str(m.dtype), "master": p in masters})
+            if self._mesh is not None and is_dtensor(m):
+                entries[-1]["rows"] = list(self._mesh.rows(m))
+        return entries
 
     def _payload(self) -> dict[str, Any]:
         masters = set(self._store.master_params())

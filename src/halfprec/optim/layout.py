@@ -19,6 +19,7 @@ import torch
 
 from ..kernels.slots import ALIGN
 from ..precision import LOW_PRECISION
+from .mesh import local
 from .split import join_master, store_split
 
 __all__ = [
@@ -69,13 +70,14 @@ class Chunk:
         self.params = list(params)
         self.device = self.params[0].device
         self.dtype = self.params[0].dtype
-        self.offsets = list(itertools.accumulate((aligned(p.numel()) for p in self.params), initial=0))
+        shapes = [local(p).shape for p in self.params]  # a DTensor's local shard (optim/mesh.py)
+        self.offsets = list(itertools.accumulate((aligned(s.numel()) for s in shapes), initial=0))
         self.numel = self.offsets.pop()  # the total padded size
         # each param's (shape, contiguous strides, offset): one as_strided call makes its view of a flat buffer,
         # where a slice and a view take two (a chunk's grad views are made at every step after zero_grad())
         self._geometry = [
-            (p.shape, torch.empty(p.shape, device="meta").stride(), off)
-            for p, off in zip(self.params, self.offsets, strict=True)
+            (shape, torch.empty(shape, device="meta").stride(), off)
+            for shape, off in zip(shapes, self.offsets, strict=True)
         ]
         split = masters == "split" and self.dtype != torch.float32  # fp32 params are their own masters
         self.data = None if split else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
@@ -91,7 +93,7 @@ class Chunk:
                 for p, view in zip(self.params, self.views(self.param), strict=True):
                     view.copy_(p.data)
             for k, src in enumerate(sources):
-                self.load_master(k, src)  # split: the param becomes its master rounded ties away
+                self.load_master(k, local(src))  # split: the param becomes its master rounded ties away
             if flat_params:
                 flat = self.data if self.param is None else self.param
                 for p, view in zip(self.params, self.views(flat), strict=True):
@@ -232,7 +234,7 @@ class MasterStore:
                 m.grad = None if p.grad is None else view
                 if p.grad is not None:
                     filled_dst.append(view)
-                    filled_src.append(p.grad)
+                    filled_src.append(local(p.grad))
         if filled_dst:
             torch._foreach_copy_(filled_dst, filled_src)
         return filled_dst
@@ -264,13 +266,13 @@ class MasterStore:
         """Round every master into its model param (to nearest even)."""
         params, masters = self.model_params(), self.master_params()
         if params:
-            torch._foreach_copy_([p.data for p in params], masters)
+            torch._foreach_copy_([local(p.data) for p in params], masters)
 
     @torch.no_grad()
     def refresh_from_params(self) -> None:
         params, masters = self.model_params(), self.master_params()
         if params:
-            torch._foreach_copy_(masters, [p.data for p in params])
+            torch._foreach_copy_(masters, [local(p.data) for p in params])
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .mesh import local
+
 __all__ = ["GradMarks", "ScaleGuard", "SkipLog", "StepResults", "StepState", "warn_caller", "weak_hook"]
 
 logger = logging.getLogger("halfprec")
@@ -43,15 +45,18 @@ def _call_weak(ref: weakref.WeakMethod, args: tuple, param: torch.Tensor) -> Non
 class GradMarks:
     """Which grad tensors a step saw, and their in-place versions: what tells a new backward from grads already
     consumed. Weak references: a grad freed by ``zero_grad``/``model.zero_grad()`` is not kept alive, and a new
-    grad allocated at the freed one's address is not mistaken for it (``id()`` would be)."""
+    grad allocated at the freed one's address is not mistaken for it (``id()`` would be). A DTensor grad's
+    version is its local shard's: FSDP2 accumulates into the shard in place, which leaves the DTensor's own
+    counter as it was."""
 
     def __init__(self, params) -> None:
-        self.marks = [(weakref.ref(p.grad), p.grad._version) for p in params if p.grad is not None]
+        self.marks = [(weakref.ref(p.grad), local(p.grad)._version) for p in params if p.grad is not None]
 
     def same(self, params) -> bool:
         grads = [p.grad for p in params if p.grad is not None]
         return len(grads) == len(self.marks) and all(
-            ref() is g and g._version == version for (ref, version), g in zip(self.marks, grads, strict=True)
+            ref() is g and local(g)._version == version
+            for (ref, version), g in zip(self.marks, grads, strict=True)
         )
 
 
@@ -122,9 +127,11 @@ class ScaleGuard:
     def __init__(self) -> None:
         self.scaled = False  # scale_loss ran since the last step
         self.warned = False
+        self.marks = 0  # scale_loss calls ever: fp32 accumulation over FSDP2 counts backwards by them
 
     def mark(self) -> None:
         self.scaled = True
+        self.marks += 1
 
     def check(self, params, loss_scaler) -> None:
         """``params()``: the params whose grads to look at, called only off the usual path."""

@@ -4,6 +4,9 @@
 same on every machine: it is honoured, or a ValueError says why this strategy cannot take it and how to get one
 that can. The choice, in order (``policy.py`` says when the fused kernels can run):
 
+* params sharded by ``fully_shard`` (FSDP2's DTensors): the exact strategy over their local shards
+  (``mesh.py``); the options that cannot apply to them (``stage``, ``process_group``, the fused kernels, a
+  ``param_dtype`` cast of fp32 shards) raise a ValueError naming the fix;
 * ``stage`` 1 or 2: the sharded strategy (ZeRO-1/2, ``sharded/``), whose local step ``impl`` picks;
 * ``masters="split"``: the fused strategy, which alone keeps split masters (ValueError when it cannot run);
 * else ``impl``: ``"torch"`` the exact strategy (``exact.py``); ``"triton"`` the fused one (ValueError when it
@@ -22,6 +25,7 @@ from .base import MixedPrecisionOptimizer, check_wrappable, register_factory
 from .checks import check_grad_accum_dtype, check_options
 from .exact import ExactMixedPrecisionOptimizer
 from .layout import check_masters
+from .mesh import Mesh, check_sharded_options
 from .policy import IMPLS, fused_class, fused_unsupported_reason, select_impl
 
 __all__ = ["STAGES", "build", "fused_from_torch"]
@@ -65,10 +69,20 @@ def build(
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if isinstance(stage, bool) or stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES} (the ZeRO stage), got {stage!r}")
-    trained = [p.dtype for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    check_masters(masters, [param_dtype, *trained])
+    trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    mesh = Mesh.of(trained)
+    if mesh is not None:
+        check_sharded_options(
+            trained,
+            param_dtype=param_dtype,
+            process_group=process_group,
+            stage=stage,
+            impl=impl,
+            masters=masters,
+        )
+    check_masters(masters, [param_dtype, *(p.dtype for p in trained)])
     check_grad_accum_dtype(
-        grad_accum_dtype, strategy="sharded" if stage else "torch", process_group=process_group
+        grad_accum_dtype, strategy="sharded" if stage or mesh else "torch", process_group=process_group
     )
     options = dict(
         loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
@@ -107,7 +121,7 @@ def build(
                 "masters='fp32' runs on every strategy"
             )
         return fused_from_torch(optimizer, masters="split", **options)
-    if select_impl(optimizer, impl, tool_flags=tool_flags) == "triton":
+    if mesh is None and select_impl(optimizer, impl, tool_flags=tool_flags) == "triton":
         return fused_from_torch(optimizer, **options)
     return ExactMixedPrecisionOptimizer(optimizer, **options)
 

@@ -9,6 +9,9 @@ One policy for every strategy (docs/guarantees.md):
   is upcast;
 * every other value (fp32 tensors, integer counters, bool masks, non-tensors) is kept as it is;
 * a constructor that cannot be re-run falls back to upcasting, with one warning.
+
+A DTensor param's state is its local shard's (``mesh.py``): moved onto a master as plain local tensors; loaded
+for a DTensor param that is its own master (fp32 shards), made a DTensor laid out like the param again.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .layout import LOW_PRECISION
+from .mesh import as_dtensor, is_dtensor, local
 
 __all__ = ["SCALAR_KEYS", "Target", "adopt_views", "is_elementwise", "move_state", "restore_state_dtypes"]
 
@@ -91,13 +95,15 @@ def move_state(optimizer: torch.optim.Optimizer, targets: dict) -> None:
         target = targets[param]
         if target is None or not st:
             continue
-        whole = target.lo == 0 and target.hi == param.numel() and target.tensor.shape == param.shape
+        shard = local(param)
+        st = {key: local(value) if torch.is_tensor(value) else value for key, value in st.items()}
+        whole = target.lo == 0 and target.hi == shard.numel() and target.tensor.shape == shard.shape
         made = fresh.get(target.tensor, {})
         out = {}
         for key, value in st.items():
             if torch.is_tensor(value) and not whole:
                 value = value.detach()
-                if is_elementwise(key, value, param.shape):
+                if is_elementwise(key, value, shard.shape):
                     value = value.reshape(-1)[target.lo : target.hi]
                 value = value.clone()
             if not _is_low_precision(value, param):
@@ -138,9 +144,16 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, saved_state: dict, pa
                 live[key] = value.to(device=current.device, copy=True)
             elif _shared(current, value):
                 live[key] = current.clone()
+        param = params[index]
+        if is_dtensor(param):  # state loaded as local shards (a DCP load) becomes the param's layout again
+            shape = local(param).shape
+            for key, value in live.items():
+                if torch.is_tensor(value) and not is_dtensor(value) and is_elementwise(key, value, shape):
+                    live[key] = as_dtensor(param, value)
 
 
 def _shared(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = local(a), local(b)
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.device == b.device
 
 

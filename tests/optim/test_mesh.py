@@ -1,0 +1,174 @@
+"""``optim/mesh.py``: DTensor params (FSDP2) as local shards, in one process (a gloo world of one); the multi-rank
+behaviour (norms over the mesh, skips, HSDP, resharding) is ``tests/distributed/test_fsdp.py``'s."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import halfprec
+from halfprec.optim.exact import ExactMixedPrecisionOptimizer
+from halfprec.optim.mesh import Mesh, as_dtensor, is_dtensor, local, local_grad
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    """A 1-rank CPU device mesh of a gloo world of one."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(mesh, dtype=torch.bfloat16, **options) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1)).to(dtype)
+    for block in (model[0], model[2]):
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return model
+
+
+def _loss(model, dtype=torch.bfloat16) -> torch.Tensor:
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return model(x).float().square().mean()
+
+
+def test_importing_halfprec_imports_no_dtensor():
+    code = (
+        "import sys, halfprec, halfprec.optim, halfprec.distributed\n"
+        "assert 'torch.distributed.tensor' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plain_tensors_are_their_own_shards():
+    p = torch.nn.Parameter(torch.ones(3))
+    assert Mesh.of([p]) is None and not is_dtensor(p)
+    assert local(p) is p and local_grad(p) is None
+    p.grad = torch.ones(3)
+    assert local_grad(p) is p.grad
+
+
+def test_dtensor_params_have_a_mesh_rows_and_a_norm(mesh):
+    model = _sharded(mesh)
+    params = list(model.parameters())
+    found = Mesh.of(params)
+    assert found.counts and [found.rows(p) for p in params] == [(0, 7), (0, 7), (0, 1), (0, 1)]
+    assert found.offset(params[2]) == 0
+    shard = local(params[0])
+    assert not is_dtensor(shard) and shard.data_ptr() == params[0].to_local().data_ptr()
+    again = as_dtensor(params[0], shard)
+    assert again.placements == params[0].placements and torch.equal(
+        again.full_tensor(), params[0].full_tensor()
+    )
+    grads = [torch.full((2, 3), 0.5), torch.full((4,), 2.0)]
+    norm, flag = found.norm_and_flag(grads, check=True, device=torch.device("cpu"))
+    assert (
+        norm.dtype == torch.float32 and norm.item() == torch.tensor(17.5).sqrt().item() and flag.item() == 0.0
+    )
+    grads[1][0] = float("inf")
+    assert found.norm_and_flag(grads, check=True, device=torch.device("cpu"))[1].item() == 1.0
+    assert found.norm_and_flag(grads, check=False, device=torch.device("cpu"))[1].item() == 0.0
+
+
+def test_masters_are_plain_fp32_copies_of_the_shards_and_state_is_lazy(mesh):
+    model = _sharded(mesh)
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), max_grad_norm=1.0)
+    assert isinstance(mp, ExactMixedPrecisionOptimizer)  # impl="auto" picks the exact strategy
+    masters = mp.master_params()
+    assert not any(map(is_dtensor, masters)) and len(mp.state) == 0
+    for p, m in zip(model.parameters(), masters, strict=True):
+        assert m.dtype == torch.float32 and torch.equal(m, local(p).float())
+    mp.backward(_loss(model))
+    mp.step()
+    assert mp.grad_norm is not None and not mp.step_was_skipped and len(mp.state) == len(masters)
+    for p, m in zip(model.parameters(), mp.master_params(), strict=True):
+        assert torch.equal(local(p), m.to(torch.bfloat16))  # the step rounds the masters into the shards
+
+
+def test_grad_marks_see_fsdps_in_place_accumulation(mesh):
+    model = _sharded(mesh)
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    mp.backward(_loss(model))
+    mp.step()
+    with pytest.raises(RuntimeError, match="without a new backward"):
+        mp.step()
+    grad = next(model.parameters()).grad
+    mp.backward(_loss(model))  # FSDP2 adds into the same sharded grad, in place
+    assert next(model.parameters()).grad is grad
+    mp.step()
+
+
+ERRORS = [
+    ({"stage": 1}, r"stage=1 .* already sharded by fully_shard .* pass stage=0"),
+    ({"process_group": "WORLD"}, r"FSDP2 already reduce-scatters: leave process_group=None"),
+    (
+        {"impl": "triton"},
+        r"impl='triton' runs on the fused kernels, which do not yet run over FSDP2 .* impl='torch'",
+    ),
+    ({"masters": "split"}, r"masters='split' runs on the fused kernels.* masters='fp32'"),
+    (
+        {"param_dtype": torch.bfloat16, "fp32": True},
+        r"fp32 DTensor .* cannot be recast in place.*\(model\.to\(torch\.bfloat16\), then fully_shard",
+    ),
+    ({"param_dtype": torch.float16, "fp32": True}, r"param_dtype=torch\.float32"),
+]
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    ERRORS,
+    ids=["stage", "process_group", "triton", "split", "bf16-cast", "fp16-cast"],
+)
+def test_the_factory_refuses_what_cannot_apply_to_fsdp2_shards(mesh, options, pattern):
+    options = dict(options)
+    model = _sharded(mesh, torch.float32 if options.pop("fp32", False) else torch.bfloat16)
+    if options.get("process_group") == "WORLD":
+        options["process_group"] = dist.group.WORLD
+    with pytest.raises(ValueError, match=pattern):
+        halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), **options)
+    if not {"stage", "impl", "masters"} & set(options):  # the strategy's own constructor says the same
+        with pytest.raises(ValueError, match=pattern):
+            ExactMixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), **options)
+
+
+def test_mixed_layouts_are_refused(mesh):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    model = _sharded(mesh)
+    plain = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="a plain tensor and others are DTensors.*fully_shard every module"):
+        Mesh.of([*model.parameters(), plain])
+    named = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    other = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 2), named, [Shard(0)]))
+    with pytest.raises(ValueError, match="one optimizer per mesh"):
+        Mesh.of([*model.parameters(), other])
+    columns = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 2), mesh, [Shard(1)]))
+    with pytest.raises(ValueError, match=r"Shard\(dim=1\).*tensor parallel layouts are not supported"):
+        Mesh.of([columns])
+    replicated = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 2), mesh, [Replicate()]))
+    assert Mesh.of([replicated]).rows(replicated) == (0, 4)
+
+
+def test_state_of_a_stepped_torch_optimizer_moves_onto_the_local_masters(mesh):
+    model = _sharded(mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _loss(model).backward()
+    opt.step()
+    before = {i: local(opt.state[p]["exp_avg"]).clone() for i, p in enumerate(model.parameters())}
+    mp = halfprec.MixedPrecisionOptimizer(opt)
+    for i, m in enumerate(mp.master_params()):
+        state = mp.state[m]
+        assert not is_dtensor(state["exp_avg"]) and state["exp_avg"].dtype == torch.float32
+        assert torch.equal(state["exp_avg"], before[i].float()) and float(state["step"]) == 1.0
