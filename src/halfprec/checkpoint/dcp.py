@@ -37,6 +37,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from .._checks import is_number
 from ..optim.base import MixedPrecisionOptimizer
+from ..optim.mesh import Mesh
+from ..optim.mesh import local as local_shard
 from ..optim.sharded import ShardedMixedPrecisionOptimizer
 from ..optim.sharded.checks import named_trainable
 from ..optim.state import is_elementwise
@@ -82,6 +84,7 @@ class _Held(NamedTuple):
     master: torch.Tensor  # fp32 values: saved from it; loaded into it (sharded) or in its place (unsharded)
     state: dict[str, Any]  # torch-format optimizer state of the held elements
     index: int | None  # unsharded: the param's index in ``state_dict()``
+    writes: bool | None = None  # saved by this rank (None: rank 0 unsharded, the holder sharded)
 
     @property
     def numel(self) -> int:
@@ -90,7 +93,9 @@ class _Held(NamedTuple):
 
 def _model_space(optimizer, named_parameters) -> tuple[list[_Held], list[tuple], dict | None]:
     """``(held, every, full)``: ``held`` per param this rank holds, ``every`` is ``(name, shape, group)`` per
-    trainable param of the model, ``full`` the unsharded optimizer's ``state_dict()`` (None when sharded)."""
+    trainable param of the model, ``full`` the unsharded optimizer's ``state_dict()`` (None when sharded). A
+    param sharded by ``fully_shard`` (a DTensor) is held as this rank's rows: a chunk of the flat param, saved by
+    the first replica (HSDP's replicas hold the same rows)."""
     if isinstance(optimizer, ShardedMixedPrecisionOptimizer):
         space = list(optimizer.model_space())
         held = [
@@ -111,11 +116,14 @@ def _model_space(optimizer, named_parameters) -> tuple[list[_Held], list[tuple],
     it = iter(model)  # the model's params arranged in the optimizer's groups, which hold the masters
     by_group = [{"params": [next(it) for _ in g["params"]]} for g in optimizer.param_groups]
     names, params, groups = named_trainable(SimpleNamespace(param_groups=by_group), named_parameters)
+    mesh = Mesh.of(params)
     held = []
     for name, p, group in zip(names, params, groups, strict=True):
         k = index[id(p)]
-        master = full["masters"].get(k, p).detach()  # fp32 params are their own masters
-        held.append(_Held(name, tuple(p.shape), group, 0, master, full["optimizer"]["state"].get(k, {}), k))
+        master = local_shard(full["masters"].get(k, p)).detach()  # fp32 params are their own masters
+        state = {key: local_shard(v) for key, v in full["optimizer"]["state"].get(k, {}).items()}
+        lo, writes = (0, None) if mesh is None else (mesh.offset(p), mesh.counts)
+        held.append(_Held(name, tuple(p.shape), group, lo, master, state, k, writes))
     return held, [(h.name, h.shape, h.group) for h in held], full
 
 
@@ -194,9 +202,10 @@ def save(
     state_dict: dict[str, torch.Tensor] = {}
     chunks: dict[str, tuple[int, int]] = {}
     # unsharded: every rank holds the same; rank 0 writes it
-    for item, h, key, elementwise in _plan(held if rank == 0 or full is None else [], _live_keys):
+    mine = [h for h in held if h.writes or (h.writes is None and (rank == 0 or full is None))]
+    for item, h, key, elementwise in _plan(mine, _live_keys):
         value = (h.master if key is None else h.state[key]).detach()
-        if elementwise:
+        if elementwise and value.numel():  # a rank holding no rows of a param writes none
             state_dict[item] = value.reshape(-1)
             chunks[item] = (h.lo, h.numel)
         elif h.lo == 0:
@@ -284,13 +293,14 @@ def staged_load(
         item: torch.empty(h.master.numel() if elementwise else (), dtype=saved[item].properties.dtype)
         for item, h, _, elementwise in plan
     }
-    chunks = {item: h.lo for item, h, _, elementwise in plan if elementwise}
+    chunks = {item: h.lo for item, h, _, elementwise in plan if elementwise and h.master.numel()}
     for item, md in saved.items():
         if item.startswith(("hparam/", "scaler/", "counters/", "group/", "shape/")):
             items[item] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    empty = {item for item, h, _, elementwise in plan if elementwise and not h.master.numel()}  # no rows here
     _run_dcp(
         dcp.load,
-        items,
+        {item: tensor for item, tensor in items.items() if item not in empty},
         group,
         ChunkLoadPlanner(chunks),
         local,
@@ -447,7 +457,7 @@ def _apply_unsharded(optimizer, full: dict[str, Any], own: list[tuple[int, torch
     optimizer.load_state_dict(full)
     params = optimizer.model_params()
     for index, value in own:  # fp32 params, their own masters
-        params[index].copy_(value)
+        local_shard(params[index]).copy_(value)
 
 
 def _restore_hparam(live: Any, saved: torch.Tensor) -> Any:
