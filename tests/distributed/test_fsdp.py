@@ -1,0 +1,175 @@
+"""halfprec's exact strategy over FSDP2 (``fully_shard``: DTensor params), 4 gloo ranks in one launch (``_fsdp.py``).
+
+Bit for bit against the oracle (the same model unsharded: fp32 copies stepped by the same torch AdamW on the full
+grads, norm fp32(sqrt(fp64 sum of squares))): masters, params, AdamW state, norms, skips and loss scales, for-loop
+and foreach AdamW, with and without clipping, on two 2-rank meshes and on HSDP's 2x2 mesh; an inf in one rank's
+shard skips the step on every rank; fp16's dynamic scale stays equal everywhere; fp32 accumulation of the sharded
+grads; uneven and zero-row shards; a DCP checkpoint saved at world size 2 loads at 3 and at 1, bit-identical.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import _launch
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on CPU")
+
+PAIRS = [
+    [  # ranks 0 and 1
+        {"name": "bf16-forloop", "dtype": "bf16", "steps": 4},
+        {"name": "bf16-foreach-clip-inf", "dtype": "bf16", "foreach": True, "clip": 0.05, "steps": 4, "inf": [[2, 1]]},
+        {"name": "bf16-fp32-accumulation-clip", "dtype": "bf16", "micro": 3, "clip": 0.05, "steps": 3},
+    ],
+    [  # ranks 2 and 3
+        {"name": "bf16-forloop-clip", "dtype": "bf16", "clip": 0.05, "steps": 4},
+        {"name": "bf16-foreach", "dtype": "bf16", "foreach": True, "steps": 4},
+        {
+            "name": "fp16-dynamic-scale", "dtype": "fp16", "scaler": "dynamic", "clip": 0.05, "steps": 5,
+            "inf": [[1, 3], [2, 3]],
+        },
+    ],
+]  # fmt: skip
+# an inf on rank 3, a second replica: its sums of squares are not counted, its overflow flag is
+HSDP = {
+    "name": "hsdp-bf16-foreach-clip-inf",
+    "dtype": "bf16",
+    "foreach": True,
+    "clip": 0.05,
+    "steps": 4,
+    "inf": [[2, 3]],
+}
+CASES = {c["name"]: (c, (2 * i, 2 * i + 1)) for i, pair in enumerate(PAIRS) for c in pair} | {
+    HSDP["name"]: (HSDP, (0, 1, 2, 3))
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_launch, "WORKER", Path(__file__).with_name("_fsdp.py"))
+        _launch.launch(4, "fsdp", out, timeout=300.0, pairs=PAIRS, hsdp=HSDP)
+    return _launch.results(out, 4)
+
+
+def _runs(ranks, name):
+    cfg, members = CASES[name]
+    return cfg, [(r, ranks[r]["cases"][name]) for r in members]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_masters_params_and_state_equal_the_oracle_bit_for_bit(ranks, name):
+    cfg, runs = _runs(ranks, name)
+    for rank, run in runs:
+        for i, (m, o) in enumerate(zip(run["masters"], run["oracle"], strict=True)):
+            assert torch.equal(m, o), f"{name}, rank {rank}, master {i}: max diff {(m - o).abs().max()}"
+            assert torch.equal(run["params"][i], o.to(DTYPES[cfg["dtype"]])), (
+                f"{name}, rank {rank}, param {i}"
+            )
+        for key, mine in run["state"].items():
+            for i, (s, o) in enumerate(zip(mine, run["oracle_state"][key], strict=True)):
+                assert torch.equal(s, o), f"{name}, rank {rank}, {key} of param {i}"
+        stepped = sum(not s["oracle_skipped"] for s in run["steps"])
+        assert run["step_count"] == [float(stepped)] * len(run["masters"]), (name, rank)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_rank_reports_the_oracles_norm_skips_and_scale(ranks, name):
+    _, runs = _runs(ranks, name)
+    for rank, run in runs:
+        for step, s in enumerate(run["steps"]):
+            where = f"{name}, rank {rank}, step {step}"
+            assert s["skipped"] == s["oracle_skipped"], where
+            if s["oracle_norm"] is not None:
+                assert s["norm"] == s["oracle_norm"], where
+            if s["oracle_scale"] is not None:
+                assert s["scale"] == s["oracle_scale"], where
+        assert run["steps"] == runs[0][1]["steps"], f"{name}: rank {rank} and rank {runs[0][0]} differ"
+
+
+def test_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(ranks):
+    for name, (cfg, _) in CASES.items():
+        planted = {s for s, _ in cfg.get("inf", [])}
+        for rank, run in _runs(ranks, name)[1]:
+            assert [s["skipped"] for s in run["steps"]] == [k in planted for k in range(cfg["steps"])], (
+                name,
+                rank,
+            )
+
+
+def test_fp16_dynamic_scale_keeps_its_hysteresis_equal_on_every_rank(ranks):
+    _, runs = _runs(ranks, "fp16-dynamic-scale")
+    for _, run in runs:  # the first overflow spends the hysteresis, the second halves the scale
+        assert [s["scale"] for s in run["steps"]] == [1024.0, 1024.0, 512.0, 512.0, 512.0]
+
+
+def test_fp32_accumulation_sums_the_sharded_grads_in_fp32(ranks):
+    _, runs = _runs(ranks, "bf16-fp32-accumulation-clip")
+    # the masters equal the oracle's, fed fp32 sums; the same sums in bf16 are other numbers
+    assert any(run["differs"] for _, run in runs)
+
+
+def test_uneven_and_zero_row_shards(ranks):
+    run0, run1 = (ranks[r]["cases"]["bf16-forloop"] for r in (0, 1))
+    assert run0["rows"] == [(4, 5), (4,), (5, 7), (5,), (1, 9), (1,)]
+    assert run1["rows"] == [(3, 5), (3,), (4, 7), (4,), (0, 9), (0,)]
+    assert ranks[3]["cases"][HSDP["name"]]["placements"] == "(Replicate(), Shard(dim=0))"
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 3), (3, 1)])
+def test_a_checkpoint_saved_at_world_size_2_loads_bit_identical_at(ranks, rank, world):
+    load = ranks[rank]["load"]
+    assert load["world"] == world
+    assert load["keys_equal"] and load["unequal"] == []
+    assert load["params_are_rounded_masters"]
+    if world == 3:
+        assert [load["rows"] for load in (ranks[r]["load"] for r in range(3))] == [
+            [(3, 5), (3,), (3, 7), (3,), (1, 9), (1,)],
+            [(3, 5), (3,), (3, 7), (3,), (0, 9), (0,)],
+            [(1, 5), (1,), (3, 7), (3,), (0, 9), (0,)],
+        ]
+
+
+def test_state_dict_is_the_ranks_own(ranks):
+    for rank in (0, 1):
+        ck = ranks[rank]["checkpoint"]
+        assert ck["local_state_dict_round_trip"]
+        rows = (
+            [[0, 4], [0, 4], [0, 5], [0, 5], [0, 1], [0, 1]]
+            if rank == 0
+            else [[4, 7], [4, 7], [5, 9], [5, 9], [1, 1], [1, 1]]
+        )
+        assert ck["local_state_dict_rows"] == rows
+        kind, message = ck["other_rank_state_dict"]
+        assert kind == "ValueError" and "does not match this model" in message
+
+
+def test_fp32_shards_step_as_the_torch_optimizer_does(ranks):
+    for rank in (2, 3):
+        run = ranks[rank]["fp32_shards"]
+        assert run["equal"] and run["reloaded"]
+        assert all(mine == whole for mine, whole in run["norms"]), run["norms"]
+        assert run["norms"] == ranks[2]["fp32_shards"]["norms"]
+
+
+REFUSALS = [
+    ("no_sync", "RuntimeError", r"3 backward\(\) calls .* set_requires_gradient_sync\(True\)"),
+    (
+        "two_meshes",
+        "ValueError",
+        r"one halfprec optimizer takes one FSDP2 layout; build one optimizer per mesh",
+    ),
+    ("shard_1", "ValueError", r"Shard\(dim=1\).*Shard\(0\) on one mesh dim"),
+]
+
+
+@pytest.mark.parametrize(("case", "kind", "pattern"), REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_refusals_that_need_several_ranks(ranks, case, kind, pattern):
+    for rank in (2, 3):
+        found, message = ranks[rank]["refusals"][case]
+        assert found == kind and re.search(pattern, message), (rank, found, message)
