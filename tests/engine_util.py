@@ -7,10 +7,14 @@ loads the checkpoint, trains STEPS more steps and saves everything comparable to
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 
 import torch
 
 import halfprec
+from halfprec.checkpoint.directory import write_checkpoint
+from halfprec.checkpoint.manifest import ENGINE
+from halfprec.checkpoint.plain import rng_state
 
 
 class TiedLM(torch.nn.Module):
@@ -81,6 +85,36 @@ def snapshot(engine) -> dict:
         "sched": engine.lr_scheduler.state_dict()["last_epoch"],
         "rng": torch.get_rng_state(),
     }
+
+
+def legacy_checkpoint(engine, directory, tag: str | None = None, *, client_state: dict | None = None):
+    """What ``engine.save_checkpoint(directory, tag=tag)`` wrote in a single process before the optimizer moved
+    to the reshardable format: layout ``engine``, the optimizer's state dict in ``optimizer.pt``, the RNG states
+    in ``engine.pt``. For the tests that check that such checkpoints still load, or are refused, as before."""
+    names = {p: n for n, p in engine.module.named_parameters()}
+    engine_state = {
+        "global_step": engine.global_step,
+        "micro_step": engine.micro_step,
+        "param_names": [names.get(p) for p in engine.optimizer.model_params()],
+        "config": asdict(engine.config),
+        "lr_scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict(),
+        "client_state": client_state or {},
+        "rng": rng_state(),
+    }
+    info = {
+        "global_step": engine.global_step,
+        "skipped_steps": engine.skipped_steps,
+        "precision": engine.config.precision,
+        "loss_scale": engine.optimizer.loss_scale,
+        "layout": ENGINE,
+    }
+    return write_checkpoint(
+        directory,
+        f"step-{engine.global_step}" if tag is None else tag,
+        weights=engine.module.state_dict(),
+        files={"optimizer": engine.optimizer.state_dict(), "engine": engine_state},
+        info=info,
+    )
 
 
 def _main(argv: list[str]) -> None:

@@ -18,7 +18,7 @@ import torch
 from ._checks import is_int
 from .checkpoint.dcp import save as save_optimizer
 from .checkpoint.dcp import staged_load
-from .checkpoint.directory import check_tag, reading, save_pt, stage
+from .checkpoint.directory import check_directory, check_tag, reading, save_pt, stage
 from .checkpoint.directory import saving as saving_into
 from .checkpoint.manifest import ENGINE_SHARDED, CheckpointError, layout_of, seal
 from .checkpoint.plain import check_plain, rng_state, set_rng_state
@@ -332,7 +332,8 @@ class Engine:
                 f"save_checkpoint(directory={directory!r}): pass the directory to save into, a str or Path such as "
                 "'checkpoints'"
             )
-        file = next((p for p in (Path(directory), *Path(directory).parents) if p.is_file()), None)
+        root = check_directory(directory)
+        file = next((p for p in (root, *root.parents) if p.is_file()), None)
         if file is not None:
             raise ValueError(
                 f"save_checkpoint({os.fspath(directory)!r}): {file} is a file, not a directory; pass a directory "
@@ -370,7 +371,7 @@ class Engine:
             "loss_scale": self.optimizer.loss_scale,
             "layout": ENGINE_SHARDED,
         }
-        return self._write(Path(directory), tag, engine_state, info, overwrite=overwrite, keep_last=keep_last)
+        return self._write(root, tag, engine_state, info, overwrite=overwrite, keep_last=keep_last)
 
     def _write(
         self, root: Path, tag: str, engine_state, info, *, overwrite: bool, keep_last: int | None

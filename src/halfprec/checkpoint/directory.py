@@ -3,9 +3,10 @@
 Layout of ``<dir>/<tag>/``::
 
     model.safetensors   the model's state dict, each shared tensor stored once (ties listed in the manifest)
-    optimizer.pt        MixedPrecisionOptimizer.state_dict(): torch-format inner state, fp32 masters, scaler
-      (or optimizer/)   a ZeRO-1/2 engine's optimizer, a DCP directory (``checkpoint.dcp``)
-    engine.pt           counters, param names, LR scheduler, RNG states, client_state
+    optimizer/          the optimizer, reshardable: a DCP directory (``checkpoint.dcp``) with its own manifest
+      (or optimizer.pt) in checkpoints of layout ``engine``: MixedPrecisionOptimizer.state_dict()
+    engine.pt           counters, param names, LR scheduler, client_state (layout ``engine``: RNG states too)
+    rng-<rank>.pt       each rank's RNG states
     manifest.json       written last (``manifest.seal``): counters, ties, each file's size and SHA-256, ...
 
 ``<dir>/.published`` logs every tag ``latest`` has named (published tags are immutable; ``keep_last`` keeps the
@@ -34,6 +35,7 @@ from .manifest import FORMAT, LEGACY_FORMATS, MANIFEST, peek_manifest, seal, wri
 __all__ = [
     "LATEST",
     "check_tag",
+    "check_directory",
     "write_checkpoint",
     "saving",
     "locked",
@@ -158,13 +160,19 @@ def reading(root: Path) -> Iterator[None]:
         yield
 
 
-def _checked(directory: str | os.PathLike, tag: str, keep_last: int | None) -> tuple[Path, Path]:
+def check_directory(directory: str | os.PathLike) -> Path:
+    """``directory`` as a Path, unless it is ``''`` (ValueError): ``Path('')`` would silently mean the current
+    directory."""
     if not os.fspath(directory):
         raise ValueError(
             "checkpoint directory is '' (it would write into the current directory); pass a directory such as "
             "'checkpoints' (or '.' to mean the current directory)"
         )
-    root = Path(directory)
+    return Path(directory)
+
+
+def _checked(directory: str | os.PathLike, tag: str, keep_last: int | None) -> tuple[Path, Path]:
+    root = check_directory(directory)
     final = root / check_tag(tag)
     if keep_last is not None and (not is_int(keep_last) or keep_last < 1):
         raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
