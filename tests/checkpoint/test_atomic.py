@@ -202,6 +202,17 @@ def test_every_checkpoint_file_gets_the_mode_of_the_umask(tmp_path, umask):
         dckpt.save(mp, tmp_path / "dcp", named_parameters=model)
     finally:
         os.umask(old)
-    files = [*path.iterdir(), tmp_path / "w.safetensors", *(tmp_path / "dcp").iterdir()]
-    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
-    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+    assert (path / "optimizer").is_dir()  # the engine's optimizer part, a DCP directory: its files count too
+    entries = [
+        path,
+        *path.rglob("*"),
+        tmp_path / "w.safetensors",
+        tmp_path / "dcp",
+        *(tmp_path / "dcp").rglob("*"),
+    ]
+    files = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in entries if p.is_file()}
+    dirs = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in entries if p.is_dir()}
+    written = {"ck/step-1/optimizer/.metadata", "ck/step-1/optimizer/__0_0.distcp", "dcp/.metadata"}
+    assert written <= set(files), files
+    assert set(files.values()) == {oct(0o666 & ~umask)}, files
+    assert set(dirs.values()) == {oct(0o777 & ~umask)}, dirs

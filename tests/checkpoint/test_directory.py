@@ -17,7 +17,7 @@ import halfprec
 from halfprec.checkpoint.directory import write_checkpoint
 from halfprec.checkpoint.manifest import CheckpointError, file_digest, manifest_digest, peek_manifest
 
-from ..engine_util import TiedLM, build, snapshot, train
+from ..engine_util import TiedLM, build, legacy_checkpoint, snapshot, train
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,8 +79,15 @@ def test_layout_ties_latest_and_client_state(tmp_path):
         "engine.pt",
         "manifest.json",
         "model.safetensors",
-        "optimizer.pt",
+        "optimizer",
+        "rng-0.pt",
     ]
+    assert sorted(p.name for p in (path / "optimizer").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "manifest.json",
+    ]
+    assert peek_manifest(path)["layout"] == "engine-sharded"
     stored = load_file(str(path / "model.safetensors"))
     assert "head.weight" not in stored and "emb.weight" in stored  # the shared tensor is stored once
     fresh = build("bf16", seed=9)
@@ -161,15 +168,26 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, point):
     assert fresh.global_step == 1
 
 
-def test_failed_optimizer_load_leaves_the_model_untouched(tmp_path):
-    build("bf16").save_checkpoint(tmp_path)
+@pytest.mark.parametrize(
+    ("save", "message"),
+    [
+        (
+            lambda engine, root: engine.save_checkpoint(root),
+            "step-0/optimizer has 1 param groups, this optimizer 2",
+        ),
+        (legacy_checkpoint, "step-0/optimizer.pt: state dict has param groups of sizes"),
+    ],
+    ids=["reshardable", "legacy"],
+)
+def test_failed_optimizer_load_leaves_the_model_untouched(tmp_path, save, message):
+    save(build("bf16"), tmp_path)
     torch.manual_seed(0)
     model = TiedLM()
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-3)  # other groups
     engine = halfprec.initialize(model, opt, precision="bf16")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(CheckpointError, match="optimizer.pt: state dict has param groups of sizes"):
+    with pytest.raises(CheckpointError, match=message):
         engine.load_checkpoint(tmp_path)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -195,10 +213,11 @@ def test_a_published_tag_stays_immutable_after_a_rewind(tmp_path):
     train(engine, 1)
     engine.save_checkpoint(tmp_path, tag="rewind-2")  # latest now names an older step than step-3
     train(engine, 1)
-    before = file_digest(tmp_path / "step-3" / "optimizer.pt")
+    before = {p: file_digest(p) for p in (tmp_path / "step-3").rglob("*") if p.is_file()}
+    assert tmp_path / "step-3" / "optimizer" / "__0_0.distcp" in before
     with pytest.raises(FileExistsError, match="step-3 already exists and tags are immutable"):
         engine.save_checkpoint(tmp_path)  # step-3 again: published, so never moved aside
-    assert file_digest(tmp_path / "step-3" / "optimizer.pt") == before
+    assert {p: file_digest(p) for p in (tmp_path / "step-3").rglob("*") if p.is_file()} == before
     assert not [p for p in tmp_path.iterdir() if "unpublished" in p.name]
     engine.save_checkpoint(tmp_path, tag="rewind-3", keep_last=2)  # the two most recent saves stay
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from halfprec.cli.main import main
 
-from ..engine_util import TiedLM, build, train
+from ..engine_util import TiedLM, build, legacy_checkpoint, train
 
 
 def test_export_writes_masters_under_every_state_dict_key(tmp_path, capsys):
@@ -31,17 +34,29 @@ def test_export_writes_masters_under_every_state_dict_key(tmp_path, capsys):
     assert load_file(str(tmp_path / "b.safetensors"))["mix.weight"].dtype == torch.bfloat16
 
 
-def test_inspect_prints_counters_and_scale(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("save", "optimizer", "file"),
+    [
+        (
+            lambda engine, root: engine.save_checkpoint(root),
+            "AdamW, DynamicLossScaler (reshardable)",
+            "optimizer/",
+        ),
+        (legacy_checkpoint, "MixedPrecisionOptimizer, DynamicLossScaler", "optimizer.pt"),
+    ],
+    ids=["reshardable", "legacy"],
+)
+def test_inspect_prints_counters_and_scale(tmp_path, capsys, save, optimizer, file):
     engine = build("fp16")
     train(engine, 2)
-    engine.save_checkpoint(tmp_path)
+    save(engine, tmp_path)
     assert main(["inspect", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert (
-        "global_step" in text
-        and "MixedPrecisionOptimizer, DynamicLossScaler" in text
-        and "file model.safetensors" in text
+        re.search(r"^global_step +2$", text, re.M)
+        and re.search(r"^optimizer +(.*)$", text, re.M)[1] == optimizer
     )
+    assert "file model.safetensors" in text and f"file {file}" in text
     assert f"{engine.optimizer.loss_scale:g}" in text
 
 
@@ -69,7 +84,7 @@ def test_cli_errors_are_messages_with_the_cli_hint(tmp_path, capsys):
     code, _, err = _cli(["export", str(tmp_path / "none"), "--out", str(tmp_path / "x")], capsys)
     assert code == 2 and "the directory does not exist" in err
 
-    target = tmp_path / "ck" / "a" / "optimizer.pt"
+    target = tmp_path / "ck" / "a" / "optimizer" / "__0_0.distcp"
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0x01
     target.write_bytes(data)

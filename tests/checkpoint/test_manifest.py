@@ -14,6 +14,7 @@ from halfprec.checkpoint.manifest import (
     DCP,
     DCP_FORMAT,
     ENGINE,
+    ENGINE_SHARDED,
     MANIFEST,
     CheckpointError,
     layout_of,
@@ -22,23 +23,25 @@ from halfprec.checkpoint.manifest import (
 )
 from halfprec.distributed import checkpoint as dckpt
 
-from ..engine_util import build, train
+from ..engine_util import build, legacy_checkpoint, train
 from .test_atomic import _mp
 
 
 def test_the_writer_records_the_layout_and_legacy_checkpoints_still_load(tmp_path):
     engine = build("bf16")
     train(engine, 1)
-    path = engine.save_checkpoint(tmp_path / "ck")
-    manifest = read_manifest(path)
-    assert manifest["layout"] == ENGINE
-    # as written before the layout was recorded: no "layout" key, digest re-sealed
-    manifest.pop("layout")
-    manifest["manifest_sha256"] = manifest_digest(manifest)
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    assert layout_of(path) == ENGINE
-    build("bf16", seed=3).load_checkpoint(tmp_path / "ck")
-    export(path, tmp_path / "w.safetensors")
+    # the engine's checkpoint (optimizer/, a DCP directory), and one of the layout written before it (optimizer.pt)
+    for root, layout in ((tmp_path / "ck", ENGINE_SHARDED), (tmp_path / "legacy", ENGINE)):
+        path = engine.save_checkpoint(root) if layout == ENGINE_SHARDED else legacy_checkpoint(engine, root)
+        manifest = read_manifest(path)
+        assert manifest["layout"] == layout
+        # as written before the layout was recorded: no "layout" key, digest re-sealed
+        manifest.pop("layout")
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        assert layout_of(path) == layout
+        build("bf16", seed=3).load_checkpoint(root)
+        export(path, tmp_path / f"{root.name}.safetensors")
 
     model, mp = _mp()
     dckpt.save(mp, tmp_path / "dcp", named_parameters=model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import torch
 from halfprec.checkpoint.manifest import MANIFEST, CheckpointError, file_digest, manifest_digest
 from halfprec.cli.main import main
 
-from ..engine_util import build, train
+from ..engine_util import build, legacy_checkpoint, train
 
 
 def _resealed(path, edit) -> None:
@@ -25,12 +26,20 @@ def _resealed(path, edit) -> None:
     (path / MANIFEST).write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest"])
-def test_damaged_files_are_named(tmp_path, damage):
+@pytest.mark.parametrize(
+    ("damage", "name"),
+    [
+        *itertools.product(("truncate", "flip", "delete"), ("optimizer/__0_0.distcp", "optimizer/.metadata")),
+        ("manifest", "manifest.json"),
+        ("flip", "optimizer.pt"),  # a checkpoint of the legacy layout
+    ],
+)
+def test_damaged_files_are_named(tmp_path, damage, name):
     engine = build("bf16")
     train(engine, 1)
-    path = engine.save_checkpoint(tmp_path)
-    target = path / ("manifest.json" if damage == "manifest" else "optimizer.pt")
+    save = legacy_checkpoint if name == "optimizer.pt" else lambda engine, root: engine.save_checkpoint(root)
+    path = save(engine, tmp_path)
+    target = path / name
     data = bytearray(target.read_bytes())
     if damage == "truncate":
         target.write_bytes(data[: len(data) // 2])
@@ -41,7 +50,7 @@ def test_damaged_files_are_named(tmp_path, damage):
         target.unlink()
     else:
         target.write_text("{not json")
-    with pytest.raises(CheckpointError, match=str(target).replace(".", "\\.")):
+    with pytest.raises(CheckpointError, match=re.escape(str(target))):
         build("bf16").load_checkpoint(tmp_path)
 
 
@@ -99,13 +108,54 @@ def _flip_a_stored_value(file) -> None:
     file.write_bytes(data)
 
 
-def test_a_needed_file_the_manifest_does_not_list_is_refused_by_load_and_inspect(tmp_path, capsys):
+def _swap_two_stored_values(metadata, a: str, b: str) -> None:
+    """Point DCP's ``.metadata`` at each other's bytes for the items ``a`` and ``b`` (of one size): the
+    checkpoint still loads, with the two values exchanged."""
+    import pickle
+
+    with open(metadata, "rb") as f:
+        meta = pickle.load(f)
+    index = {key.fqn: key for key in meta.storage_data}
+    ka, kb = index[a], index[b]
+    assert meta.storage_data[ka].length == meta.storage_data[kb].length
+    meta.storage_data[ka], meta.storage_data[kb] = meta.storage_data[kb], meta.storage_data[ka]
+    with open(metadata, "wb") as f:
+        pickle.dump(meta, f)
+
+
+def _unlist_dcp_metadata(path) -> None:
+    """Remove ``optimizer/.metadata`` from both manifests that list it (the optimizer part's own and the
+    checkpoint's), each re-sealed, and change what it says: no digest covers it any more."""
+    _resealed(path / "optimizer", lambda m: m["files"].pop(".metadata"))
+    _swap_two_stored_values(path / "optimizer" / ".metadata", "master/mix.weight", "state/mix.weight/exp_avg")
+    own = path / "optimizer" / MANIFEST
+
+    def edit(manifest) -> None:
+        del manifest["files"]["optimizer/.metadata"]
+        manifest["files"]["optimizer/manifest.json"] = {
+            "size": own.stat().st_size,
+            "sha256": file_digest(own),
+        }
+
+    _resealed(path, edit)
+
+
+@pytest.mark.parametrize(
+    ("layout", "name"), [("engine-sharded", "optimizer/.metadata"), ("engine", "optimizer.pt")]
+)
+def test_a_needed_file_the_manifest_does_not_list_is_refused_by_load_and_inspect(
+    tmp_path, capsys, layout, name
+):
     engine = build("bf16")
     train(engine, 2)
-    path = engine.save_checkpoint(tmp_path)
-    _resealed(path, lambda m: m["files"].pop("optimizer.pt"))
-    _flip_a_stored_value(path / "optimizer.pt")  # covered by no digest now
-    message = f"{path / MANIFEST} does not list optimizer.pt, which a checkpoint of layout 'engine' needs"
+    if layout == "engine":  # the legacy layout
+        path = legacy_checkpoint(engine, tmp_path)
+        _resealed(path, lambda m: m["files"].pop("optimizer.pt"))
+        _flip_a_stored_value(path / "optimizer.pt")  # covered by no digest now
+    else:
+        path = engine.save_checkpoint(tmp_path)
+        _unlist_dcp_metadata(path)
+    message = f"{path / MANIFEST} does not list {name}, which a checkpoint of layout '{layout}' needs"
     fresh = build("bf16", seed=1)
     with pytest.raises(CheckpointError, match=re.escape(message) + ".*load an intact copy"):
         fresh.load_checkpoint(tmp_path)
@@ -117,12 +167,19 @@ def test_a_file_read_when_present_that_the_manifest_does_not_list_is_refused(tmp
     engine = build("bf16")
     train(engine, 1)
     path = engine.save_checkpoint(tmp_path)
-    torch.save(torch.get_rng_state(), path / "rng-0.pt")  # the engine would restore this rank's RNG from it
-    with pytest.raises(CheckpointError, match=r"rng-0\.pt is not listed in .*manifest\.json.*delete it"):
-        build("bf16", seed=1).load_checkpoint(tmp_path)
+    # its entry removed, and other bytes: the engine would restore this rank's RNG from it
+    _resealed(path, lambda m: m["files"].pop("rng-0.pt"))
+    torch.save(torch.get_rng_state(), path / "rng-0.pt")
+    # a file the DCP reader would open if the metadata named it (another rank's part)
+    shutil.copyfile(path / "optimizer" / "__0_0.distcp", path / "optimizer" / "__1_0.distcp")
+    for name in ("rng-0.pt", "optimizer/__1_0.distcp"):
+        message = re.escape(f"{path / name} is not listed in {path / MANIFEST}") + ".*delete it"
+        with pytest.raises(CheckpointError, match=message):
+            build("bf16", seed=1).load_checkpoint(tmp_path)
+        (path / name).unlink()
     (path / "notes.txt").write_text("a file no reader opens")
-    (path / "rng-0.pt").unlink()
-    build("bf16", seed=1).load_checkpoint(tmp_path)
+    with pytest.warns(RuntimeWarning, match="has no RNG state for rank 0"):
+        build("bf16", seed=1).load_checkpoint(tmp_path)
 
 
 def test_an_engine_pt_of_a_later_step_is_refused_by_load_as_by_inspect(tmp_path, capsys):
