@@ -172,3 +172,19 @@ def test_state_of_a_stepped_torch_optimizer_moves_onto_the_local_masters(mesh):
         state = mp.state[m]
         assert not is_dtensor(state["exp_avg"]) and state["exp_avg"].dtype == torch.float32
         assert torch.equal(state["exp_avg"], before[i].float()) and float(state["step"]) == 1.0
+
+
+def test_the_shards_are_found_again_after_fsdp2_gives_them_new_storage(mesh):
+    model = _sharded(mesh)
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model.to_empty(device="cpu")  # the same Parameters, new local storage
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().fill_(0.25)
+    mp.refresh_masters()
+    assert all(torch.equal(m, torch.full_like(m, 0.25)) for m in mp.master_params())
+    mp.backward(_loss(model))
+    mp.step()
+    for p, m in zip(model.parameters(), mp.master_params(), strict=True):
+        assert torch.equal(p.to_local(), m.to(torch.bfloat16))
+        assert not torch.equal(m, torch.full_like(m, 0.25))

@@ -6,8 +6,10 @@ and the step rounds the masters back into the local shard in place. FSDP2 has al
 so the one collective left is :meth:`Mesh.norm_and_flag`: the global grad norm and the overflow flag in one
 all-reduce, so that every rank clips with the same coefficient, skips the same steps and keeps the same loss scale.
 
-``local(t)`` is taken at every use and never kept: ``model.load_state_dict(..., assign=True)`` replaces FSDP's
-sharded storage, and the param's ``to_local()`` is the way to the current one.
+``local(t)`` is taken at every use and never kept: FSDP2 may give a sharded param new local storage and keep the
+Parameter (``model.to_empty()`` after ``fully_shard``), and the param's ``to_local()`` is the way to the current
+one. (``model.load_state_dict(..., assign=True)`` replaces the Parameters themselves: an optimizer, halfprec's or
+torch's, is built after it.)
 
 Nothing here imports ``torch.distributed.tensor``: a DTensor exists only once that module is imported, so
 ``sys.modules`` says whether there can be one.
