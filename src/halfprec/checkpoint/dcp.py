@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .._checks import is_number
 from ..optim.base import MixedPrecisionOptimizer
@@ -45,7 +46,7 @@ from ..optim.state import is_elementwise
 from .atomic import commit, remove_if_dead
 from .atomic import held as held_dir  # ``held`` names what a rank holds here
 from .consolidate import hparam_groups
-from .manifest import DCP, DCP_FORMAT, MANIFEST, reraised
+from .manifest import DCP, DCP_FORMAT, MANIFEST, reraised, writing
 from .manifest import seal as seal_directory
 from .safe_dcp import ChunkLoadPlanner, ChunkSavePlanner, SafeFileSystemReader, open_checkpoint
 
@@ -223,14 +224,15 @@ def save(
             tmp.mkdir(parents=True)
             hold.enter_context(held_dir(tmp))  # until committed: no other save takes it for a leftover
         _barrier(group, local)
-        _run_dcp(
-            dcp.save,
-            state_dict,
-            group,
-            ChunkSavePlanner(chunks),
-            local,
-            storage_writer=FileSystemWriter(str(tmp)),
-        )
+        with _dcp_writing(tmp, rank):
+            _run_dcp(
+                dcp.save,
+                state_dict,
+                group,
+                ChunkSavePlanner(chunks),
+                local,
+                storage_writer=FileSystemWriter(str(tmp)),
+            )
         _barrier(group, local)
         if rank == 0:  # after every rank's files are in
             seal(tmp, path.name)
@@ -239,6 +241,23 @@ def save(
     if full is None:  # sharded: the joined split masters are no longer needed
         optimizer.release_model_space()
     return path
+
+
+@contextlib.contextmanager
+def _dcp_writing(tmp: Path, rank: int):
+    """DCP reports a failed write as a ``CheckpointException`` (a BaseException, which ``except Exception`` lets
+    through) holding each rank's error: raise this rank's as the CheckpointError of the file it was writing (DCP's
+    default writer: one data file per rank, then the coordinator's ``.metadata``)."""
+    try:
+        yield
+    except CheckpointException as e:
+        failed = e.failures.get(rank) or next(iter(e.failures.values()), None)
+        if failed is None:
+            raise
+        error, trace = failed
+        name = ".metadata" if any(frame.name == "finish" for frame in trace or ()) else f"__{rank}_0.distcp"
+        with writing(tmp / name):
+            raise error from None
 
 
 def seal(directory: Path, name: str) -> None:

@@ -55,9 +55,8 @@ def _read_engine(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], d
             from .consolidate import masters_of, read_checkpoint  # noqa: PLC0415 - written by a ZeRO-1/2 engine
 
             items = read_checkpoint(path / "optimizer")
-            kinds = sorted(
-                k.rpartition("/")[2] for k in items if k.startswith("kind/")
-            )  # optimizer, then scaler
+            # kind/optimizer/<name> sorts before kind/scaler/<name>
+            kinds = [k.rpartition("/")[2] for k in sorted(items) if k.startswith("kind/")]
             masters, optimizer = masters_of(items), f"{', '.join(kinds)} (reshardable)"
         else:
             names, optim = load_pt(path, "engine")["param_names"], load_pt(path, "optimizer")
