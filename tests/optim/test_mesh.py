@@ -142,6 +142,15 @@ def test_the_factory_refuses_what_cannot_apply_to_fsdp2_shards(mesh, options, pa
             ExactMixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), **options)
 
 
+def test_an_optimizer_that_needs_whole_tensors_is_refused_on_shards(mesh):
+    # Adafactor's factored moments of a 2-D param read whole rows and columns: stepping one rank's rows of it would
+    # silently differ from stepping the param
+    model = _sharded(mesh)
+    for build in (halfprec.MixedPrecisionOptimizer, ExactMixedPrecisionOptimizer):
+        with pytest.raises(ValueError, match="Adafactor is not a known elementwise optimizer.*FSDP2 shards"):
+            build(torch.optim.Adafactor(model.parameters()))
+
+
 def test_mixed_layouts_are_refused(mesh):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor

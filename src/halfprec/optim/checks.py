@@ -14,9 +14,30 @@ from ..precision import check_grad_accum, check_low_precision
 from ..scaler import LossScaler
 
 __all__ = [
-    "check_dtypes", "check_grad_accum_dtype", "check_options", "check_params", "check_torch_optimizer",
+    "ELEMENTWISE", "check_elementwise", "check_dtypes", "check_grad_accum_dtype", "check_options", "check_params", "check_torch_optimizer",
     "check_unfrozen", "clear_grads", "tell_schedulers", "world_size",
 ]  # fmt: skip
+
+
+# Optimizers whose update of an element depends only on that element's grad, state and the group's scalars:
+# stepping a piece of a param (a ZeRO-1/2 piece, an FSDP2 shard) is then exactly stepping the param. LAMB, LARS,
+# Adafactor, Muon, Shampoo and LBFGS need whole tensors (norms, factored moments, orthogonalisation).
+ELEMENTWISE = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
+    torch.optim.ASGD,
+)  # fmt: skip
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer, pieces: str) -> None:
+    """ValueError unless ``optimizer`` is one of ``ELEMENTWISE``: ``pieces`` says what it would step."""
+    if not isinstance(optimizer, ELEMENTWISE):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE)
+        raise ValueError(
+            f"{type(optimizer).__name__} is not a known elementwise optimizer, and it would step {pieces}, which "
+            f"is exact only for {names}. Optimizers that need whole tensors (LAMB, LBFGS, Adafactor, Muon) run "
+            "unsharded: MixedPrecisionOptimizer + DistributedDataParallel (stage 0)"
+        )
 
 
 def check_options(

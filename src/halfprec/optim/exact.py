@@ -20,7 +20,14 @@ import torch
 from ..scaler import LossScaler
 from .accumulate import GradAccumulator, all_reduce_master_grads, check_process_group
 from .base import MixedPrecisionOptimizer, check_wrappable
-from .checks import check_dtypes, check_grad_accum_dtype, check_params, check_unfrozen, clear_grads
+from .checks import (
+    check_dtypes,
+    check_elementwise,
+    check_grad_accum_dtype,
+    check_params,
+    check_unfrozen,
+    clear_grads,
+)
 from .clip import clip_coefficient
 from .layout import LOW_PRECISION, MasterStore
 from .mesh import Mesh, check_sharded_options, is_dtensor, local_grad
@@ -64,6 +71,7 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         self._mesh = Mesh.of(trained)
         if self._mesh is not None:
+            check_elementwise(optimizer, "each rank's FSDP2 shards of the params")
             check_sharded_options(trained, param_dtype=param_dtype, process_group=process_group)
         self.grad_accum_dtype = check_grad_accum_dtype(
             grad_accum_dtype,

@@ -22,7 +22,7 @@ import torch
 from ..scaler import LossScaler
 from .accumulate import check_process_group
 from .base import MixedPrecisionOptimizer, check_wrappable, register_factory
-from .checks import check_grad_accum_dtype, check_options
+from .checks import check_elementwise, check_grad_accum_dtype, check_options
 from .exact import ExactMixedPrecisionOptimizer
 from .layout import check_masters
 from .mesh import Mesh, check_sharded_options
@@ -72,6 +72,7 @@ def build(
     trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     mesh = Mesh.of(trained)
     if mesh is not None:
+        check_elementwise(optimizer, "each rank's FSDP2 shards of the params")
         check_sharded_options(
             trained,
             param_dtype=param_dtype,

@@ -6,23 +6,16 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.optim import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, RAdam, RMSprop, Rprop
 
 from ..base import MixedPrecisionOptimizer
-from ..checks import check_options, check_torch_optimizer
+from ..checks import check_elementwise, check_options, check_torch_optimizer
 
 __all__ = [
-    "ELEMENTWISE",
     "check_named_parameters",
     "check_optimizer",
     "check_reduce_dtype",
     "named_trainable",
 ]
-
-# Optimizers whose update of an element depends only on that element's grad, state and the group's scalars:
-# stepping a piece of a param is then exactly stepping the param. LAMB, LARS, Adafactor, Muon, Shampoo and
-# LBFGS need whole tensors (norms, factored moments, orthogonalisation) and are refused.
-ELEMENTWISE = (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, NAdam, RAdam, RMSprop, Rprop, ASGD)
 
 
 def check_optimizer(optimizer: Any, loss_scaler: Any, max_grad_norm: Any, param_dtype: Any) -> None:
@@ -30,13 +23,8 @@ def check_optimizer(optimizer: Any, loss_scaler: Any, max_grad_norm: Any, param_
         raise ValueError(
             "optimizer is a MixedPrecisionOptimizer; give ShardedMixedPrecisionOptimizer the plain torch optimizer"
         )
-    if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(optimizer, ELEMENTWISE):
-        names = ", ".join(c.__name__ for c in ELEMENTWISE)
-        raise ValueError(
-            f"{type(optimizer).__name__} is not a known elementwise optimizer; the sharded optimizer steps pieces "
-            f"of params, which is exact only for {names}. Optimizers that need whole tensors (LAMB, LBFGS, "
-            "Adafactor, Muon) run unsharded: MixedPrecisionOptimizer + DistributedDataParallel (stage 0)"
-        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        check_elementwise(optimizer, "each rank's pieces of the params (ZeRO-1/2)")
     check_torch_optimizer(optimizer)  # a torch optimizer, floating params listed once, differentiable=False
     check_options(loss_scaler=loss_scaler, max_grad_norm=max_grad_norm, param_dtype=param_dtype)
 
