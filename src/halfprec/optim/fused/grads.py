@@ -290,7 +290,8 @@ class GradViews:
             for i, had in enumerate(self._had_grad):
                 if had:
                     self._marked[i] = True
-                    if self.pinned:  # a captured step reads the device's marks, as a captured hook writes them
+                    # a captured step reads the device's marks, as a captured hook writes them
+                    if self.pinned:
                         self._flag_views[i].fill_(1)
                         self._on_device[i] = True
                     chunk, local = self.where[i]
