@@ -190,6 +190,15 @@ def test_a_state_dict_of_another_format_is_refused_and_changes_nothing(strategy)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("inner", [None, [], {"state": {}}, {"param_groups": []}])
+def test_a_state_dict_of_this_format_without_an_inner_torch_state_is_refused(strategy, inner):
+    model = _model()
+    mp = _build(strategy, model)
+    saved = mp.state_dict() | {"optimizer": inner}
+    with pytest.raises(ValueError, match="'optimizer' must be a torch optimizer state dict"):
+        mp.load_state_dict(saved)
+
+
 def test_the_exact_and_fused_strategies_load_each_others_state_dicts(tmp_path):
     saved = {}
     for name in ("exact", "fused"):

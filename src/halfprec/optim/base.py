@@ -331,8 +331,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
                 f"not a {type(self).__name__} state dict: format {found!r}, expected {self._FORMAT!r} (a plain torch "
                 "optimizer state dict, with 'state' and 'param_groups', loads too)"
             )
+        inner = state_dict.get("optimizer")
+        if not (isinstance(inner, dict) and isinstance(inner.get("param_groups"), list) and "state" in inner):
+            raise ValueError(
+                f"state dict's 'optimizer' must be a torch optimizer state dict ('state', 'param_groups'), got "
+                f"{type(inner).__name__ if not isinstance(inner, dict) else sorted(inner)}: the file is damaged or "
+                "was not written by halfprec"
+            )
         self._check_payload(state_dict)
-        self.check_algorithm(state_dict.get("algorithm"), state_dict["optimizer"]["param_groups"])
+        self.check_algorithm(state_dict.get("algorithm"), inner["param_groups"])
         skipped_steps = state_dict.get("skipped_steps")
         if not is_int(skipped_steps) or skipped_steps < 0:
             raise ValueError(f"state dict's skipped_steps must be a non-negative int, got {skipped_steps!r}")
