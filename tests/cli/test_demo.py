@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import re
 
@@ -14,7 +15,7 @@ from halfprec.cli import demo
 pytest.importorskip("tqdm")
 pytest.importorskip("matplotlib")
 
-# Tiny sizes: the point is the plumbing, not the learning (the defaults are measured by hand, see the report).
+# Tiny sizes: the point is the plumbing, not the learning (the defaults' timings: benchmarks/RESULTS.md, section 5).
 TINY = ["--steps", "6", "--batch-size", "4", "--seq-len", "32", "--n-layer", "1", "--n-embd", "32",
         "--corpus-bytes", "3000000", "--threads", "1"]  # fmt: skip
 
@@ -121,7 +122,7 @@ def test_demo_bad_flags_exit_2_with_the_fix(argv, match, capsys, tmp_path):
 
 
 def test_demo_out_must_be_a_directory(tmp_path, capsys):
-    # --out x.safetensors trained 44 s, then crashed with NotADirectoryError; now refused before training.
+    # Refused before training: a directory that cannot be made would otherwise fail at the plot, after the runs.
     existing = tmp_path / "weights.safetensors"
     existing.write_bytes(b"keep me")
     for out, match in [
@@ -160,6 +161,42 @@ def test_plot_panels_follow_the_precisions_run(tmp_path):
     for names in (["bf16"], ["fp32", "bf16"], ["fp32", "bf16", "fp16"], ["fp16"]):
         png = demo._plot([result(p, 0.01 * i) for i, p in enumerate(names)], tmp_path / f"{len(names)}.png")
         assert png.stat().st_size > 10_000
+
+
+def test_skip_marks_say_why_the_scale_held():
+    r = demo.RunResult("fp16", loss_scales=[8.0, 8.0, 8.0, 4.0, 4.0], loss_scale=2.0)
+    r.skipped = [False, True, True, False, True]  # step 2: held (hysteresis), 3: halved, 5 (the last): halved
+    assert demo._skip_marks(r) == [
+        ("skipped step (scale halved): 2", "rx", [3, 5]),
+        ("skipped step (scale held: hysteresis): 1", "ko", [2]),
+    ]
+    r.skipped = [False] * 5
+    assert demo._skip_marks(r) == []
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_progress_off_a_terminal_is_a_line_per_tenth():
+    # tqdm writes a redraw per step: 400 steps in three runs and a resume were ~1,440 lines in a log file.
+    for steps, lines in [(range(0, 400), 10), (range(200, 400), 10), (range(0, 25), 13), (range(0, 3), 3)]:
+        stream = _Stream(tty=False)
+        bar = demo._progress(steps, desc="fp16", file=stream)
+        for step in bar:
+            bar.set_postfix({"loss": f"{step:.3f}", "scale": "65536", "demo ETA": "1:00"})
+        out = stream.getvalue().splitlines()
+        assert len(out) == lines, out
+        assert re.fullmatch(
+            rf"fp16: step {len(steps)}/{len(steps)} \[\d+:\d\d\] loss=\S+, scale=65536, demo ETA=1:00",
+            out[-1],
+        )
+    assert type(demo._progress(range(3), desc="fp16", file=_Stream(tty=True))).__name__ == "tqdm"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-CUDA message")

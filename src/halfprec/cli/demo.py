@@ -12,11 +12,12 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
@@ -192,12 +193,10 @@ class _Schedule:
 def _train(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec, result: RunResult, *, start: int) -> float:
     """Train steps ``start .. spec.steps-1``, appending to ``result``; returns the seconds spent training,
     evaluation and the first step excluded. ``start > 0`` is the resumed run: it does not evaluate."""
-    from tqdm import tqdm  # noqa: PLC0415 - the [demo] extra
-
     engine.train()
     seconds = 0.0
     desc = f"{spec.precision} resumed" if start else spec.precision
-    bar = tqdm(range(start, spec.steps), desc=desc, unit="step", file=sys.stderr)
+    bar = _progress(range(start, spec.steps), desc=desc, file=sys.stderr)
     # The bar's own [elapsed<left] is this run's; "demo ETA" adds the runs still to come (the resume
     # check's second half when this run does it, then the parent's estimate of the later precisions).
     resumed_steps = spec.steps - spec.resume_at if not start and spec.resume_at is not None else 0
@@ -230,6 +229,42 @@ def _train(engine: halfprec.Engine, corpus: Corpus, spec: RunSpec, result: RunRe
         postfix = {"loss": f"{result.losses[-1]:.3f}", "scale": f"{record.loss_scale:g}", "demo ETA": eta}
         bar.set_postfix(postfix)  # a dict keeps this order (keyword arguments would be sorted)
     return seconds
+
+
+class _Lines:
+    """The progress bar's text where the stream is not a terminal (a file, a pipe, CI's log): one line per tenth
+    of the run and one at its end, instead of the redraw per step that a terminal folds into one line."""
+
+    def __init__(self, steps: range, *, desc: str, file: TextIO) -> None:
+        self.steps, self.desc, self.file = steps, desc, file
+        self.every = max(1, len(steps) // 10)
+        self.done = 0
+        self.t0 = time.perf_counter()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.steps)
+
+    def set_postfix(self, postfix: dict[str, str]) -> None:
+        """Called once per step, after it: prints every ``every`` steps and after the last."""
+        self.done += 1
+        if self.done % self.every and self.done != len(self.steps):
+            return
+        elapsed = _minutes(time.perf_counter() - self.t0, short=True)
+        values = ", ".join(f"{k}={v}" for k, v in postfix.items())  # tqdm's postfix format
+        print(
+            f"{self.desc}: step {self.done}/{len(self.steps)} [{elapsed}] {values}",
+            file=self.file,
+            flush=True,
+        )
+
+
+def _progress(steps: range, *, desc: str, file: TextIO) -> Any:
+    """A tqdm bar on a terminal; elsewhere :class:`_Lines` (tqdm would write one redraw per step)."""
+    if not file.isatty():
+        return _Lines(steps, desc=desc, file=file)
+    from tqdm import tqdm  # noqa: PLC0415 - the [demo] extra
+
+    return tqdm(steps, desc=desc, unit="step", file=file)
 
 
 def _loss(engine: halfprec.Engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -386,7 +421,9 @@ def _check_extras() -> None:
         try:
             __import__(name)
         except ImportError as e:
-            raise ImportError(f"the demo needs {name}: pip install 'halfprec[demo]'") from e
+            raise ImportError(
+                f"the demo needs {name}: pip install -e '.[demo]' from the repository's root"
+            ) from e
 
 
 def _default_threads() -> int:
@@ -518,8 +555,8 @@ def _plot(results: list[RunResult], path: Path) -> Path:
     if fp16:
         a = ax["scale"]
         a.step(steps, fp16.loss_scales, where="post", color=colors["fp16"], label="fp16 loss scale")
-        skips = [i + 1 for i, s in enumerate(fp16.skipped) if s]
-        a.plot(skips, [fp16.loss_scales[i - 1] for i in skips], "rx", label=f"skipped step ({len(skips)})")
+        for label, style, skips in _skip_marks(fp16):
+            a.plot(skips, [fp16.loss_scales[i - 1] for i in skips], style, label=label)
         a.set_yscale("log", base=2)
         a.set_ylabel("loss scale")
         a.legend(fontsize=8)
@@ -528,3 +565,17 @@ def _plot(results: list[RunResult], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path.resolve()
+
+
+def _skip_marks(r: RunResult) -> list[tuple[str, str, list[int]]]:
+    """(legend label, marker style, 1-based steps) for each kind of skipped step that ``r`` has: one that halved
+    the loss scale, and one that kept it: with hysteresis (the demo keeps the default of 2) the scale backs off
+    at the second overflow since its last growth or backoff, so the first one skips the step at the same scale."""
+    after = [*r.loss_scales[1:], r.loss_scale]  # the scale after each step: the next step's, or the final one
+    halved = [i + 1 for i, s in enumerate(r.skipped) if s and after[i] < r.loss_scales[i]]
+    held = [i + 1 for i, s in enumerate(r.skipped) if s and after[i] >= r.loss_scales[i]]
+    marks = [
+        (f"skipped step (scale halved): {len(halved)}", "rx", halved),
+        (f"skipped step (scale held: hysteresis): {len(held)}", "ko", held),
+    ]
+    return [(label, style, steps) for label, style, steps in marks if steps]
