@@ -4,6 +4,7 @@ written as safetensors, a checkpoint described line by line, one-line errors wit
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import torch
@@ -58,3 +59,30 @@ def test_a_missing_checkpoint_is_one_line_exit_2(command, tmp_path, capsys):
     assert main([command, str(tmp_path / "nothing"), *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"halfprec {command}: error: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_export_out_naming_a_directory_is_one_line_exit_2(checkpoint, tmp_path, capsys, existing):
+    # Path("newdir/") drops the separator: the weights would have become a file named newdir.
+    path, _ = checkpoint
+    target = tmp_path / "newdir"
+    if existing:
+        target.mkdir()
+        out, match = (
+            str(target),
+            r"it is a directory; pass the path of the file to write, e.g. .*model.safetensors",
+        )
+    else:
+        out, match = f"{target}/", r"ends in a path separator, .* e.g. --out .*newdir/model.safetensors"
+    assert main(["export", str(path), "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("halfprec export: error: --out" if not existing else "halfprec export: error: ")
+    assert re.search(match, err) and err.count("\n") == 1, err
+    assert (target.is_dir() and not any(target.iterdir())) if existing else not target.exists()
+
+
+def test_export_into_a_directory_by_file_name(checkpoint, tmp_path, capsys):
+    path, _ = checkpoint
+    out = tmp_path / "newdir" / "model.safetensors"
+    assert main(["export", str(path), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}" and out.is_file()

@@ -4,6 +4,7 @@ its message goes to stderr without a traceback, and the exit status is 2 (as arg
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import sys
 from collections.abc import Callable
@@ -17,7 +18,12 @@ __all__ = ["add_export_arguments", "add_inspect_arguments", "run_export", "run_i
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="output .safetensors file (not a directory)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="the .safetensors file to write (a file name, not a directory: e.g. newdir/model.safetensors; "
+        "missing parent directories are made)",
+    )
     parser.add_argument(
         "--dtype",
         choices=["fp32", "bf16", "fp16"],
@@ -53,7 +59,18 @@ def _run(command: str, args: argparse.Namespace, lines: Callable[[Path], list[st
 
 
 def run_export(args: argparse.Namespace) -> int:
-    return _run("export", args, lambda path: [f"wrote {export(path, args.out, dtype=args.dtype)}"])
+    # Path("newdir/") is Path("newdir"): without this check the weights would become a file named newdir.
+    # An existing directory is refused by export() itself, before the checkpoint is read.
+    out = str(args.out)
+    if out.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
+        fix = Path(out) / "model.safetensors"
+        print(
+            f"halfprec export: error: --out {out}: ends in a path separator, so it names a directory; "
+            f"--out is the file to write: give a file name, e.g. --out {fix}",
+            file=sys.stderr,
+        )
+        return 2
+    return _run("export", args, lambda path: [f"wrote {export(path, out, dtype=args.dtype)}"])
 
 
 def run_inspect(args: argparse.Namespace) -> int:
