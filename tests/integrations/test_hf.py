@@ -359,6 +359,10 @@ def test_resume_from_checkpoint_bit_exact(name, tmp_path):
     [
         ({"bf16": True}, r"TrainingArguments\(bf16=True\).*fp16=False, bf16=False.*torch\.bfloat16"),
         ({"fp16": True}, r"TrainingArguments\(fp16=True\).*fp16=False, bf16=False.*torch\.float16"),
+        (
+            {"fsdp": "full_shard"},
+            r"TrainingArguments\(fsdp=.*drop fsdp= \(DDP\), or .*fully_shard the 16-bit model",
+        ),
     ],
 )
 def test_precision_flags_are_an_error(setting, match, tmp_path):

@@ -39,9 +39,11 @@ def check_accelerator(accelerator: Any) -> None:
     kind = accelerator.distributed_type
     if kind in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
         raise ValueError(
-            f"Accelerator with distributed_type={kind.value!r} brings its own master weights and loss scaling; "
-            "halfprec and it are alternatives, not layers: use plain DDP (MULTI_GPU/MULTI_CPU) or no "
-            "distribution with halfprec"
+            f"Accelerator with distributed_type={kind.value!r} brings its own master weights and loss scaling "
+            "(FSDP: it shards the model after halfprec built its masters); halfprec and it are alternatives, not "
+            "layers: use plain DDP (MULTI_GPU/MULTI_CPU) or no distribution with halfprec, or for FSDP2 shard the "
+            "16-bit model yourself with fully_shard before building halfprec.MixedPrecisionOptimizer "
+            "(docs/distributed.md, FSDP2)"
         )
 
 

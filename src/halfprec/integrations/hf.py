@@ -64,8 +64,10 @@ def check_training_args(args: Any) -> None:
         )
     if getattr(args, "fsdp", None):
         raise ValueError(
-            f"TrainingArguments(fsdp={args.fsdp!r}) shards params under the optimizer; halfprec's "
-            "MixedPrecisionOptimizer needs whole params: drop fsdp="
+            f"TrainingArguments(fsdp={args.fsdp!r}) has the Trainer shard and cast the model under halfprec's "
+            "optimizer, which the Trainer integration does not support: drop fsdp= (DDP), or train FSDP2 shards "
+            "in your own loop: fully_shard the 16-bit model, then halfprec.MixedPrecisionOptimizer over its "
+            "params (docs/distributed.md, FSDP2)"
         )
 
 
