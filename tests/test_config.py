@@ -23,6 +23,9 @@ VALID = [
     {"precision": "bf16", "grad_accum_dtype": "fp32"},  # impl="auto": either path
     {"precision": "bf16", "grad_accum_dtype": "fp32", "zero_stage": 2},  # fp32 buffer, fp32 reduce-scatter
     {"grad_accum_dtype": "fp32", "reduce_dtype": "param"},  # stage 0: reduce_dtype is not used
+    {"zero_stage": 3, "precision": "fp16"},  # fully_shard inside initialize
+    # FSDP2 reduce-scatters in bf16, the hooks sum the reduced shards of the micro-batches in fp32
+    {"zero_stage": 3, "grad_accum_dtype": "fp32", "reduce_dtype": "param"},
 ]
 
 
@@ -58,9 +61,16 @@ INVALID = [
     ({"max_grad_norm": -1.0}, r"max_grad_norm must be a finite number > 0"),
     ({"max_grad_norm": float("nan")}, r"max_grad_norm must be a finite number > 0"),
     ({"skip_nonfinite": 1}, r"skip_nonfinite must be one of True, False, got 1"),
-    ({"zero_stage": 3}, r"zero_stage=3 is not supported.*FSDP2.*fully_shard"),
-    ({"zero_stage": 4}, r"zero_stage must be one of 0, 1, 2, got 4"),
-    ({"zero_stage": True}, r"zero_stage must be one of 0, 1, 2, got True"),
+    ({"zero_stage": 4}, r"zero_stage must be one of 0, 1, 2, 3, got 4"),
+    ({"zero_stage": True}, r"zero_stage must be one of 0, 1, 2, 3, got True"),
+    (
+        {"zero_stage": 3, "impl": "triton"},
+        r"zero_stage=3 with impl='triton': the fused kernels do not run on FSDP2 shards yet.*impl='auto'",
+    ),
+    (
+        {"zero_stage": 3, "masters": "split"},
+        r"zero_stage=3 with masters='split': the fused kernels do not run on FSDP2 shards yet.*masters='fp32'",
+    ),
     ({"reduce_dtype": "bf16"}, r"reduce_dtype must be one of 'fp32', 'param', got 'bf16'"),
     ({"impl": "cuda"}, r"impl must be one of 'auto', 'torch', 'triton', got 'cuda'"),
     (
@@ -177,6 +187,11 @@ def test_replace_names_unknown_fields_and_close_matches(changes, regex):
         (
             {"precision": "bf16", "gradient_accumulation_steps": 4, "zero_stage": 1, "reduce_dtype": "param"},
             "param",
+        ),
+        # FSDP2: the fp32 sums run over the micro-batches, after its reduce-scatter in either dtype
+        (
+            {"precision": "bf16", "gradient_accumulation_steps": 4, "zero_stage": 3, "reduce_dtype": "param"},
+            "fp32",
         ),
         ({"precision": "bf16", "gradient_accumulation_steps": 4, "grad_accum_dtype": "param"}, "param"),
         ({"precision": "fp16", "gradient_accumulation_steps": 1, "grad_accum_dtype": "fp32"}, "fp32"),

@@ -15,14 +15,12 @@ import torch
 
 from ._checks import (
     DYNAMIC_SETTINGS,
-    FSDP2_HINT,
     check_dynamic_settings,
     check_max_grad_norm,
     check_power_of_two,
     choice,
     did_you_mean,
     int_at_least_one,
-    is_int,
 )
 from .deepspeed_config import read_deepspeed
 from .precision import DTYPES, Precision, check_grad_accum, check_precision
@@ -93,13 +91,26 @@ class Config:
     skip_nonfinite: bool = True
     """Skip steps with non-finite bf16/fp32 grads (fp16 grads are always checked)."""
 
-    zero_stage: Literal[0, 1, 2] = 0
+    zero_stage: Literal[0, 1, 2, 3] = 0
     """0: one process, DDP, or (with fp32 accumulation, instead of DDP) halfprec's all-reduce of the fp32 grad sums;
-    1/2: sharded optimizer state (and gradients) across data-parallel ranks."""
+    a model already sharded by ``fully_shard`` (FSDP2) also trains at 0. 1/2: sharded optimizer state (and
+    gradients) across data-parallel ranks.
+
+    3: ``initialize`` shards the model with torch FSDP2 (``fully_shard``) by a fixed policy: the fp32 model is cast
+    to ``precision`` (its fp32 values kept, so the masters start from them, not from their rounding), then
+    ``fully_shard`` is applied to each repeated block (the children of the first ``nn.ModuleList`` in the model,
+    as torchtitan shards transformer layers; without one, each direct child that has params), then to the root,
+    on a 1-D mesh over the default process group (which must be initialised). The torch optimizer passed to
+    ``initialize`` (fresh, built over ``model.parameters()``) is pointed at the sharded params. Masters and
+    optimizer state are those of each rank's rows (the exact strategy: ``impl="triton"`` and ``masters="split"``
+    are refused); every micro-batch is reduce-scattered. A model that is sharded already is refused here: pass
+    0."""
 
     reduce_dtype: Literal["fp32", "param"] = "fp32"
-    """Sharded stages: dtype of the gradient reduce-scatter (fp32, or the params' 16-bit dtype; ``"param"`` does
-    not combine with ``grad_accum_dtype="fp32"``)."""
+    """Sharded stages: dtype of the gradient reduce-scatter (fp32, or the params' 16-bit dtype; at stages 1/2
+    ``"param"`` does not combine with ``grad_accum_dtype="fp32"``). At stage 3 FSDP2's
+    ``MixedPrecisionPolicy(reduce_dtype=...)``: with ``"fp32"`` the reduced shards are rounded to 16 bits once,
+    after the sum; fp32 accumulation then sums the micro-batches' reduced shards in fp32 with either."""
 
     grad_accum_dtype: Literal["auto", "param", "fp32"] = "auto"
     """Where micro-batch grads accumulate: the params' 16-bit ``.grad`` (``"param"``), or fp32 (``"fp32"``, the
@@ -138,11 +149,15 @@ class Config:
         int_at_least_one("gradient_accumulation_steps", self.gradient_accumulation_steps)
         check_max_grad_norm(self.max_grad_norm)
         choice("skip_nonfinite", self.skip_nonfinite, (True, False))
-        if is_int(self.zero_stage) and self.zero_stage == 3:
-            raise ValueError(f"zero_stage=3 is not supported: {FSDP2_HINT}")
         # the values their Literal annotations name
         for name in ("zero_stage", "reduce_dtype", "impl", "masters"):
             choice(name, getattr(self, name), get_args(_HINTS[name]))
+        if self.zero_stage == 3 and (self.impl == "triton" or self.masters == "split"):
+            asked = f"impl={self.impl!r}" if self.impl == "triton" else f"masters={self.masters!r}"
+            raise ValueError(
+                f"zero_stage=3 with {asked}: the fused kernels do not run on FSDP2 shards yet; use impl='auto' "
+                "or 'torch' with masters='fp32' (the exact strategy on each rank's rows), or zero_stage 1 or 2"
+            )
         check_grad_accum(self.grad_accum_dtype, auto=True)
         if self.masters == "split" and (self.impl == "torch" or self.precision == "fp16"):
             raise ValueError(
@@ -150,7 +165,7 @@ class Config:
                 "fused path's (impl='auto' or 'triton'; zero_stage 0, 1 or 2) for bf16 models; the exact path "
                 "and fp16 keep fp32 masters: use masters='fp32'"
             )
-        if self.grad_accum_dtype == "fp32" and self.reduce_dtype == "param" and self.zero_stage != 0:
+        if self.grad_accum_dtype == "fp32" and self.reduce_dtype == "param" and self.zero_stage in (1, 2):
             raise ValueError(
                 f"grad_accum_dtype='fp32' with reduce_dtype='param' at zero_stage={self.zero_stage!r}: the fp32 sums "
                 "would be rounded to 16 bits for the reduction; fp32 accumulation reduces in fp32: use "
@@ -161,7 +176,7 @@ class Config:
         """The optimizers' ``grad_accum_dtype`` this config asks for, ``"param"`` or ``"fp32"`` (at any world size: several ranks at stage 0
         all-reduce the fp32 sums themselves; at stages 1/2 ``reduce_dtype="param"`` rules fp32 sums out)."""
         if self.grad_accum_dtype == "auto":
-            sharded_16 = self.zero_stage != 0 and self.reduce_dtype == "param"
+            sharded_16 = self.zero_stage in (1, 2) and self.reduce_dtype == "param"
             steps = self.gradient_accumulation_steps
             return auto_grad_accum(DTYPES[self.precision], steps, fp32_sums=not sharded_16)
         return self.grad_accum_dtype

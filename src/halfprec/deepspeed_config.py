@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from ._checks import FSDP2_HINT, did_you_mean, is_int, is_number
+from ._checks import did_you_mean, is_int, is_number
 
 __all__ = [
     "DEEPSPEED_KEYS",
@@ -64,7 +64,7 @@ def _no_offload(value: Any) -> bool:
 # accepts it as the old name of init_scale); switch to "init_scale" together with the docs' table
 _INIT_SCALE = "initial_scale"
 _PERF = "performance knob without effect in halfprec"
-_Z3 = "ZeRO-3 only: no effect at stage 0-2"
+_Z3 = "ZeRO-3 only: tunes DeepSpeed's partitioner; stage 3 applies torch FSDP2, which has no such setting"
 _NO_OFFLOAD = "halfprec does not offload"
 _DTYPES = "('fp32' -> 'fp32'; the 16-bit precision -> 'param')"
 _K = DeepSpeedKey
@@ -179,7 +179,11 @@ DEEPSPEED_KEYS: tuple[DeepSpeedKey, ...] = (
     _flag("bf16.immediate_grad_update", "warn", "halfprec accumulates grads in .grad until the step"),
     _flag("bf16.bf16_master_weights_and_grads", "error", "halfprec always keeps fp32 masters"),
     _flag("bf16.bf16_optimizer_states", "error", "halfprec keeps optimizer state on fp32 masters"),
-    _map("zero_optimization.stage", "zero_stage", " (3 is an error pointing to FSDP2)"),
+    _map(
+        "zero_optimization.stage",
+        "zero_stage",
+        " (3: fully_shard inside initialize, the policy in Config.zero_stage)",
+    ),
     _K("zero_optimization.offload_optimizer", "error", _NO_OFFLOAD, _no_offload, "device 'none'"),
     _K("zero_optimization.offload_param", "error", _NO_OFFLOAD, _no_offload, "device 'none'"),
     _flag("zero_optimization.cpu_offload", "error", f"{_NO_OFFLOAD} (deprecated key)"),
@@ -265,9 +269,6 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
             notes.append(f"{key}={value!r}: accepted, not applied ({row.target})")
         else:
             refused.append(f"{key}={value!r} ({row.target}; remove it or set it to {row.quiet_text})")
-    stage = flat.get("zero_optimization.stage")
-    if is_int(stage) and stage == 3:
-        refused.insert(0, f"zero_optimization.stage=3 ({FSDP2_HINT})")
     if refused:
         raise ValueError("DeepSpeed config asks for what halfprec does not do: " + "; ".join(refused))
 

@@ -24,6 +24,7 @@ from .checkpoint.read import load_pt, load_weights, resolve, verify
 from .config import Config, check_fields
 from .optim.base import MixedPrecisionOptimizer
 from .optim.checks import world_size
+from .optim.mesh import check_sharded_options, is_dtensor
 from .optim.select import build
 from .precision import DTYPES
 from .resume import keep_scaler_settings, scaler_kind_error
@@ -96,7 +97,9 @@ def initialize(
     """Wrap ``model`` (fp32, or already in the target dtype) and a plain torch ``optimizer`` over its params.
 
     ``overrides`` replace fields of ``config`` (e.g. ``precision="fp16", max_grad_norm=1.0``). An fp32 model is
-    cast to the configured precision here, and the masters start from its original fp32 weights.
+    cast to the configured precision here, and the masters start from its original fp32 weights. A model sharded
+    by ``fully_shard`` (FSDP2) trains as it is, at ``zero_stage=0``, in the dtype of its shards; at
+    ``zero_stage=3`` the engine shards the model itself (``Config.zero_stage``'s policy).
     ``lr_scheduler`` is stepped after every step that was not skipped; on the fused path, telling which were is one
     host wait per step, for the step's norm pass (without a scheduler ``engine.step()`` does not wait for the GPU).
     """
@@ -123,6 +126,9 @@ def initialize(
             )
     accum = config.grad_accum()
     _check_not_ddp(model, accum, config.zero_stage)
+    fp32_rows = _fully_shard(model, optimizer, dtype, config.reduce_dtype) if config.zero_stage == 3 else {}
+    trained = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    sharded = _check_shards(model, dtype)
     options = dict(
         loss_scaler=config.loss_scaler(),
         max_grad_norm=config.max_grad_norm,
@@ -131,15 +137,161 @@ def initialize(
         impl=config.impl,
         grad_accum_dtype=accum,
     )
-    if config.zero_stage == 0 and accum == "fp32" and world_size() > 1:
-        # ZeRO-0 with fp32 sums: the optimizer all-reduces them (optim/accumulate.py), not DDP
+    if config.zero_stage == 0 and accum == "fp32" and world_size() > 1 and not sharded:
+        # ZeRO-0 with fp32 sums: the optimizer all-reduces them (optim/accumulate.py), not DDP; FSDP2 has
+        # reduce-scattered a sharded model's grads already
         options["process_group"] = torch.distributed.group.WORLD
-    if config.zero_stage:
+    if config.zero_stage in (1, 2):
         options.update(named_parameters=model, reduce_dtype=config.reduce_dtype)
-    mp = build(optimizer, stage=config.zero_stage, masters=config.masters, **options)
+    # FSDP2 shards: the exact strategy over each rank's rows (optim/mesh.py) is stage 0's
+    stage = 0 if config.zero_stage == 3 else config.zero_stage
+    mp = build(optimizer, stage=stage, masters=config.masters, **options)
+    _start_masters_from(mp, fp32_rows)
     if dtype != torch.float32:
         _cast_rest(model, dtype, trained)
     return Engine(model, mp, config, lr_scheduler)
+
+
+def _fully_shard(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype, reduce_dtype: str
+) -> dict[torch.Tensor, torch.Tensor]:
+    """``Config.zero_stage=3``'s policy (its docstring): cast, ``fully_shard`` each repeated block, then the root;
+    point ``optimizer`` at the sharded params. Returns, for each sharded param that was fp32, this rank's rows of
+    its fp32 value, which its master starts from (the factory builds masters from the 16-bit shards)."""
+    import torch.distributed as dist  # noqa: PLC0415 - FSDP2 and DTensor: only for a sharded model
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+    from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "zero_stage=3 shards the model over the default process group, which is not initialised: call "
+            "torch.distributed.init_process_group() first (torchrun sets the rank and world size), or use "
+            "zero_stage=0 in one process"
+        )
+    if any(is_dtensor(p) for p in model.parameters()) or any(
+        isinstance(m, FSDPModule) for m in model.modules()
+    ):
+        raise ValueError(
+            "zero_stage=3 applies fully_shard, and the model is sharded already (fully_shard, DTensor params): "
+            "pass zero_stage=0, which trains its shards as they are"
+        )
+    if optimizer.state:
+        raise ValueError(
+            f"zero_stage=3 replaces the model's params with their shards, and the optimizer holds state for "
+            f"{len(optimizer.state)} of the old ones: pass a fresh torch optimizer built over model.parameters()"
+        )
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        raise ValueError(
+            f"zero_stage=3 shards the model over one mesh of one device type, and its params are on "
+            f"{sorted(map(str, devices)) or 'no device (it has none)'}: move the model to one device first"
+        )
+    names = {p: n for n, p in model.named_parameters()}
+    # the fp32 storage outlives the cast (the cast gives each param new data), until the masters are set
+    fp32 = {}
+    if dtype != torch.float32:
+        fp32 = {n: p.detach() for n, p in model.named_parameters() if p.dtype == torch.float32}
+        _cast_rest(model, dtype, set())  # before fully_shard, which fixes the shards' dtype
+    mesh = init_device_mesh(devices.pop().type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32 if reduce_dtype == "fp32" else None)
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    sharded = dict(model.named_parameters())  # FSDP2 keeps the names, and gives each param a new object
+    for group in optimizer.param_groups:
+        group["params"] = [sharded[names[p]] for p in group["params"]]
+    # src_data_rank=None: each rank takes its own rows of its own weights, as fully_shard did (no communication)
+    return {
+        sharded[n]: distribute_tensor(w, mesh, sharded[n].placements, src_data_rank=None).to_local()
+        for n, w in fp32.items()
+    }
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The units ``fully_shard`` is applied to before the root: the children of the first ``nn.ModuleList`` (a
+    transformer's layers, as torchtitan shards them), else every direct child that has params."""
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), model)
+    return [child for child in layers.children() if next(child.parameters(), None) is not None]
+
+
+def _start_masters_from(mp: MixedPrecisionOptimizer, rows: dict[torch.Tensor, torch.Tensor]) -> None:
+    """Set the masters of ``rows``' params (the exact strategy: its groups hold them in ``model_params()``
+    order, a frozen param as itself) to the fp32 rows their 16-bit shards were rounded from."""
+    if not rows:
+        return
+    inner = [m for g in mp.param_groups for m in g["params"]]
+    with torch.no_grad():
+        for p, m in zip(mp.model_params(), inner, strict=True):
+            if p in rows and m is not p:
+                m.copy_(rows[p])
+
+
+def _check_shards(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the model is sharded by FSDP2 (DTensor params), refusing what the engine cannot train then."""
+    shards = [p for p in model.parameters() if is_dtensor(p)]
+    if not shards:
+        return False
+    floating = [p for p in shards if p.is_floating_point()]
+    if dtype != torch.float32:
+        # the factory's refusal of fp32 shards, for frozen ones too: _cast_rest cannot recast them either
+        check_sharded_options(floating, param_dtype=dtype)
+        other = next((p for p in floating if p.dtype != dtype), None)
+        if other is not None:
+            raise ValueError(
+                f"a param of shape {tuple(other.shape)} is a {other.dtype} DTensor and the precision is {dtype}: "
+                f"FSDP2 fixes its shards' dtype at fully_shard(); cast the model (model.to({dtype})) before "
+                "sharding it"
+            )
+    ranks, world = shards[0].device_mesh.size(), world_size()
+    if ranks != world:
+        raise ValueError(
+            f"the model is sharded over a mesh of {ranks} rank{'s' if ranks > 1 else ''} and the default process "
+            f"group of {world} ranks: the engine saves and loads checkpoints over the default group. Shard it over "
+            "every rank (a 1-D mesh, or HSDP's 2-D mesh), or use MixedPrecisionOptimizer with "
+            "halfprec.distributed.checkpoint(..., process_group=) directly"
+        )
+    return True
+
+
+def _whole_state(module: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor] | None:
+    """``module.state_dict()`` with each DTensor (an FSDP2 shard) gathered whole into host memory, for rank 0 to
+    write as safetensors: one all-gather per tensor, which every rank of the mesh must call. Only where ``keep``
+    are the tensors kept (None elsewhere). Memory: one whole tensor at a time on the device of each rank, and on
+    the keeping rank the whole state dict in host memory (2 B/param for 16-bit weights), as an unsharded
+    model's save holds it."""
+    state = module.state_dict()
+    if not any(is_dtensor(v) for v in state.values()):
+        return state if keep else None
+    # a tied param is gathered once on every rank (the same collectives everywhere), and stored once
+    first: dict[int, str] = {}
+    alias = {n: first.setdefault(id(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        source = alias.get(name, name)
+        if source not in out:
+            whole = value.full_tensor() if is_dtensor(value) else value
+            out[source] = whole.cpu() if keep else None
+        out[name] = out[source]
+    return out if keep else None
+
+
+def _laid_out_like(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole ``weights`` as DTensors where the module's state is: each rank takes its own rows of the whole
+    tensor it read (no communication), so that ``load_state_dict`` copies shard into shard."""
+    own = module.state_dict()
+    if not any(is_dtensor(v) for v in own.values()):
+        return weights
+    from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415 - as in _fully_shard
+
+    return {
+        name: distribute_tensor(
+            w.to(own[name].device), own[name].device_mesh, own[name].placements, src_data_rank=None
+        )
+        if is_dtensor(own[name])
+        else w
+        for name, w in weights.items()
+    }
 
 
 def _check_not_ddp(model: torch.nn.Module, accum: str, zero_stage: int) -> None:
@@ -324,7 +476,9 @@ class Engine:
         keep_last: int | None = None,
     ) -> Path:
         """Save at an optimizer-step boundary into ``<directory>/<tag>`` (default ``step-<global_step>``); tags
-        and what ``overwrite`` may replace: docs/checkpoints.md."""
+        and what ``overwrite`` may replace: docs/checkpoints.md. A model sharded by FSDP2 is saved whole, gathered
+        tensor by tensor (every rank calls this): each rank's device holds one whole tensor at a time, rank 0's
+        host memory the whole 16-bit state dict while it writes it (2 B/param, as for an unsharded model)."""
         if not isinstance(directory, (str, os.PathLike)):
             raise ValueError(
                 f"save_checkpoint(directory={directory!r}): pass the directory to save into, a str or Path such as "
@@ -404,10 +558,11 @@ class Engine:
                     raise RuntimeError(f"save_checkpoint failed on rank 0: {outcome[0]}")
             dcp.save(mp, tmp / "optimizer", named_parameters=self.module, local=not collective)
             save_pt(rng_state(), tmp / f"rng-{rank}.pt")
+            weights = _whole_state(self.module, keep=rank == 0)  # FSDP2 shards: collective
             if collective:
                 torch.distributed.barrier(group)
             if rank == 0:
-                stage(tmp, weights=self.module.state_dict(), files={"engine": engine_state})
+                stage(tmp, weights=weights, files={"engine": engine_state})
                 seal(tmp, tag, info)
         if collective:
             torch.distributed.barrier(group)
@@ -424,7 +579,9 @@ class Engine:
     ) -> dict[str, Any]:
         """Restore weights, masters, optimizer and scaler state, counters, scheduler and RNG; return client_state.
         A failed load changes nothing; ``load_optimizer_states=False`` loads the weights and refreshes the masters
-        from them; what a resume keeps and drops: docs/checkpoints.md."""
+        from them; what a resume keeps and drops: docs/checkpoints.md. A model sharded by FSDP2 (at any world size
+        and mesh) takes its rows of the whole weights, which every rank reads: the whole 16-bit state dict in each
+        rank's host memory while it loads."""
         if not isinstance(directory, (str, os.PathLike)):
             raise ValueError(
                 f"load_checkpoint(directory={directory!r}): pass the directory that save_checkpoint() wrote to, "
@@ -438,6 +595,7 @@ class Engine:
             manifest = verify(path)
             weights = load_weights(path, manifest)
             _check_weights(self.module, weights, path)
+            weights = _laid_out_like(self.module, weights)
             engine_state = load_pt(path, "engine")
             counters = _check_engine_state(path, engine_state)
             if load_optimizer_states:
