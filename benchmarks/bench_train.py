@@ -339,7 +339,7 @@ def periods(events: list[tuple]) -> list[float]:
 
 def launch_us(count: int = 2000, reps: int = 5) -> float:
     """The host's time to enqueue one tiny kernel (median of ``reps`` bursts of ``count``), in us: the resource
-    that paces a step this short. The device's host speed differs between machines and drifts within a call
+    that paces a step this short. The host's speed differs between machines and drifts within one invocation
     (RESULTS.md), so each run reports it next to its step time."""
     import time
 
@@ -489,7 +489,7 @@ def trees_of(spec: str) -> dict[str | None, Path | None]:
 
 def paired(rows: list[dict], base: str) -> dict[tuple[str, str], list[float]]:
     """Each system's tokens/s over ``base``'s in the same round and dtype, per round: runs next to each other in
-    time, so the host's drift over a call cancels more than between best rounds."""
+    time, so the host's drift over an invocation cancels more than between best rounds."""
     ref = {(r["round"], r["dtype"]): r["tokens_per_s"] for r in rows if r["system"] == base}
     out: dict[tuple[str, str], list[float]] = {}
     for r in rows:

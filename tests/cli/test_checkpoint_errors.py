@@ -1,4 +1,4 @@
-"""Damaged checkpoints and failing writes give one-line errors that name the file (issue 16 item 14).
+"""Damaged checkpoints and failing writes give one-line errors that name the file.
 
 ``halfprec inspect``/``export`` print what the readers under them raise (a damaged safetensors file, DCP metadata
 that is not DCP's, DCP data files cut short) as one line on stderr with exit status 2, never a traceback.
