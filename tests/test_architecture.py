@@ -229,6 +229,10 @@ ELSEWHERE = {
         "multi-process checkpoints; single-process reads beside the safe reader",
     ),
     "checkpoint/dcp.py": (["tests/distributed/test_checkpoint.py"], "multi-process checkpoints"),
+    "prepare.py": (
+        ["tests/distributed/test_engine_fsdp.py", "tests/test_engine.py"],
+        "through the engine: FSDP2 needs several ranks, the cast of the rest runs in every engine test",
+    ),
     "kernels/lamb.py": (["tests/optim/fused/test_lamb.py"], "through FusedLamb against the reference LAMB"),
     "optim/fused/results.py": (["tests/optim/fused/test_base.py"], "the fused skip log and device results"),
     "optim/fused/adagrad.py": (["tests/optim/fused/test_sgd.py"], "beside SGD: the same parity harness"),

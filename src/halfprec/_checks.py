@@ -12,7 +12,6 @@ import torch
 
 __all__ = [
     "DYNAMIC_SETTINGS",
-    "FSDP2_HINT",
     "check_dynamic_settings",
     "check_max_grad_norm",
     "check_power_of_two",
@@ -22,12 +21,6 @@ __all__ = [
     "is_int",
     "is_number",
 ]
-
-FSDP2_HINT = (
-    "halfprec does not shard parameters (ZeRO-3); use torch FSDP2 (torch.distributed.fsdp.fully_shard with "
-    "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), or ZeRO stage 1/2"
-)
-
 
 def is_int(value: Any) -> bool:
     # bool is an int subclass, but True as a count or a stage is a typo, not a number

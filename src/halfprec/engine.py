@@ -24,9 +24,16 @@ from .checkpoint.read import load_pt, load_weights, resolve, verify
 from .config import Config, check_fields
 from .optim.base import MixedPrecisionOptimizer
 from .optim.checks import world_size
-from .optim.mesh import check_sharded_options, is_dtensor
 from .optim.select import build
 from .precision import DTYPES
+from .prepare import (
+    cast_rest,
+    check_shards,
+    fully_shard_model,
+    laid_out_like,
+    start_masters_from,
+    whole_state,
+)
 from .resume import keep_scaler_settings, scaler_kind_error
 
 __all__ = ["Engine", "StepRecord", "initialize"]
@@ -75,17 +82,6 @@ class StepRecord:
         )
 
 
-def _cast_rest(module: torch.nn.Module, dtype: torch.dtype, handled: set) -> None:
-    """Cast the floating params the optimizer does not train, and floating buffers, to ``dtype``."""
-    for p in module.parameters():
-        if p not in handled and p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
-    for mod in module.modules():
-        for name, buf in mod.named_buffers(recurse=False):
-            if buf.is_floating_point() and buf.dtype != dtype:
-                setattr(mod, name, buf.to(dtype))
-
-
 def initialize(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -126,9 +122,11 @@ def initialize(
             )
     accum = config.grad_accum()
     _check_not_ddp(model, accum, config.zero_stage)
-    fp32_rows = _fully_shard(model, optimizer, dtype, config.reduce_dtype) if config.zero_stage == 3 else {}
+    fp32_rows = (
+        fully_shard_model(model, optimizer, dtype, config.reduce_dtype) if config.zero_stage == 3 else {}
+    )
     trained = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-    sharded = _check_shards(model, dtype)
+    sharded = check_shards(model, dtype)
     options = dict(
         loss_scaler=config.loss_scaler(),
         max_grad_norm=config.max_grad_norm,
@@ -146,152 +144,10 @@ def initialize(
     # FSDP2 shards: the exact strategy over each rank's rows (optim/mesh.py) is stage 0's
     stage = 0 if config.zero_stage == 3 else config.zero_stage
     mp = build(optimizer, stage=stage, masters=config.masters, **options)
-    _start_masters_from(mp, fp32_rows)
+    start_masters_from(mp, fp32_rows)
     if dtype != torch.float32:
-        _cast_rest(model, dtype, trained)
+        cast_rest(model, dtype, trained)
     return Engine(model, mp, config, lr_scheduler)
-
-
-def _fully_shard(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype, reduce_dtype: str
-) -> dict[torch.Tensor, torch.Tensor]:
-    """``Config.zero_stage=3``'s policy (its docstring): cast, ``fully_shard`` each repeated block, then the root;
-    point ``optimizer`` at the sharded params. Returns, for each sharded param that was fp32, this rank's rows of
-    its fp32 value, which its master starts from (the factory builds masters from the 16-bit shards)."""
-    import torch.distributed as dist  # noqa: PLC0415 - FSDP2 and DTensor: only for a sharded model
-    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
-    from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            "zero_stage=3 shards the model over the default process group, which is not initialised: call "
-            "torch.distributed.init_process_group() first (torchrun sets the rank and world size), or use "
-            "zero_stage=0 in one process"
-        )
-    if any(is_dtensor(p) for p in model.parameters()) or any(
-        isinstance(m, FSDPModule) for m in model.modules()
-    ):
-        raise ValueError(
-            "zero_stage=3 applies fully_shard, and the model is sharded already (fully_shard, DTensor params): "
-            "pass zero_stage=0, which trains its shards as they are"
-        )
-    if optimizer.state:
-        raise ValueError(
-            f"zero_stage=3 replaces the model's params with their shards, and the optimizer holds state for "
-            f"{len(optimizer.state)} of the old ones: pass a fresh torch optimizer built over model.parameters()"
-        )
-    devices = {p.device for p in model.parameters()}
-    if len(devices) != 1:
-        raise ValueError(
-            f"zero_stage=3 shards the model over one mesh of one device type, and its params are on "
-            f"{sorted(map(str, devices)) or 'no device (it has none)'}: move the model to one device first"
-        )
-    names = {p: n for n, p in model.named_parameters()}
-    # the fp32 storage outlives the cast (the cast gives each param new data), until the masters are set
-    fp32 = {}
-    if dtype != torch.float32:
-        fp32 = {n: p.detach() for n, p in model.named_parameters() if p.dtype == torch.float32}
-        _cast_rest(model, dtype, set())  # before fully_shard, which fixes the shards' dtype
-    mesh = init_device_mesh(devices.pop().type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32 if reduce_dtype == "fp32" else None)
-    for block in _blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    sharded = dict(model.named_parameters())  # FSDP2 keeps the names, and gives each param a new object
-    for group in optimizer.param_groups:
-        group["params"] = [sharded[names[p]] for p in group["params"]]
-    # src_data_rank=None: each rank takes its own rows of its own weights, as fully_shard did (no communication)
-    return {
-        sharded[n]: distribute_tensor(w, mesh, sharded[n].placements, src_data_rank=None).to_local()
-        for n, w in fp32.items()
-    }
-
-
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The units ``fully_shard`` is applied to before the root: the children of the first ``nn.ModuleList`` (a
-    transformer's layers, as torchtitan shards them), else every direct child that has params."""
-    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), model)
-    return [child for child in layers.children() if next(child.parameters(), None) is not None]
-
-
-def _start_masters_from(mp: MixedPrecisionOptimizer, rows: dict[torch.Tensor, torch.Tensor]) -> None:
-    """Set the masters of ``rows``' params (the exact strategy: its groups hold them in ``model_params()``
-    order, a frozen param as itself) to the fp32 rows their 16-bit shards were rounded from."""
-    if not rows:
-        return
-    inner = [m for g in mp.param_groups for m in g["params"]]
-    with torch.no_grad():
-        for p, m in zip(mp.model_params(), inner, strict=True):
-            if p in rows and m is not p:
-                m.copy_(rows[p])
-
-
-def _check_shards(model: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Whether the model is sharded by FSDP2 (DTensor params), refusing what the engine cannot train then."""
-    shards = [p for p in model.parameters() if is_dtensor(p)]
-    if not shards:
-        return False
-    floating = [p for p in shards if p.is_floating_point()]
-    if dtype != torch.float32:
-        # the factory's refusal of fp32 shards, for frozen ones too: _cast_rest cannot recast them either
-        check_sharded_options(floating, param_dtype=dtype)
-        other = next((p for p in floating if p.dtype != dtype), None)
-        if other is not None:
-            raise ValueError(
-                f"a param of shape {tuple(other.shape)} is a {other.dtype} DTensor and the precision is {dtype}: "
-                f"FSDP2 fixes its shards' dtype at fully_shard(); cast the model (model.to({dtype})) before "
-                "sharding it"
-            )
-    ranks, world = shards[0].device_mesh.size(), world_size()
-    if ranks != world:
-        raise ValueError(
-            f"the model is sharded over a mesh of {ranks} rank{'s' if ranks > 1 else ''} and the default process "
-            f"group of {world} ranks: the engine saves and loads checkpoints over the default group. Shard it over "
-            "every rank (a 1-D mesh, or HSDP's 2-D mesh), or use MixedPrecisionOptimizer with "
-            "halfprec.distributed.checkpoint(..., process_group=) directly"
-        )
-    return True
-
-
-def _whole_state(module: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor] | None:
-    """``module.state_dict()`` with each DTensor (an FSDP2 shard) gathered whole into host memory, for rank 0 to
-    write as safetensors: one all-gather per tensor, which every rank of the mesh must call. Only where ``keep``
-    are the tensors kept (None elsewhere). Memory: one whole tensor at a time on the device of each rank, and on
-    the keeping rank the whole state dict in host memory (2 B/param for 16-bit weights), as an unsharded
-    model's save holds it."""
-    state = module.state_dict()
-    if not any(is_dtensor(v) for v in state.values()):
-        return state if keep else None
-    # a tied param is gathered once on every rank (the same collectives everywhere), and stored once
-    first: dict[int, str] = {}
-    alias = {n: first.setdefault(id(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
-    out: dict[str, Any] = {}
-    for name, value in state.items():
-        source = alias.get(name, name)
-        if source not in out:
-            whole = value.full_tensor() if is_dtensor(value) else value
-            out[source] = whole.cpu() if keep else None
-        out[name] = out[source]
-    return out if keep else None
-
-
-def _laid_out_like(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole ``weights`` as DTensors where the module's state is: each rank takes its own rows of the whole
-    tensor it read (no communication), so that ``load_state_dict`` copies shard into shard."""
-    own = module.state_dict()
-    if not any(is_dtensor(v) for v in own.values()):
-        return weights
-    from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415 - as in _fully_shard
-
-    return {
-        name: distribute_tensor(
-            w.to(own[name].device), own[name].device_mesh, own[name].placements, src_data_rank=None
-        )
-        if is_dtensor(own[name])
-        else w
-        for name, w in weights.items()
-    }
 
 
 def _check_not_ddp(model: torch.nn.Module, accum: str, zero_stage: int) -> None:
@@ -558,7 +414,7 @@ class Engine:
                     raise RuntimeError(f"save_checkpoint failed on rank 0: {outcome[0]}")
             dcp.save(mp, tmp / "optimizer", named_parameters=self.module, local=not collective)
             save_pt(rng_state(), tmp / f"rng-{rank}.pt")
-            weights = _whole_state(self.module, keep=rank == 0)  # FSDP2 shards: collective
+            weights = whole_state(self.module, keep=rank == 0)  # FSDP2 shards: collective
             if collective:
                 torch.distributed.barrier(group)
             if rank == 0:
@@ -595,7 +451,7 @@ class Engine:
             manifest = verify(path)
             weights = load_weights(path, manifest)
             _check_weights(self.module, weights, path)
-            weights = _laid_out_like(self.module, weights)
+            weights = laid_out_like(self.module, weights)
             engine_state = load_pt(path, "engine")
             counters = _check_engine_state(path, engine_state)
             if load_optimizer_states:
