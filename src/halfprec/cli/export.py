@@ -21,8 +21,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         required=True,
-        help="the .safetensors file to write (a file name, not a directory: e.g. newdir/model.safetensors; "
-        "missing parent directories are made)",
+        help="output .safetensors file (a file name, not a directory: e.g. newdir/model.safetensors; missing "
+        "parent directories are made)",
     )
     parser.add_argument(
         "--dtype",
