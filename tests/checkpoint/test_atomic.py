@@ -147,6 +147,7 @@ def test_leftovers_of_dead_saves_are_removed_and_live_ones_kept(tmp_path):
     assert hidden == [".lock", ".notes", ".published", ".step-9.tmp-89abcdef"]
 
 
+@pytest.mark.slow
 def test_a_killed_save_leaves_nothing_after_the_next_save(tmp_path):
     proc = _child("-c", KILL, str(tmp_path), "file")  # killed while writing step-2's files
     assert proc.returncode == 9 and [p for p in tmp_path.iterdir() if ".tmp-" in p.name]

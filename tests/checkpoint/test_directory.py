@@ -44,6 +44,7 @@ def _assert_same(a: dict, b: dict) -> None:
     assert torch.equal(a["rng"], b["rng"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "precision,gas,first",
     [("fp16", 1, 0), ("fp16", 1, 4), ("bf16", 2, 3)],
@@ -158,6 +159,7 @@ KILL = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["file", "rename", "latest"])
 def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, point):
     proc = _child("-c", KILL, str(tmp_path), point)
@@ -192,6 +194,7 @@ def test_failed_optimizer_load_leaves_the_model_untouched(tmp_path, save, messag
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_unpublished_checkpoint_of_a_killed_save_does_not_block_the_rerun(tmp_path):
     proc = _child("-c", KILL, str(tmp_path), "latest")  # step-2 renamed, latest still step-1
     assert proc.returncode == 9 and (tmp_path / "step-2").exists()

@@ -9,6 +9,7 @@ import multiprocessing as mp
 import re
 import traceback
 
+import pytest
 import torch
 
 from halfprec.checkpoint.directory import locked, saving, stage
@@ -47,6 +48,7 @@ def _same_tag_saver(engine, root, writer, barrier, results):
     )
 
 
+@pytest.mark.slow
 def test_concurrent_same_tag_saves_exactly_one_wins(tmp_path):
     engine = build("bf16")
     train(engine, 1)
@@ -63,6 +65,7 @@ def test_concurrent_same_tag_saves_exactly_one_wins(tmp_path):
         assert build("bf16", seed=5).load_checkpoint(root) == {"writer": winners[0]}
 
 
+@pytest.mark.slow
 def test_a_same_tag_save_during_another_is_refused_and_the_first_stays(tmp_path):
     """Deterministic: the second save starts while the first holds its temporary directory (before its commit).
     Without the lock both returned and the first's commit deleted the second's published checkpoint."""
@@ -107,6 +110,7 @@ def _reader(root, loads, barrier, results):
         results.put(("load", None, _outcome(lambda: engine.load_checkpoint(root))))
 
 
+@pytest.mark.slow
 def test_concurrent_writers_with_keep_last_never_fail_after_publishing(tmp_path):
     engine = build("bf16")
     train(engine, 1)
@@ -222,6 +226,7 @@ def _overwrite_reader(expected, root, loads, barrier, results):
         results.put(_outcome(check))
 
 
+@pytest.mark.slow
 def test_a_load_racing_overwrites_sees_one_checkpoint_whole(tmp_path):
     # two states saved alternately under one tag with overwrite=True while a reader loads it: every load is
     # one of the two, whole (weights and counters of the same save)

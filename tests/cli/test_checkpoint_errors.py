@@ -109,6 +109,7 @@ except Exception as e:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
 def test_a_save_over_the_file_size_limit_names_the_file_and_the_os_error(tmp_path):
     proc = subprocess.run(

@@ -66,6 +66,7 @@ def _table_rows(out: str) -> dict[str, list[str]]:
     }
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(tmp_path, capfd):
     assert demo.run(_args(*TINY, "--out", str(tmp_path))) == 0
     out, err = capfd.readouterr()
@@ -87,6 +88,7 @@ def test_demo_end_to_end(tmp_path, capfd):
     assert re.search(r"demo ETA=\d+:\d\d", err)  # in every precision's progress bar
 
 
+@pytest.mark.slow
 def test_demo_mismatch_is_a_nonzero_exit(tmp_path, capfd):
     argv = [*TINY, "--precisions", "fp32", "--break-resume", "--out", str(tmp_path)]
     assert demo.run(_args(*argv)) == 1

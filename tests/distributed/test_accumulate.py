@@ -47,6 +47,7 @@ def ranks(tmp_path_factory):
     return results(out, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(CONFIGS)), ids=IDS)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_step_reads_the_fp32_sum_of_the_ranks_fp32_sums(ranks, i, impl):
@@ -62,6 +63,7 @@ def test_step_reads_the_fp32_sum_of_the_ranks_fp32_sums(ranks, i, impl):
                 assert not s["seen"]["unused"][2].any(), where
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(CONFIGS)), ids=IDS)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_local_step_applies_those_grads(ranks, i, impl):
@@ -74,6 +76,7 @@ def test_local_step_applies_those_grads(ranks, i, impl):
         torch.testing.assert_close(m, reference[name].reshape(-1), **bound, msg=lambda t, n=name: f"{n}: {t}")
 
 
+@pytest.mark.slow
 def test_the_oracle_is_not_16_bit_accumulation(ranks):
     """With 16 bf16 micro-batches the fp32 sums differ from the 16-bit ones somewhere (else the test is vacuous)."""
     for i, cfg in enumerate(CONFIGS):
@@ -81,6 +84,7 @@ def test_the_oracle_is_not_16_bit_accumulation(ranks):
             assert any(s["differs"] for s in ranks[0][i]["torch"]["steps"]), IDS[i]
 
 
+@pytest.mark.slow
 def test_unsharded_optimizer_refuses_fp32_accumulation_with_two_ranks(ranks):
     for r in ranks:
         assert r["unsharded"].startswith("grad_accum_dtype='fp32' with a process group of 2 ranks")

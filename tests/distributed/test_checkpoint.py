@@ -25,6 +25,7 @@ def _assert_same_checkpoint(a, b) -> None:
         assert torch.equal(value, items_b[key]), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 4, 1])
 def test_reshard_from_two_ranks_is_bit_identical(runs, world):
     ranks = {3: runs.three, 4: runs.four, 1: runs.one}[world]()
@@ -38,6 +39,7 @@ def test_reshard_from_two_ranks_is_bit_identical(runs, world):
         assert any(0 in r["ckpt_reshard"][0]["groups_held"] for r in ranks)
 
 
+@pytest.mark.slow
 def test_checkpoint_contents(runs):
     runs.two()
     items = read_checkpoint(runs.root / "A0")
@@ -51,6 +53,7 @@ def test_checkpoint_contents(runs):
     assert weights["fc1.weight"].shape == (13, 7) and weights["gain"].shape == ()
 
 
+@pytest.mark.slow
 def test_back_to_two_ranks_resumes_bit_exactly(runs):
     cont = runs.two()
     resumed = runs.back()
@@ -66,6 +69,7 @@ def test_back_to_two_ranks_resumes_bit_exactly(runs):
             assert torch.equal(value, resumed[1]["ckpt_reshard"][i]["params"][name]), name
 
 
+@pytest.mark.slow
 def test_rank_dying_mid_save_leaves_previous_checkpoint(tmp_path):
     cfg = dict(CKPT[0], poison=[])
     codes = launch(2, "ckpt_die", tmp_path, cfg=cfg, expect_ok=False, timeout=120)
@@ -80,6 +84,7 @@ def test_rank_dying_mid_save_leaves_previous_checkpoint(tmp_path):
         assert torch.equal(weights[name].reshape(-1), value), name
 
 
+@pytest.mark.slow
 def test_mixed_precision_optimizer_round_trip_and_load_from_sharded(runs, tmp_path):
     """The unsharded optimizer loads a 2-rank checkpoint (no process group) and saves the same items."""
     import _worker  # the model and optimizer factories
@@ -103,6 +108,7 @@ def test_mixed_precision_optimizer_round_trip_and_load_from_sharded(runs, tmp_pa
         assert mp.skipped_steps == int(read_checkpoint(tmp_path / f"M{i}")["counters/skipped_steps"])
 
 
+@pytest.mark.slow
 def test_export_writes_the_consolidated_fp32_weights(runs, tmp_path):
     from safetensors.torch import load_file
 

@@ -63,6 +63,7 @@ def _refused_everywhere(path, capsys, match: str) -> None:
     assert sorted(os.listdir(path.parent)) == listing and not out.exists()
 
 
+@pytest.mark.slow
 def test_the_manifest_covers_every_ranks_files_and_an_unmodified_checkpoint_loads_bit_for_bit(
     two_rank, capsys
 ):
@@ -78,6 +79,7 @@ def test_the_manifest_covers_every_ranks_files_and_an_unmodified_checkpoint_load
     assert main(["export", str(two_rank), "--out", str(two_rank.parent / "w.safetensors")]) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FILES)
 @pytest.mark.parametrize("where", [0.0, 0.5, 1.0])
 def test_a_flipped_byte_in_any_file_is_refused(two_rank, capsys, name, where):
@@ -89,6 +91,7 @@ def test_a_flipped_byte_in_any_file_is_refused(two_rank, capsys, name, where):
     _refused_everywhere(two_rank, capsys, rf"{name} is corrupted")
 
 
+@pytest.mark.slow
 def test_a_shard_swap_between_ranks_is_refused(two_rank, capsys):
     a, b = two_rank / "__0_0.distcp", two_rank / "__1_0.distcp"
     data_a, data_b = a.read_bytes(), b.read_bytes()
@@ -97,6 +100,7 @@ def test_a_shard_swap_between_ranks_is_refused(two_rank, capsys):
     _refused_everywhere(two_rank, capsys, r"__0_0.distcp is (corrupted|truncated or extended)")
 
 
+@pytest.mark.slow
 def test_a_renamed_or_linked_directory_is_refused(two_rank, capsys):
     (two_rank.parent / "A1").symlink_to(two_rank)
     _refused_everywhere(two_rank.parent / "A1", capsys, "written as 'A0'.*rename it back")
@@ -105,6 +109,7 @@ def test_a_renamed_or_linked_directory_is_refused(two_rank, capsys):
     _refused_everywhere(two_rank.parent / "A2", capsys, "written as 'A0'")
 
 
+@pytest.mark.slow
 def test_a_downgraded_format_is_refused(two_rank, capsys):
     manifest = json.loads((two_rank / ckpt.MANIFEST).read_text())
     manifest["format"] = "halfprec-dcp/1"  # the old format had no self-digest to check
@@ -112,6 +117,7 @@ def test_a_downgraded_format_is_refused(two_rank, capsys):
     _refused_everywhere(two_rank, capsys, "claims format 'halfprec-dcp/1' but carries")
 
 
+@pytest.mark.slow
 def test_a_resealed_checkpoint_loads_and_an_old_one_warns_once(runs, two_rank, recwarn):
     seal(two_rank, "A0")  # what an editor would do: the digests cannot tell, the loader's checks must
     _load(two_rank)

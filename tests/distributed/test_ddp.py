@@ -6,12 +6,14 @@ the world size in the param dtype, then summed in rank order), so the comparison
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _compare import assert_equal, assert_same, assert_steps, describe
 
 from conftest import DDP2, STEPS
 
 
+@pytest.mark.slow
 def test_ddp_matches_oracle_bit_exact_with_clipping_accumulation_and_overflow(runs):
     ranks = runs.two()
     for i, cfg in enumerate(DDP2):
@@ -27,6 +29,7 @@ def test_ddp_matches_oracle_bit_exact_with_clipping_accumulation_and_overflow(ru
             assert describe(norms, ref) == "equal", f"{where}: grad norms per step: {describe(norms, ref)}"
 
 
+@pytest.mark.slow
 def test_ddp_overflow_on_one_rank_skips_on_every_rank(runs):
     ranks = runs.two()
     i = next(i for i, c in enumerate(DDP2) if c.get("poison"))
@@ -43,6 +46,7 @@ def test_ddp_overflow_on_one_rank_skips_on_every_rank(runs):
     )
 
 
+@pytest.mark.slow
 def test_ddp_unused_param_gets_no_state(runs):
     # DDP (find_unused_parameters=True) leaves grads of params unused on every rank as None: no update
     for r, rank in enumerate(runs.two()):

@@ -17,6 +17,7 @@ from _launch import launch, results  # noqa: E402
 from halfprec.cli.main import main  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,gas", [(1, 2), (2, 1)])
 def test_sharded_engine_checkpoint_resumes_and_exports(tmp_path, stage, gas):
     launch(2, "engine_ckpt", tmp_path, stage=stage, gas=gas, first=3, more=3)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 
 
@@ -32,6 +34,7 @@ def _files(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_train_ddp_zero2_then_resume_at_zero1_saves_under_the_step_reached(tmp_path):
     ckpt = tmp_path / "ck"
     out = _torchrun("--zero", "2", "--steps", "3", "--width", "32", "--ckpt", str(ckpt))

@@ -62,6 +62,7 @@ def _runs(ranks, name):
     return cfg, [(r, ranks[r]["cases"][name]) for r in members]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_masters_params_and_state_equal_the_oracle_bit_for_bit(ranks, name):
     cfg, runs = _runs(ranks, name)
@@ -78,6 +79,7 @@ def test_masters_params_and_state_equal_the_oracle_bit_for_bit(ranks, name):
         assert run["step_count"] == [float(stepped)] * len(run["masters"]), (name, rank)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_rank_reports_the_oracles_norm_skips_and_scale(ranks, name):
     _, runs = _runs(ranks, name)
@@ -92,6 +94,7 @@ def test_every_rank_reports_the_oracles_norm_skips_and_scale(ranks, name):
         assert run["steps"] == runs[0][1]["steps"], f"{name}: rank {rank} and rank {runs[0][0]} differ"
 
 
+@pytest.mark.slow
 def test_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(ranks):
     for name, (cfg, _) in CASES.items():
         planted = {s for s, _ in cfg.get("inf", [])}
@@ -102,18 +105,21 @@ def test_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank(ranks):
             )
 
 
+@pytest.mark.slow
 def test_fp16_dynamic_scale_keeps_its_hysteresis_equal_on_every_rank(ranks):
     _, runs = _runs(ranks, "fp16-dynamic-scale")
     for _, run in runs:  # the first overflow spends the hysteresis, the second halves the scale
         assert [s["scale"] for s in run["steps"]] == [1024.0, 1024.0, 512.0, 512.0, 512.0]
 
 
+@pytest.mark.slow
 def test_fp32_accumulation_sums_the_sharded_grads_in_fp32(ranks):
     _, runs = _runs(ranks, "bf16-fp32-accumulation-clip")
     # the masters equal the oracle's, fed fp32 sums; the same sums in bf16 are other numbers
     assert any(run["differs"] for _, run in runs)
 
 
+@pytest.mark.slow
 def test_uneven_and_zero_row_shards(ranks):
     run0, run1 = (ranks[r]["cases"]["bf16-forloop"] for r in (0, 1))
     assert run0["rows"] == [(4, 5), (4,), (5, 7), (5,), (1, 9), (1,)]
@@ -121,6 +127,7 @@ def test_uneven_and_zero_row_shards(ranks):
     assert ranks[3]["cases"][HSDP["name"]]["placements"] == "(Replicate(), Shard(dim=0))"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("rank", "world"), [(0, 3), (3, 1)])
 def test_a_checkpoint_saved_at_world_size_2_loads_bit_identical_at(ranks, rank, world):
     load = ranks[rank]["load"]
@@ -135,6 +142,7 @@ def test_a_checkpoint_saved_at_world_size_2_loads_bit_identical_at(ranks, rank, 
         ]
 
 
+@pytest.mark.slow
 def test_state_dict_is_the_ranks_own(ranks):
     for rank in (0, 1):
         ck = ranks[rank]["checkpoint"]
@@ -149,6 +157,7 @@ def test_state_dict_is_the_ranks_own(ranks):
         assert kind == "ValueError" and "does not match this model" in message
 
 
+@pytest.mark.slow
 def test_fp32_shards_step_as_the_torch_optimizer_does(ranks):
     for rank in (2, 3):
         run = ranks[rank]["fp32_shards"]
@@ -168,6 +177,7 @@ REFUSALS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("case", "kind", "pattern"), REFUSALS, ids=[r[0] for r in REFUSALS])
 def test_refusals_that_need_several_ranks(ranks, case, kind, pattern):
     for rank in (2, 3):

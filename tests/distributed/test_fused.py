@@ -37,6 +37,7 @@ def ranks(tmp_path_factory):
     return results(out, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(FUSED)), ids=IDS)
 def test_fused_local_step_matches_the_torch_local_step(ranks, i):
     cfg = FUSED[i]
@@ -70,6 +71,7 @@ def test_fused_local_step_matches_the_torch_local_step(ranks, i):
             assert torch.equal(p.reshape(-1), masters_f[name].to(p.dtype)), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(FUSED)), ids=IDS)
 def test_fused_checkpoint_resumes_bit_exactly(ranks, i):
     masters_f, state_f = stitch([r[i]["triton"]["pieces"] for r in ranks])
@@ -85,12 +87,14 @@ def test_fused_checkpoint_resumes_bit_exactly(ranks, i):
             assert torch.equal(p, r[i]["resumed"]["params"][name]), name
 
 
+@pytest.mark.slow
 def test_fused_local_step_refuses_what_it_cannot_honour(ranks):
     for r in ranks:
         assert "has step hooks, which would not run" in r["hooks"] and "impl='torch'" in r["hooks"]
         assert r["nadam"].startswith("impl='triton' cannot be honoured: NAdam has no fused kernel")
 
 
+@pytest.mark.slow
 def test_fused_local_step_edges(ranks):
     e0, e1 = ranks[0]["edges"], ranks[1]["edges"]
     assert e1["no_piece_pieces"] == 0 and e0["no_piece_pieces"] == 1  # rank 1 holds nothing and still steps

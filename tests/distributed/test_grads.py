@@ -120,11 +120,13 @@ def _check(ranks: list, key: str, i: int, cfg: dict) -> None:
         assert_equal(records[1]["params"], records[0]["params"], f"{at}: rank 1 vs rank 0 params")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(TWICE)), ids=[_label(c) for c in TWICE])
 def test_a_hook_firing_twice_in_one_backward_reaches_the_step(ranks, i):
     _check(ranks, "twice", i, TWICE[i])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(EDIT_CONFIGS)), ids=[_label(c) for c in EDIT_CONFIGS])
 def test_grads_changed_after_backward_reach_the_step(ranks, i):
     _check(ranks, "edits", i, EDIT_CONFIGS[i])
@@ -137,6 +139,7 @@ def _untouched(cfg: dict) -> bool:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", [i for i, c in enumerate(EDIT_CONFIGS) if _untouched(c)])
 def test_a_step_where_no_grad_changed_runs_only_its_own_collectives(ranks, i):
     """One all-reduce (norm and flags) and one all-gather per bucket: no reduction is redone."""
@@ -148,6 +151,7 @@ def test_a_step_where_no_grad_changed_runs_only_its_own_collectives(ranks, i):
             )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", [i for i, c in enumerate(EDIT_CONFIGS) if not _untouched(c)])
 def test_a_step_after_an_edit_on_any_rank_reduces_again_on_every_rank(ranks, i):
     for rank, r in enumerate(ranks):
@@ -157,6 +161,7 @@ def test_a_step_after_an_edit_on_any_rank_reduces_again_on_every_rank(ranks, i):
             )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gas", [1, 2])
 @pytest.mark.parametrize("stage", [1, 2])
 def test_engine_with_reentrant_checkpointing_equals_stage_0(ranks, stage, gas):

@@ -36,6 +36,7 @@ def worlds(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "config", "schedule"), CASES, ids=[f"w{w}-{c}-{s}" for w, c, s in CASES])
 def test_training_after_a_raised_backward_equals_its_oracle(worlds, world, config, schedule):
     for rank, r in enumerate(worlds(world)):
@@ -47,6 +48,7 @@ def test_training_after_a_raised_backward_equals_its_oracle(worlds, world, confi
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS)
 def test_the_raised_backwards_grads_matter(worlds, world):
     """Keeping or dropping the raised backward's grads trains differently (else the oracles prove nothing)."""

@@ -20,6 +20,7 @@ def ranks(tmp_path_factory):
     return results(out, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_step_twice_without_backward_raises(ranks, stage):
     for r in ranks:
@@ -30,6 +31,7 @@ def test_step_twice_without_backward_raises(ranks, stage):
         )  # ... updates nothing
 
 
+@pytest.mark.slow
 def test_stage1_step_without_zero_grad_accumulates_like_torch(ranks):
     for r in ranks:
         assert r[1]["no_zero_grad"] == "no error"
@@ -37,12 +39,14 @@ def test_stage1_step_without_zero_grad_accumulates_like_torch(ranks):
         assert torch.equal(r[1]["w2"], torch.full((1, 4), -4.5))  # second grad: 1.5 + 1.5 accumulated
 
 
+@pytest.mark.slow
 def test_stage2_backward_after_step_without_zero_grad_raises(ranks):
     for r in ranks:
         assert r[2]["no_zero_grad"].startswith("ZeRO-2 reduces grads into a shard that step() consumed")
         assert torch.equal(r[2]["w2"], torch.full((1, 4), -1.5))  # nothing applied twice
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_grad_set_to_none_false_keeps_stepping_with_zero_grads(ranks, stage):
     for rank, r in enumerate(ranks):
@@ -51,6 +55,7 @@ def test_zero_grad_set_to_none_false_keeps_stepping_with_zero_grads(ranks, stage
         assert_equal(kz["params"], kz["oracle"], f"rank {rank}, stage {stage}: params vs torch AdamW")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_frozen_at_wrap_params(ranks, stage):
     for rank, r in enumerate(ranks):
@@ -65,6 +70,7 @@ def test_frozen_at_wrap_params(ranks, stage):
         assert "was frozen (requires_grad=False) when the optimizer was wrapped" in r[stage]["unfrozen"]
 
 
+@pytest.mark.slow
 def test_overflow_at_min_scale_warns_once_on_rank_0(ranks):
     assert len(ranks[0]["min_scale_warnings"]) == 1
     assert "minimum loss scale 1" in ranks[0]["min_scale_warnings"][0]

@@ -58,10 +58,12 @@ def _check_run(ranks: list, key: str, configs: list, *, exact: bool) -> None:
             assert_equal({"frozen": r[key][i]["frozen"]}, {"frozen": ranks[0][key][i]["frozen"]}, at)
 
 
+@pytest.mark.slow
 def test_two_ranks_bit_exact_stage1_stage2_fp32_and_param_comm(runs):
     _check_run(runs.two(), "sharded", SHARDED2, exact=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", [i for i, c in enumerate(SHARDED2) if c.get("poison")])
 def test_overflow_on_one_rank_skips_on_all(runs, i):
     ranks = runs.two()
@@ -74,6 +76,7 @@ def test_overflow_on_one_rank_skips_on_all(runs, i):
         )
 
 
+@pytest.mark.slow
 def test_unused_param_keeps_no_state_and_its_value(runs):
     ranks = runs.two()
     for i in range(len(SHARDED2)):
@@ -88,10 +91,12 @@ def test_unused_param_keeps_no_state_and_its_value(runs):
         assert_equal(got, {"unused": oracle["params"]["unused"]}, f"rank 1, {SHARDED2[i]}")
 
 
+@pytest.mark.slow
 def test_three_ranks_within_tolerance(runs):
     _check_run(runs.three(), "sharded", SHARDED3, exact=False)
 
 
+@pytest.mark.slow
 def test_four_ranks_with_an_empty_rank(runs):
     ranks = runs.four()
     _check_run(ranks, "sharded", SHARDED4, exact=False)
@@ -99,6 +104,7 @@ def test_four_ranks_with_an_empty_rank(runs):
 
 
 # the oracle steps fp32 params on purpose
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:halfprec. every trained param is torch.float32")
 def test_tolerance_is_not_vacuous_at_three_ranks(runs):
     """The 3-rank tolerance is needed (fp16 grads reduced in fp16: gloo's summation order changes the bits) and

@@ -46,6 +46,7 @@ def _assert_same(got: tuple, want: tuple, where: str) -> None:
     assert_equal(got[1], want[1], f"{where}: state")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(SPLIT)), ids=IDS)
 def test_split_masters_step_as_fp32_masters(runs, i):
     ranks = [r[i] for r in runs[0]]
@@ -68,6 +69,7 @@ def test_split_masters_step_as_fp32_masters(runs, i):
     assert ties == 0, f"{ties} params differ (ties rounded away); none expected on this data"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(SPLIT)), ids=IDS)
 def test_checkpoints_move_between_split_and_fp32_masters(runs, i):
     ranks = [r[i] for r in runs[0]]
@@ -80,6 +82,7 @@ def test_checkpoints_move_between_split_and_fp32_masters(runs, i):
         assert r["released-split"], "the save kept the joined fp32 masters"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(SPLIT)), ids=IDS)
 def test_checkpoints_load_from_two_ranks_into_one(runs, i):
     ranks, one = [r[i] for r in runs[0]], runs[1]

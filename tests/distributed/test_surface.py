@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from _compare import assert_equal
 
 
@@ -9,6 +10,7 @@ def _misc(runs) -> list[dict]:
     return [r["misc"] for r in runs.two()]
 
 
+@pytest.mark.slow
 def test_is_an_optimizer_and_schedulers_work_without_warnings(runs):
     for rank, m in enumerate(_misc(runs)):
         assert "torch.optim.optimizer.Optimizer" in m["mro"], f"rank {rank}: bases {m['mro']}"
@@ -16,6 +18,7 @@ def test_is_an_optimizer_and_schedulers_work_without_warnings(runs):
         assert m["scheduler_warnings"] == []
 
 
+@pytest.mark.slow
 def test_buckets_reduce_while_backward_runs(runs):
     for m in _misc(runs):
         assert m["buckets"] >= 3
@@ -24,6 +27,7 @@ def test_buckets_reduce_while_backward_runs(runs):
         assert m["overlapped_with_unused_first"] == 0
 
 
+@pytest.mark.slow
 def test_stage1_grads_are_views_and_stage2_frees_them(runs):
     for rank, m in enumerate(_misc(runs)):
         offsets = m["stage1_grad_offsets"]
@@ -36,6 +40,7 @@ def test_stage1_grads_are_views_and_stage2_frees_them(runs):
         assert "only meaningful at stage 1" in m["stage2_no_sync"]
 
 
+@pytest.mark.slow
 def test_wrong_order_and_fixed_layout_errors(runs):
     for m in _misc(runs):
         assert "backward() called after unscale_()" in m["backward_after_unscale"]
@@ -43,6 +48,7 @@ def test_wrong_order_and_fixed_layout_errors(runs):
         assert "a backward ran after unscale_()" in m["plain_backward_after_unscale"]
 
 
+@pytest.mark.slow
 def test_refresh_masters_copies_the_model_weights(runs):
     for rank, m in enumerate(_misc(runs)):
         assert_equal(
@@ -50,16 +56,19 @@ def test_refresh_masters_copies_the_model_weights(runs):
         )
 
 
+@pytest.mark.slow
 def test_rank_local_state_dict_round_trip(runs):
     for rank, m in enumerate(_misc(runs)):
         assert_equal(m["round_trip"]["loaded"], m["round_trip"]["saved"], f"rank {rank}: loaded vs saved")
 
 
+@pytest.mark.slow
 def test_optimizer_built_from_named_parameters(runs):
     names = [n for m in _misc(runs) for g in m["param_names"] for n in g]
     assert {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "gain", "unused"} <= set(names)
 
 
+@pytest.mark.slow
 def test_initialize_with_zero_stage_builds_the_sharded_optimizer(runs):
     ms = _misc(runs)
     for m in ms:

@@ -44,6 +44,7 @@ def ranks(tmp_path_factory):
     return results(out, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("i", "impl"), RUNS, ids=RUN_IDS)
 def test_step_reads_the_mean_of_the_ranks_fp32_sums(ranks, i, impl):
     cfg = CONFIGS[i]
@@ -57,6 +58,7 @@ def test_step_reads_the_mean_of_the_ranks_fp32_sums(ranks, i, impl):
             assert_equal(s["seen"], s["oracle"], where)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("i", "impl"), RUNS, ids=RUN_IDS)
 def test_masters_match_a_plain_fp32_optimizer_fed_those_grads(ranks, i, impl):
     bound = (
@@ -71,12 +73,14 @@ def test_masters_match_a_plain_fp32_optimizer_fed_those_grads(ranks, i, impl):
         assert_equal(run["masters"], ranks[0][i][impl]["masters"], f"{IDS[i]} {impl}: rank {rank} vs rank 0")
 
 
+@pytest.mark.slow
 def test_the_oracle_is_not_16_bit_accumulation(ranks):
     for i, cfg in enumerate(CONFIGS):
         if cfg["micro"] == 16 and cfg["dtype"] == "bf16":
             assert any(s["differs"] for s in ranks[0][i]["torch"]["steps"]), IDS[i]
 
 
+@pytest.mark.slow
 def test_engine_at_stage_0_all_reduces_fp32_sums_saves_on_rank_0_and_refuses_ddp(tmp_path):
     launch(2, "engine_zero0", tmp_path)
     res = results(tmp_path, 2)
@@ -93,6 +97,7 @@ def test_engine_at_stage_0_all_reduces_fp32_sums_saves_on_rank_0_and_refuses_ddp
     assert (tmp_path / "ck" / "latest").read_text().strip() == "step-2"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "regex"),
     [
@@ -109,11 +114,13 @@ def test_refusals(ranks, name, regex):
         assert re.search(regex, r["errors"][name]), r["errors"][name]
 
 
+@pytest.mark.slow
 def test_impl_triton_passes_the_group_to_the_fused_optimizer(ranks):
     for r in ranks:
         assert r["triton"] == ["FusedAdamW", True]
 
 
+@pytest.mark.slow
 def test_fp32_params_that_are_their_own_masters_get_the_mean_too(ranks):
     for rank, r in enumerate(ranks):
         own = r["own"]

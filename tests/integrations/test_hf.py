@@ -405,6 +405,7 @@ torch.save({"params": [p.detach() for p in model.parameters()], "masters": [m.de
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_resume_in_a_fresh_process_bit_exact(tmp_path, name):
     import pathlib

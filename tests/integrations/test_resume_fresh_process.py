@@ -129,6 +129,7 @@ def _assert_equal(got, want, where: str) -> None:
         assert got == want, f"{where}: {got!r} != {want!r}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("framework", "name"), CASES)
 def test_resume_in_a_fresh_process_bit_exact(resumed, framework, name):
     child, saved = resumed

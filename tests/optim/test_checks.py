@@ -84,6 +84,7 @@ def test_param_frozen_when_wrapped_with_a_stale_grad_is_left_alone():
     assert torch.equal(model[0].bias.detach(), bias)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", LOW)
 def test_grads_cleared_by_the_model_never_look_already_applied(dtype):
     """``model.zero_grad()`` (HF Trainer's way) frees the grads; a new grad may land at the freed one's address,

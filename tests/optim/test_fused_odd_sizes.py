@@ -21,6 +21,7 @@ ALGORITHMS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize(
     ("torch_cls", "fused_cls", "hp"), ALGORITHMS, ids=lambda v: getattr(v, "__name__", "")

@@ -110,6 +110,7 @@ STEPS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("cls", "accum"),
     [
@@ -198,6 +199,7 @@ def test_a_held_back_grad_counts_its_whole_storage_against_the_bound(monkeypatch
     assert float(mp.state_dict()["optimizer"]["state"][0]["step"]) == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", ["param", FP32])
 def test_zero_grad_frees_the_buffers_and_the_next_grad_makes_them(accum):
     (model, mp), _ = build(FusedAdamW, accum)
