@@ -60,9 +60,15 @@ def _free_port() -> int:
 
 
 def _marked(example):
-    # a block marked test="cuda" is a GPU test: skipped without CUDA (conftest), run by `pytest -m gpu`
+    # a block marked test="cuda" is a GPU test: skipped without CUDA (conftest), run by `pytest -m gpu`; a block
+    # that starts a process group runs in a process of its own (seconds): slow
     cuda = example.prefix_settings().get("test") == "cuda"
-    return pytest.param(example, id=_id(example), marks=[pytest.mark.gpu] if cuda else [])
+    marks = [pytest.mark.gpu] if cuda else []
+    return pytest.param(
+        example,
+        id=_id(example),
+        marks=[*marks, pytest.mark.slow] if "init_process_group" in example.source else marks,
+    )
 
 
 @pytest.mark.parametrize("example", [_marked(e) for e in EXAMPLES])
@@ -209,3 +215,72 @@ def test_api_reference_has_every_constructor_option():
     for heading, options in sections.items():
         missing = _missing(_api_section(heading), options)
         assert not missing, f"docs/api.md's {heading} section lacks the options {missing}"
+
+
+# --- what a reader can open: sizes, links, and provenance instead of how the code came about -------------------
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+RAW = ROOT / "benchmarks" / "results"
+PROSE = [*MARKDOWN, RESULTS]
+
+
+def test_readme_and_results_stay_short():
+    assert (ROOT / "README.md").stat().st_size <= 10 * 1024, "README.md: at most 10 KB"
+    assert RESULTS.stat().st_size <= 20 * 1024, "benchmarks/RESULTS.md: at most 20 KB"
+    raw = sorted(p.name for p in RAW.iterdir())
+    assert len(raw) <= 20, (
+        f"benchmarks/results/: at most 20 raw files (one per benchmark and date), got {raw}"
+    )
+
+
+def _without_code_blocks(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def _anchors(path: Path) -> set[str]:
+    """The ids GitHub gives the headings of ``path``: lower case, punctuation dropped, spaces as hyphens,
+    a repeated id suffixed -1, -2, ..."""
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#+ (.*)$", _without_code_blocks(path.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n, unique = 0, slug
+        while unique in anchors:
+            n += 1
+            unique = f"{slug}-{n}"
+        anchors.add(unique)
+    return anchors
+
+
+@pytest.mark.parametrize("path", PROSE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path):
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", _without_code_blocks(path.read_text())):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
+            broken.append(target)
+    assert not broken, f"{path.relative_to(ROOT)} links to what is not there: {broken}"
+
+
+# How the project was developed is not the reader's business: work periods, device calls, tracker numbers, files
+# outside the repository. Dates, devices, versions and commits say where a figure came from.
+NARRATION = re.compile(
+    r"\bsessions?\b|\bcalls? \d|\bissues? #?\d|\bwork period|\bour earlier\b|\.\./shared/|\bdesign\.md\b",
+    re.I,
+)
+
+
+def test_docs_and_results_give_provenance_not_history():
+    files = [*PROSE, *sorted((ROOT / "benchmarks").glob("*.py"))]
+    found = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in files
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if NARRATION.search(line)
+    ]
+    assert not found, "\n".join(found)
+    names = [
+        p.name for p in RAW.iterdir() if re.search(r"_(s\d+|call\d*|final|keep|all|[a-c])(_|\.)", p.name)
+    ]
+    assert not names, f"raw result files named after how they were made, not what and when: {names}"
