@@ -40,6 +40,7 @@ def _whole(saved) -> dict:
     return torch.load(saved[0] / "whole.pt", weights_only=True)
 
 
+@pytest.mark.slow
 def test_zero_stage_3_shards_each_block_then_the_root_in_16_bits(saved):
     for rank, r in enumerate(saved[1]):
         assert r["sharded_modules"] == ["", "layers.0", "layers.1"], rank
@@ -48,6 +49,7 @@ def test_zero_stage_3_shards_each_block_then_the_root_in_16_bits(saved):
         assert r["optimizer_over_the_shards"], rank
 
 
+@pytest.mark.slow
 def test_zero_stage_3_masters_are_the_fp32_weights_not_their_rounding(saved):
     for rank, r in enumerate(saved[1]):
         assert r["some_master_not_bf16"]
@@ -55,6 +57,7 @@ def test_zero_stage_3_masters_are_the_fp32_weights_not_their_rounding(saved):
         assert r["params_are_rounded_masters"], rank
 
 
+@pytest.mark.slow
 def test_zero_stage_3_steps_as_its_policy_written_out_by_hand(saved):
     for rank, r in enumerate(saved[1]):
         assert r["full"]["losses"] == r["by_hand"]["losses"], rank
@@ -62,6 +65,7 @@ def test_zero_stage_3_steps_as_its_policy_written_out_by_hand(saved):
         assert_equal(r["full"]["weights"], r["by_hand"]["weights"], f"rank {rank}: weights")
 
 
+@pytest.mark.slow
 def test_resume_at_world_size_2_equals_the_uninterrupted_run_bit_for_bit(saved):
     more = worker.MORE * worker.GAS
     for rank, r in enumerate(saved[1]):
@@ -72,6 +76,7 @@ def test_resume_at_world_size_2_equals_the_uninterrupted_run_bit_for_bit(saved):
         assert r["client"] == {"note": 7}
 
 
+@pytest.mark.slow
 def test_a_model_the_user_sharded_in_bf16_trains_with_fp32_sums(saved):
     for rank, r in enumerate(saved[1]):
         assert_equal(r["user"]["engine"], r["user"]["optimizer"], f"rank {rank}: engine vs optimizer")
@@ -85,6 +90,7 @@ REFUSALS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("case", "pattern"), REFUSALS, ids=[c for c, _ in REFUSALS])
 def test_refusals_over_two_ranks(saved, case, pattern):
     for r in saved[1]:
@@ -92,6 +98,7 @@ def test_refusals_over_two_ranks(saved, case, pattern):
         assert kind == "ValueError" and re.search(pattern, message, re.S), (kind, message)
 
 
+@pytest.mark.slow
 def test_the_checkpoint_loads_at_world_size_3(saved, tmp_path):
     whole = _whole(saved)
     for rank, r in enumerate(_launch_worker(3, "load", tmp_path, ck=saved[1][0]["path"])):
@@ -100,6 +107,7 @@ def test_the_checkpoint_loads_at_world_size_3(saved, tmp_path):
         assert_equal(r["weights"], whole["weights"], f"rank {rank} of 3: weights")
 
 
+@pytest.mark.slow
 def test_the_checkpoint_loads_at_world_size_1_sharded_and_not(saved, one_rank):
     whole = _whole(saved)
     engine = worker.stage3_engine(seed=1)
@@ -116,6 +124,7 @@ def test_the_checkpoint_loads_at_world_size_1_sharded_and_not(saved, one_rank):
     assert_equal(model.state_dict(), whole["weights"], "world 1, unsharded: weights")
 
 
+@pytest.mark.slow
 def test_export_and_inspect_read_the_fp32_masters(saved, tmp_path, capsys):
     whole = _whole(saved)
     ck = Path(saved[1][0]["path"])
