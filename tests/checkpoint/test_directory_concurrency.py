@@ -1,4 +1,4 @@
-"""Concurrent saves and loads of one checkpoint directory (issue 16, item 12): processes, not threads.
+"""Concurrent saves and loads of one checkpoint directory: processes, not threads.
 
 Each case forks a few processes that meet at a barrier, then save (or load) at once, many rounds.
 """
@@ -178,7 +178,7 @@ def test_the_lock_of_a_killed_save_does_not_block(tmp_path):
 
 
 def test_a_load_waits_for_a_running_save(tmp_path):
-    # issue 16 item 5: a load verifies the digests, then reads the files; a save (an overwrite, a prune) running
+    # a load verifies the digests, then reads the files; a save (an overwrite, a prune) running
     # in between could swap them. Loads hold the directory's lock as saves do: a load meets a locked directory
     # and waits (deterministic, unlike the race itself)
     engine = build("bf16")

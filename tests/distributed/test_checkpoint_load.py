@@ -1,5 +1,5 @@
 """``halfprec.distributed.checkpoint`` loads that apply completely or change nothing, refuse another optimizer's
-state, and take every ``MixedPrecisionOptimizer`` (exact, fused, sharded) -- issue 16 items 2 and 3, issue 20 hole 2.
+state, and take every ``MixedPrecisionOptimizer`` (exact, fused, sharded).
 
 The fused optimizer runs on CPU through the Triton interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py).
 """
@@ -46,7 +46,7 @@ def _snapshot(model, opt):
     )
 
 
-# --- the fused optimizer (issue 20 hole 2) -------------------------------------------------------------------
+# --- the fused optimizer --------------------------------------------------------------------------------------
 def _fused(model):
     opt = MixedPrecisionOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), impl="triton"
@@ -90,7 +90,7 @@ def test_fused_and_exact_checkpoints_load_into_each_other(tmp_path):
     assert_same_tree(_snapshot(model, exact), _snapshot(back_model, back))
 
 
-# --- failed loads change nothing (issue 16 item 2) --------------------------------------------------------
+# --- failed loads change nothing ----------------------------------------------------------------------------
 def _two_groups(model, cls=torch.optim.AdamW, **kw):
     first, second = list(model[0].parameters()), list(model[2].parameters())
     return cls([{"params": first}, {"params": second, "lr": 1e-3}], lr=1e-2, **kw)
@@ -163,7 +163,7 @@ def rewrite(path, items) -> None:
     seal(path, path.name)
 
 
-# --- another optimizer's checkpoint (issue 16 item 3) ---------------------------------------------------------
+# --- another optimizer's checkpoint ---------------------------------------------------------------------------
 @pytest.mark.parametrize("other", [torch.optim.SGD, torch.optim.Adagrad])
 def test_another_optimizers_checkpoint_is_refused_naming_both(tmp_path, other):
     model = _model()

@@ -22,8 +22,8 @@ def require(package: str, adapter: str) -> ModuleType:
         return importlib.import_module(package)
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError(
-            f"halfprec.integrations.{adapter} needs the {package.partition('.')[0]} package: pip install "
-            "'halfprec[integrations]'"
+            f"halfprec.integrations.{adapter} needs the {package.partition('.')[0]} package: from the repository's "
+            "root, pip install -e '.[integrations]'"
         ) from e
 
 

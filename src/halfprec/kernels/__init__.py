@@ -15,7 +15,10 @@ def triton_status() -> tuple[bool, str]:
     try:
         importlib.import_module("triton")
     except ImportError as e:
-        return False, f"triton is not importable ({e}); install the extra: pip install 'halfprec[triton]'"
+        return (
+            False,
+            f"triton is not importable ({e}); install the extra from the repository's root: pip install -e '.[triton]'",
+        )
     import torch
 
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
