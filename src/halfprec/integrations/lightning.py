@@ -35,8 +35,11 @@ _FabricPrecision = require("lightning.fabric.plugins", "lightning").Precision
 _TrainerPrecision = require("lightning.pytorch.plugins.precision", "lightning").Precision
 _LightningModule = require("lightning.pytorch", "lightning").LightningModule
 apply_to_collection = require("lightning_utilities", "lightning").apply_to_collection
+_strategies = require("lightning.pytorch.strategies", "lightning")
+# the strategies that shard or cast the model under the optimizer, with their own masters and precision
+_SHARDING = (_strategies.FSDPStrategy, _strategies.ModelParallelStrategy, _strategies.DeepSpeedStrategy)
 
-__all__ = ["HalfprecFabricPrecision", "HalfprecPrecision", "setup_fabric"]
+__all__ = ["HalfprecFabricPrecision", "HalfprecPrecision", "check_trainer_strategy", "setup_fabric"]
 
 _LIGHTNING_NAME = {"bf16": "bf16-true", "fp16": "16-true"}
 
@@ -190,6 +193,17 @@ def _to_dtype(tensor: torch.Tensor, dst_type: torch.dtype) -> torch.Tensor:
     return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
 
 
+def check_trainer_strategy(strategy: Any) -> None:
+    """ValueError for a Trainer strategy that shards or casts the model itself (FSDP, ModelParallel, DeepSpeed):
+    halfprec's masters would be of params the strategy then replaces."""
+    if isinstance(strategy, _SHARDING):
+        raise ValueError(
+            f"Trainer(strategy={type(strategy).__name__}) shards or casts the model under halfprec's optimizer, with "
+            "its own precision: the halfprec plugin runs with DDP or one device. For FSDP2, fully_shard the 16-bit "
+            "model in your own loop and build halfprec.MixedPrecisionOptimizer over it (docs/distributed.md, FSDP2)"
+        )
+
+
 def _trainer(model: Any) -> Any:
     """The Trainer ``connect`` runs under: ``model`` is the LightningModule, or (DDP) the module around it."""
     module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
@@ -261,6 +275,7 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
 
     def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple[Any, list, list]:
         trainer = _trainer(model)
+        check_trainer_strategy(getattr(trainer, "strategy", None))
         micro_batches = getattr(trainer, "accumulate_grad_batches", 1)
         clip_val = getattr(trainer, "gradient_clip_val", None)
         by_value = clip_val and getattr(trainer, "gradient_clip_algorithm", None) == "value"
