@@ -16,6 +16,7 @@ import _worker  # the launch protocol (process group, results, teardown) is _wor
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _fsdp import error_of
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
@@ -168,14 +169,6 @@ def user_sharded_run(steps: int) -> dict:
         mp.step()
         mp.zero_grad()
     return {"engine": gathered(engine.optimizer, model), "optimizer": gathered(mp, twin)}
-
-
-def error_of(fn) -> list[str]:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test reads the type and the message
-        return [type(e).__name__, str(e)]
-    return ["no error", ""]
 
 
 def refusals(alone) -> dict:
