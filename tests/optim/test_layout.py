@@ -59,3 +59,17 @@ def test_importing_the_package_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
     assert torch.cuda.is_initialized() is False
+
+
+def test_align_starts_every_param_on_a_multiple_of_align():
+    from halfprec.optim.layout import ALIGN, aligned
+
+    numels = [3, 17, 0, 40, 1]
+    for world in (1, 2, 3):
+        for r in range(world):
+            lay = Layout(numels, world_size=world, rank=r, bucket_size=64, align=True)
+            assert all(off % ALIGN == 0 for off in lay.offsets)
+            for b in lay.buckets:  # a bucket holds the aligned sizes of its params
+                assert sum(aligned(numels[i]) for i in b.params) <= b.numel
+    plain = Layout(numels, world_size=1, rank=0, bucket_size=10**6)
+    assert plain.offsets == [0, 3, 20, 20, 60]  # unaligned: back to back

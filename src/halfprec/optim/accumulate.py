@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .layout import MasterStore
+from .chunk import MasterStore
 from .mesh import local
 from .results import ScaleGuard, StepState, weak_hook
 

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from .._checks import is_int
+from ..precision import LOW_PRECISION
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from .checks import check_options, check_torch_optimizer
-from .layout import LOW_PRECISION
 from .results import ScaleGuard, SkipLog, StepState, warn_caller
 
 __all__ = ["FORMAT", "MixedPrecisionOptimizer", "check_wrappable", "register_factory"]

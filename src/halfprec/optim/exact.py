@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..precision import LOW_PRECISION
 from ..scaler import LossScaler
 from .accumulate import GradAccumulator, all_reduce_master_grads, check_process_group
 from .base import MixedPrecisionOptimizer, check_wrappable
@@ -28,8 +29,8 @@ from .checks import (
     check_unfrozen,
     clear_grads,
 )
+from .chunk import MasterStore
 from .clip import clip_coefficient
-from .layout import LOW_PRECISION, MasterStore
 from .mesh import Mesh, check_sharded_options, is_dtensor, local_grad
 from .results import GradMarks
 from .state import Target, move_state, restore_state_dtypes

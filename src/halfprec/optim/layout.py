@@ -1,33 +1,29 @@
-"""The flat-buffer layout every strategy uses: one alignment (``ALIGN``), per-param offsets, sharded coordinates.
+"""The flat-buffer layout every strategy uses: one alignment (``ALIGN``), per-param offsets, local coordinates.
 
-Sharded coordinates (``Layout``, all in elements): the *global* flat 16-bit param buffer, which every rank holds
-whole, has the params back to back in the reverse of the optimizer's order (roughly the order backward produces
-grads); a *bucket* is a run of whole params padded to a multiple of ``world_size * PAD``, so it splits into
-``world_size`` equal shards (rank ``r`` owns shard ``r`` of each); *local* is a rank's shards of all buckets back
-to back: the index space of its fp32 masters, grads and state. A shard may cut through a param: the part inside
-one rank's shard is a *piece*. World size 1 is the unsharded case. Pure index math apart from the chunks.
+``Layout`` (all in elements): the *global* flat buffer holds the params back to back in the order given; a *bucket*
+is a run of whole params padded to a multiple of ``world_size * PAD``, so it splits into ``world_size`` equal shards
+(rank ``r`` owns shard ``r`` of each); *local* is a rank's shards of all buckets back to back: the index space of
+its fp32 masters (``optim/masters.py``), grads and state. A shard may cut through a param: the part inside one
+rank's shard is a *piece*.
+
+World size 1 is the unsharded case, which the exact and fused strategies use (``optim/chunk.py``): one bucket, local
+= global, every param one piece, and each param's offset ``ALIGN``-aligned (``align=True``) so the fused kernels'
+blocks start and end on multiples of 16 (see ``build_table``). The sharded optimizer (params in the reverse of the
+optimizer's order, roughly the order backward produces grads) packs them unaligned: its fused step's rows follow
+the pieces, which shards cut anywhere.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..kernels.slots import ALIGN
-from ..precision import LOW_PRECISION
-from .mesh import local
-from .split import join_master, store_split
 
-__all__ = [
-    "ALIGN", "LOW_PRECISION", "MASTERS", "PAD", "aligned", "build_table", "check_masters", "chunk_params",
-    "Chunk", "MasterStore", "Bucket", "Piece", "Layout",
-]  # fmt: skip
+__all__ = ["ALIGN", "PAD", "aligned", "build_table", "Bucket", "Piece", "Layout"]
 
-MASTERS = ("fp32", "split")  # master storages: fp32 buffers, or split (bf16 param + low 16 bits)
 PAD = ALIGN  # elements per rank a sharded bucket is padded to (64 bytes of fp32 per shard boundary)
 
 
@@ -48,231 +44,6 @@ def build_table(
         end = off + aligned(n)
         rows.extend((s, min(s + block, end), gi) for s in range(off, end, block))
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(device)
-
-
-class Chunk:
-    """The params of one device and dtype, laid out flat at ``ALIGN``-padded offsets, and their fp32 masters.
-
-    ``data``: the fp32 masters, filled from ``sources`` (each param's best fp32 value), with ``master_views``;
-    ``param``: with ``flat_params``, the 16-bit buffer the params' ``.data`` become views of (fp32 params, their
-    own masters, become views of ``data``); ``grad`` (``make_grad``) and ``state`` (``add_state``): made at the
-    first grad and update. Padding is zero in every buffer and an update keeps it zero.
-
-    ``masters="split"`` (bf16 params with ``flat_params``; ``optim/split.py``): no ``data``; the master is ``param``
-    (its value rounded to nearest, ties away) plus ``low``, its low 16 bits (int16): 2 bytes per param instead of 4.
-    ``master``/``load_master``/``reset_masters`` read and write either storage.
-    """
-
-    def __init__(
-        self, params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor], *,
-        flat_params: bool = False, masters: str = "fp32",
-    ) -> None:  # fmt: skip
-        self.params = list(params)
-        self.device = self.params[0].device
-        self.dtype = self.params[0].dtype
-        shapes = [local(p).shape for p in self.params]  # a DTensor's local shard (optim/mesh.py)
-        self.offsets = list(itertools.accumulate((aligned(s.numel()) for s in shapes), initial=0))
-        self.numel = self.offsets.pop()  # the total padded size
-        # each param's (shape, contiguous strides, offset): one as_strided call makes its view of a flat buffer,
-        # where a slice and a view take two (a chunk's grad views are made at every step after zero_grad())
-        self._geometry = [
-            (shape, torch.empty(shape, device="meta").stride(), off)
-            for shape, off in zip(shapes, self.offsets, strict=True)
-        ]
-        split = masters == "split" and self.dtype != torch.float32  # fp32 params are their own masters
-        self.data = None if split else torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        self.low = torch.zeros(self.numel, dtype=torch.int16, device=self.device) if split else None
-        self.master_views = [] if self.data is None else self.views(self.data)
-        self.param: torch.Tensor | None = None
-        self.grad: torch.Tensor | None = None
-        self.grad_views: list[torch.Tensor] = []
-        self.state: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            if flat_params and self.dtype != torch.float32:
-                self.param = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-                for p, view in zip(self.params, self.views(self.param), strict=True):
-                    view.copy_(p.data)
-            for k, src in enumerate(sources):
-                self.load_master(k, local(src))  # split: the param becomes its master rounded ties away
-            if flat_params:
-                flat = self.data if self.param is None else self.param
-                for p, view in zip(self.params, self.views(flat), strict=True):
-                    p.data = view
-
-    def kernel_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(param, master) as the update kernels take them: fp32 chunks are their own params; split chunks pass
-        ``low`` as the master (``kernels.update.param_arg`` reads the storage from its dtype)."""
-        master = self.data if self.low is None else self.low
-        return (master if self.param is None else self.param), master
-
-    def master(self, k: int) -> torch.Tensor:
-        """Param ``k``'s fp32 master: a view of ``data``, or for split masters a joined copy (writing to it
-        changes nothing: use ``load_master``)."""
-        if self.low is None:
-            return self.master_views[k]
-        return join_master(self.view(self.param, k), self.view(self.low, k))
-
-    def load_master(self, k: int, value: torch.Tensor) -> None:
-        """Set param ``k``'s master to ``value`` exactly (split: its param and low half; else ``data`` only, the
-        param is rounded by ``round_params``)."""
-        if self.low is None:
-            self.master_views[k].copy_(value)
-        else:
-            store_split(value, self.view(self.param, k), self.view(self.low, k))
-
-    def round_params(self) -> None:
-        """Round the fp32 masters into the 16-bit params (to nearest even); split params already are theirs."""
-        if self.param is not None and self.data is not None:
-            self.param.copy_(self.data)
-
-    def reset_masters(self) -> None:
-        """The masters become the current 16-bit params exactly (after an external weights-only load)."""
-        if self.low is not None:
-            self.low.zero_()
-        elif self.param is not None:
-            self.data.copy_(self.param)
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        base = flat.storage_offset()
-        return [flat.as_strided(shape, stride, base + off) for shape, stride, off in self._geometry]
-
-    def view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
-        shape, stride, off = self._geometry[k]
-        return flat.as_strided(shape, stride, flat.storage_offset() + off)
-
-    def make_grad(self, dtype: torch.dtype) -> None:
-        self.grad = torch.zeros(self.numel, dtype=dtype, device=self.device)
-        self.grad_views = self.views(self.grad)
-
-    def free_grad(self) -> None:
-        """Drop the grad buffer and its views (its memory goes with the last view held elsewhere)."""
-        self.grad = None
-        self.grad_views = []
-
-    def add_state(self, name: str) -> None:
-        if name not in self.state:
-            self.state[name] = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-
-    def table(self, indices: Sequence[int], block: int) -> torch.Tensor:
-        """``indices``: this chunk's params' indices in the kernels' per-param arrays."""
-        return build_table(self.offsets, [p.numel() for p in self.params], indices, block, self.device)
-
-
-def chunk_params(
-    params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor], *, flat_params: bool = False,
-    masters: str = "fp32",
-) -> list[tuple[Chunk, list[int]]]:  # fmt: skip
-    """One ``Chunk`` per (device, dtype) in first-seen order, each with the indices in ``params`` of its params."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, p in enumerate(params):
-        groups.setdefault((p.device, p.dtype), []).append(i)
-    placed = []
-    for idx in groups.values():
-        chunk = Chunk(
-            [params[i] for i in idx], [sources[i] for i in idx], flat_params=flat_params, masters=masters
-        )
-        placed.append((chunk, idx))
-    return placed
-
-
-def check_masters(masters: Any, dtypes: Iterable[torch.dtype | None] = ()) -> None:
-    """ValueError unless ``masters`` is a master storage (``MASTERS``) that params of ``dtypes`` can use."""
-    if masters not in MASTERS:
-        raise ValueError(f"masters must be one of {MASTERS}, got {masters!r}")
-    if masters == "split" and torch.float16 in set(dtypes):
-        raise ValueError(
-            "masters='split' keeps exact fp32 masters only for bf16 params, got torch.float16 params: fp16's "
-            "exponent range is narrower than fp32's, so its split is not exact; use masters='fp32' (or bf16)"
-        )
-
-
-class MasterStore:
-    """All master chunks of one optimizer, and the mapping between model params and their masters."""
-
-    def __init__(self) -> None:
-        self.chunks: list[Chunk] = []
-        # per chunk: the Parameters the inner optimizer steps
-        self.masters: list[list[torch.nn.Parameter]] = []
-
-    def add(self, params: Iterable[torch.nn.Parameter], originals: dict[torch.Tensor, torch.Tensor]) -> dict:
-        """``{param: master}`` for new masters of ``params`` from ``originals[p]`` (else ``p``)."""
-        params = list(params)
-        mapping = {}
-        for chunk, _ in chunk_params(params, [originals.get(p, p) for p in params]):
-            masters = [torch.nn.Parameter(v, requires_grad=True) for v in chunk.master_views]
-            self.chunks.append(chunk)
-            self.masters.append(masters)
-            mapping.update(zip(chunk.params, masters, strict=True))
-        return mapping
-
-    def master_params(self) -> list[torch.nn.Parameter]:
-        return [m for masters in self.masters for m in masters]
-
-    def model_params(self) -> list[torch.nn.Parameter]:
-        return [p for chunk in self.chunks for p in chunk.params]
-
-    def check_devices(self) -> None:
-        for chunk in self.chunks:
-            for p in chunk.params:
-                if p.device != chunk.device:
-                    raise RuntimeError(
-                        f"a param of shape {tuple(p.shape)} is on {p.device} but its FP32 master is on "
-                        f"{chunk.device}: the model moved after the optimizer was wrapped. Move the model to its "
-                        "device first, then build and wrap the optimizer (halfprec does not move masters and "
-                        "optimizer state behind your back)"
-                    )
-
-    def copy_grads_in(self) -> list[torch.Tensor]:
-        """Point each master's ``.grad`` at its fp32 view, filled from the model grad (or None); return the filled
-        ones (still scaled)."""
-        filled_dst: list[torch.Tensor] = []
-        filled_src: list[torch.Tensor] = []
-        for chunk, masters in zip(self.chunks, self.masters, strict=True):
-            if chunk.grad is None:
-                chunk.make_grad(torch.float32)
-            for p, m, view in zip(chunk.params, masters, chunk.grad_views, strict=True):
-                m.grad = None if p.grad is None else view
-                if p.grad is not None:
-                    filled_dst.append(view)
-                    filled_src.append(local(p.grad))
-        if filled_dst:
-            torch._foreach_copy_(filled_dst, filled_src)
-        return filled_dst
-
-    @torch.no_grad()
-    def add_grad(self, c: int, k: int, grad: torch.Tensor) -> None:
-        """Add the 16-bit ``grad`` into master ``k`` of chunk ``c``'s fp32 grad: a copy, or one fp32 rounding."""
-        chunk, m = self.chunks[c], self.masters[c][k]
-        if chunk.grad is None:
-            chunk.make_grad(torch.float32)
-        if m.grad is None:
-            m.grad = chunk.grad_views[k]
-            m.grad.copy_(grad)
-        else:
-            m.grad.add_(grad)
-
-    @torch.no_grad()
-    def clear_grads(self, set_to_none: bool = True) -> None:
-        """What ``torch.optim.Optimizer.zero_grad`` does to the masters' grads: a zeroed grad is still a grad, so
-        its master is stepped (momentum and decay move it), as torch steps a param whose grad was zeroed."""
-        for m in self.master_params():
-            if set_to_none or m.grad is None:
-                m.grad = None
-            else:
-                m.grad.zero_()
-
-    @torch.no_grad()
-    def copy_params_out(self) -> None:
-        """Round every master into its model param (to nearest even)."""
-        params, masters = self.model_params(), self.master_params()
-        if params:
-            torch._foreach_copy_([local(p.data) for p in params], masters)
-
-    @torch.no_grad()
-    def refresh_from_params(self) -> None:
-        params, masters = self.model_params(), self.master_params()
-        if params:
-            torch._foreach_copy_(masters, [local(p.data) for p in params])
 
 
 @dataclass(frozen=True)
@@ -305,7 +76,9 @@ class Piece:
 class Layout:
     """Where every param lives in the global flat buffer, and which pieces ``rank`` owns."""
 
-    def __init__(self, numels: list[int], *, world_size: int, rank: int, bucket_size: int) -> None:
+    def __init__(
+        self, numels: list[int], *, world_size: int, rank: int, bucket_size: int, align: bool = False
+    ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of size {world_size}")
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
@@ -327,12 +100,13 @@ class Layout:
             start, local, members, filled = start + numel, local + shard, [], 0
 
         for i, n in enumerate(self.numels):
-            if members and filled + n > bucket_size:
+            room = aligned(n) if align else n  # align: every param starts at a multiple of ALIGN
+            if members and filled + room > bucket_size:
                 close()
             self.offsets.append(start + filled)
             self.bucket_of.append(len(self.buckets))
             members.append(i)
-            filled += n
+            filled += room
         if members:
             close()
         self.total = start

@@ -24,7 +24,7 @@ from .accumulate import check_process_group
 from .base import MixedPrecisionOptimizer, check_wrappable, register_factory
 from .checks import check_elementwise, check_grad_accum_dtype, check_options
 from .exact import ExactMixedPrecisionOptimizer
-from .layout import check_masters
+from .masters import check_masters
 from .mesh import Mesh, check_sharded_options
 from .policy import IMPLS, fused_class, fused_unsupported_reason, select_impl
 

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .layout import LOW_PRECISION
+from ..precision import LOW_PRECISION
 from .mesh import as_dtensor, is_dtensor, local
 
 __all__ = ["SCALAR_KEYS", "Target", "adopt_views", "is_elementwise", "move_state", "restore_state_dtypes"]

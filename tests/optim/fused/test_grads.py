@@ -18,8 +18,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import halfprec
 from halfprec.optim import FusedAdagrad, FusedAdamW, FusedLamb, FusedSGD
+from halfprec.optim.chunk import chunk_params
 from halfprec.optim.fused.grads import GradViews
-from halfprec.optim.layout import chunk_params
 
 from ..helpers import DEVICE, AtenOps, warm_up_on_side_stream
 

@@ -14,7 +14,8 @@ import torch
 
 import halfprec
 from halfprec.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLamb, FusedSGD
-from halfprec.optim.layout import Chunk, aligned
+from halfprec.optim.chunk import Chunk
+from halfprec.optim.layout import aligned
 from halfprec.optim.split import split_master
 from tests.engine_util import build, train
 

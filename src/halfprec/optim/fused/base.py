@@ -34,7 +34,8 @@ from ...scaler import LossScaler
 from ..accumulate import check_process_group
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, tell_schedulers
-from ..layout import Chunk, check_masters, chunk_params
+from ..chunk import Chunk, chunk_params
+from ..masters import check_masters
 from ..state import adopt_views
 from .grads import GradViews, stream_capturing
 from .results import DeviceResults, SkipReporter

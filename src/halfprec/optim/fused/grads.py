@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..accumulate import all_reduce_mean
-from ..layout import Chunk
+from ..chunk import Chunk
 from ..results import weak_hook
 
 __all__ = ["GradViews", "stream_capturing"]

@@ -26,7 +26,7 @@ A step (every rank takes the same decisions, made from all-reduced values):
    writes the 16-bit shard itself), then all-gather every bucket.
 
 ``state_dict()`` is the rank-local state, loaded at the same world size and layout only; checkpoints that
-reshard across world sizes: ``halfprec.distributed.checkpoint``. Both hold fp32 masters, split (``masters.py``)
+reshard across world sizes: ``halfprec.distributed.checkpoint``. Both hold fp32 masters, split (``optim/masters.py``)
 or not.
 """
 
@@ -44,13 +44,13 @@ from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear_grads
 from ..clip import clip_coefficient
-from ..layout import Layout, check_masters
+from ..layout import Layout
+from ..masters import Masters, check_masters
 from ..policy import select_impl
 from ..state import Target, move_state, restore_state_dtypes
 from .checks import check_named_parameters, check_optimizer, check_reduce_dtype, named_trainable
 from .fused_step import FusedLocalStep
 from .grads import GradReducer
-from .masters import ShardMasters
 
 __all__ = ["ShardedMixedPrecisionOptimizer", "DEFAULT_BUCKET_SIZE"]
 
@@ -200,7 +200,9 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             view = self.flat_param[layout.offsets[i] : layout.offsets[i] + p.numel()]
             view.copy_(p.data.reshape(-1))
             p.data = view.view(p.shape)
-        self._masters = ShardMasters(layout, self.flat_param, originals, split=self.masters == "split")
+        split = self.masters == "split"
+        self._masters = Masters(layout, originals, param=self.flat_param, split=split, device=self.device)
+        self._masters.make_pieces()
 
     @property
     def flat_master(self) -> torch.Tensor | None:

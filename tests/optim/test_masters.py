@@ -1,4 +1,4 @@
-"""``ShardMasters``: a rank's masters in local coordinates, fp32 or split (the bf16 param shard plus the low
+"""``Masters``: a rank's masters in local coordinates, fp32 or split (the bf16 param shard plus the low
 halves), on a 2-rank layout built in this process (no process group: the layout is index math)."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from halfprec.optim.layout import Layout
-from halfprec.optim.sharded.masters import ShardMasters
+from halfprec.optim.masters import Masters
 from halfprec.optim.split import split_master
 
 NUMELS = [9, 41, 3, 70]  # odd sizes: shards cut params at unaligned offsets
 
 
-def _build(rank: int, *, split: bool, ties: bool = False) -> tuple[Layout, torch.Tensor, ShardMasters, dict]:
+def _build(rank: int, *, split: bool, ties: bool = False) -> tuple[Layout, torch.Tensor, Masters, dict]:
     layout = Layout(NUMELS, world_size=2, rank=rank, bucket_size=64)
     g = torch.Generator().manual_seed(0)
     sources = {i: torch.randn(n, generator=g) for i, n in enumerate(NUMELS)}
@@ -24,7 +24,9 @@ def _build(rank: int, *, split: bool, ties: bool = False) -> tuple[Layout, torch
     param = torch.zeros(layout.total, dtype=torch.bfloat16)
     for i, src in sources.items():
         param[layout.offsets[i] : layout.offsets[i] + NUMELS[i]].copy_(src)
-    return layout, param, ShardMasters(layout, param, sources, split=split), sources
+    masters = Masters(layout, sources, param=param, split=split, device=param.device)
+    masters.make_pieces()
+    return layout, param, masters, sources
 
 
 def _model_space(layout: Layout, masters: torch.Tensor) -> dict[int, tuple[int, torch.Tensor]]:
@@ -79,3 +81,16 @@ def test_load_restore_and_reset(split):
     for b, lo, hi in masters.shards():
         assert torch.equal(masters.join()[b.local : b.local + b.shard], param[lo:hi].float())
     assert not split or not masters.low.any()
+
+
+def test_without_a_flat_param_buffer_every_piece_needs_a_source_and_split_is_refused():
+    layout = Layout(NUMELS, world_size=1, rank=0, bucket_size=10**6)
+    sources = {i: torch.full((n,), float(i)) for i, n in enumerate(NUMELS)}
+    masters = Masters(layout, sources, param=None, split=False, device=torch.device("cpu"))
+    for i, pc in layout.piece_of.items():
+        assert torch.equal(masters.fp32[pc.local : pc.local + pc.numel], sources[i])
+    masters.round_into_params()  # nothing to round into: no error, masters unchanged
+    masters.reset()
+    assert torch.equal(masters.join()[layout.offsets[1] : layout.offsets[1] + NUMELS[1]], sources[1])
+    with pytest.raises(ValueError, match="flat param buffer"):
+        Masters(layout, sources, param=None, split=True, device=torch.device("cpu"))

@@ -1,0 +1,241 @@
+"""A chunk: the params of one device and dtype in a world-size-1 ``Layout`` (``optim/layout.py``), with their
+masters (``optim/masters.py``), grads and optimizer state in flat buffers; and ``MasterStore``, the exact strategy's
+chunks with the model-param <-> master mapping. The exact and fused strategies keep their params here, the sharded
+optimizer keeps its rank's shards of the same layout model at world size N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from .layout import Layout, aligned, build_table
+from .masters import Masters
+from .mesh import local
+from .split import join_master, store_split
+
+__all__ = ["Chunk", "MasterStore", "chunk_params"]
+
+
+class Chunk:
+    """The params of one device and dtype, laid out flat at ``ALIGN``-padded offsets, and their fp32 masters.
+
+    ``data``: the fp32 masters, filled from ``sources`` (each param's best fp32 value), with ``master_views``;
+    ``param``: with ``flat_params``, the 16-bit buffer the params' ``.data`` become views of (fp32 params, their
+    own masters, become views of ``data``); ``grad`` (``make_grad``) and ``state`` (``add_state``): made at the
+    first grad and update. Padding is zero in every buffer and an update keeps it zero.
+
+    ``masters="split"`` (bf16 params with ``flat_params``; ``optim/split.py``): no ``data``; the master is ``param``
+    (its value rounded to nearest, ties away) plus ``low``, its low 16 bits (int16): 2 bytes per param instead of 4.
+    ``master``/``load_master``/``reset_masters`` read and write either storage.
+    """
+
+    def __init__(
+        self, params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor], *,
+        flat_params: bool = False, masters: str = "fp32",
+    ) -> None:  # fmt: skip
+        self.params = list(params)
+        self.device = self.params[0].device
+        self.dtype = self.params[0].dtype
+        shapes = [local(p).shape for p in self.params]  # a DTensor's local shard (optim/mesh.py)
+        numels = [s.numel() for s in shapes]
+        self.layout = Layout(
+            numels, world_size=1, rank=0, bucket_size=sum(map(aligned, numels)) or 1, align=True
+        )
+        self.offsets = self.layout.offsets
+        self.numel = self.layout.total  # the total padded size
+        # each param's (shape, contiguous strides, offset): one as_strided call makes its view of a flat buffer,
+        # where a slice and a view take two (a chunk's grad views are made at every step after zero_grad())
+        self._geometry = [
+            (shape, torch.empty(shape, device="meta").stride(), off)
+            for shape, off in zip(shapes, self.offsets, strict=True)
+        ]
+        split = masters == "split" and self.dtype != torch.float32  # fp32 params are their own masters
+        self.param: torch.Tensor | None = None
+        self.grad: torch.Tensor | None = None
+        self.grad_views: list[torch.Tensor] = []
+        self.state: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            if flat_params and self.dtype != torch.float32:
+                self.param = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+                for p, view in zip(self.params, self.views(self.param), strict=True):
+                    view.copy_(p.data)
+            # split: the param becomes its master rounded ties away
+            values = {k: local(src) for k, src in enumerate(sources)}
+            self.masters = Masters(self.layout, values, param=self.param, split=split, device=self.device)
+            self.master_views = [] if self.data is None else self.views(self.data)
+            if flat_params:
+                flat = self.data if self.param is None else self.param
+                for p, view in zip(self.params, self.views(flat), strict=True):
+                    p.data = view
+
+    @property
+    def data(self) -> torch.Tensor | None:
+        """The fp32 masters (None: split)."""
+        return self.masters.fp32
+
+    @property
+    def low(self) -> torch.Tensor | None:
+        """Split masters: their low 16 bits (int16; else None)."""
+        return self.masters.low
+
+    def kernel_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(param, master) as the update kernels take them: fp32 chunks are their own params; split chunks pass
+        ``low`` as the master (``kernels.update.param_arg`` reads the storage from its dtype)."""
+        master = self.masters.kernel_buffer
+        return (master if self.param is None else self.param), master
+
+    def master(self, k: int) -> torch.Tensor:
+        """Param ``k``'s fp32 master: a view of ``data``, or for split masters a joined copy (writing to it
+        changes nothing: use ``load_master``)."""
+        if self.low is None:
+            return self.master_views[k]
+        return join_master(self.view(self.param, k), self.view(self.low, k))
+
+    def load_master(self, k: int, value: torch.Tensor) -> None:
+        """Set param ``k``'s master to ``value`` exactly (split: its param and low half; else ``data`` only, the
+        param is rounded by ``round_params``)."""
+        if self.low is None:
+            self.master_views[k].copy_(value)
+        else:
+            store_split(value, self.view(self.param, k), self.view(self.low, k))
+
+    def round_params(self) -> None:
+        """Round the fp32 masters into the 16-bit params (to nearest even); split params already are theirs."""
+        self.masters.round_into_params()
+
+    def reset_masters(self) -> None:
+        """The masters become the current 16-bit params exactly (after an external weights-only load)."""
+        self.masters.reset()
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        base = flat.storage_offset()
+        return [flat.as_strided(shape, stride, base + off) for shape, stride, off in self._geometry]
+
+    def view(self, flat: torch.Tensor, k: int) -> torch.Tensor:
+        shape, stride, off = self._geometry[k]
+        return flat.as_strided(shape, stride, flat.storage_offset() + off)
+
+    def make_grad(self, dtype: torch.dtype) -> None:
+        self.grad = torch.zeros(self.numel, dtype=dtype, device=self.device)
+        self.grad_views = self.views(self.grad)
+
+    def free_grad(self) -> None:
+        """Drop the grad buffer and its views (its memory goes with the last view held elsewhere)."""
+        self.grad = None
+        self.grad_views = []
+
+    def add_state(self, name: str) -> None:
+        if name not in self.state:
+            self.state[name] = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+
+    def table(self, indices: Sequence[int], block: int) -> torch.Tensor:
+        """``indices``: this chunk's params' indices in the kernels' per-param arrays."""
+        return build_table(self.offsets, [p.numel() for p in self.params], indices, block, self.device)
+
+
+def chunk_params(
+    params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor], *, flat_params: bool = False,
+    masters: str = "fp32",
+) -> list[tuple[Chunk, list[int]]]:  # fmt: skip
+    """One ``Chunk`` per (device, dtype) in first-seen order, each with the indices in ``params`` of its params."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    placed = []
+    for idx in groups.values():
+        chunk = Chunk(
+            [params[i] for i in idx], [sources[i] for i in idx], flat_params=flat_params, masters=masters
+        )
+        placed.append((chunk, idx))
+    return placed
+
+
+class MasterStore:
+    """All master chunks of one optimizer, and the mapping between model params and their masters."""
+
+    def __init__(self) -> None:
+        self.chunks: list[Chunk] = []
+        # per chunk: the Parameters the inner optimizer steps
+        self.masters: list[list[torch.nn.Parameter]] = []
+
+    def add(self, params: Iterable[torch.nn.Parameter], originals: dict[torch.Tensor, torch.Tensor]) -> dict:
+        """``{param: master}`` for new masters of ``params`` from ``originals[p]`` (else ``p``)."""
+        params = list(params)
+        mapping = {}
+        for chunk, _ in chunk_params(params, [originals.get(p, p) for p in params]):
+            masters = [torch.nn.Parameter(v, requires_grad=True) for v in chunk.master_views]
+            self.chunks.append(chunk)
+            self.masters.append(masters)
+            mapping.update(zip(chunk.params, masters, strict=True))
+        return mapping
+
+    def master_params(self) -> list[torch.nn.Parameter]:
+        return [m for masters in self.masters for m in masters]
+
+    def model_params(self) -> list[torch.nn.Parameter]:
+        return [p for chunk in self.chunks for p in chunk.params]
+
+    def check_devices(self) -> None:
+        for chunk in self.chunks:
+            for p in chunk.params:
+                if p.device != chunk.device:
+                    raise RuntimeError(
+                        f"a param of shape {tuple(p.shape)} is on {p.device} but its FP32 master is on "
+                        f"{chunk.device}: the model moved after the optimizer was wrapped. Move the model to its "
+                        "device first, then build and wrap the optimizer (halfprec does not move masters and "
+                        "optimizer state behind your back)"
+                    )
+
+    def copy_grads_in(self) -> list[torch.Tensor]:
+        """Point each master's ``.grad`` at its fp32 view, filled from the model grad (or None); return the filled
+        ones (still scaled)."""
+        filled_dst: list[torch.Tensor] = []
+        filled_src: list[torch.Tensor] = []
+        for chunk, masters in zip(self.chunks, self.masters, strict=True):
+            if chunk.grad is None:
+                chunk.make_grad(torch.float32)
+            for p, m, view in zip(chunk.params, masters, chunk.grad_views, strict=True):
+                m.grad = None if p.grad is None else view
+                if p.grad is not None:
+                    filled_dst.append(view)
+                    filled_src.append(local(p.grad))
+        if filled_dst:
+            torch._foreach_copy_(filled_dst, filled_src)
+        return filled_dst
+
+    @torch.no_grad()
+    def add_grad(self, c: int, k: int, grad: torch.Tensor) -> None:
+        """Add the 16-bit ``grad`` into master ``k`` of chunk ``c``'s fp32 grad: a copy, or one fp32 rounding."""
+        chunk, m = self.chunks[c], self.masters[c][k]
+        if chunk.grad is None:
+            chunk.make_grad(torch.float32)
+        if m.grad is None:
+            m.grad = chunk.grad_views[k]
+            m.grad.copy_(grad)
+        else:
+            m.grad.add_(grad)
+
+    @torch.no_grad()
+    def clear_grads(self, set_to_none: bool = True) -> None:
+        """What ``torch.optim.Optimizer.zero_grad`` does to the masters' grads: a zeroed grad is still a grad, so
+        its master is stepped (momentum and decay move it), as torch steps a param whose grad was zeroed."""
+        for m in self.master_params():
+            if set_to_none or m.grad is None:
+                m.grad = None
+            else:
+                m.grad.zero_()
+
+    @torch.no_grad()
+    def copy_params_out(self) -> None:
+        """Round every master into its model param (to nearest even)."""
+        params, masters = self.model_params(), self.master_params()
+        if params:
+            torch._foreach_copy_([local(p.data) for p in params], masters)
+
+    @torch.no_grad()
+    def refresh_from_params(self) -> None:
+        params, masters = self.model_params(), self.master_params()
+        if params:
+            torch._foreach_copy_(masters, [local(p.data) for p in params])
