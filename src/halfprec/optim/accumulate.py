@@ -20,6 +20,15 @@ FSDP2 (DTensor params, ``mesh.py``) calls a sharded param's post-accumulate-grad
 with ``.grad`` the reduced 16-bit shard: the same hooks sum the shards in fp32, without an unsharded fp32 buffer.
 A backward under ``set_requires_gradient_sync(False)`` reduces nothing and calls no hook (FSDP2 keeps its grads
 in its unsharded buffer, out of reach), so the step counts the backwards against the hooks and refuses the gap.
+
+Three hook sets collect grads: these (the exact strategy's fp32 sums), the fused strategy's (``fused/grads.py``) and
+the sharded reducer's (``sharded/grads.py``). What they have in common lives once: the flat grad buffers and their
+views (``chunk.py``, ``layout.py``), the grad marks, weak hooks and the refusal of a backward after ``unscale_()``
+(``results.py``), ZeRO-0's mean (``all_reduce_mean``). They differ in more than where a grad lands: the fused hooks
+batch their copies and keep the marks on the host and in a device array (a step there is host-paced at ~150
+params, and a captured CUDA graph replays the hooks' device work), the sharded hooks count each bucket's grads and
+launch its reduce-scatter in bucket order, the same on every rank; these add into the ``.grad`` of a master that
+the wrapped torch optimizer reads.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import torch.distributed as dist
 
 from .chunk import MasterStore
 from .mesh import local
-from .results import ScaleGuard, StepState, weak_hook
+from .results import ScaleGuard, StepState, refuse_backward_after_unscale, weak_hook
 
 __all__ = ["GradAccumulator", "all_reduce_master_grads", "all_reduce_mean", "check_process_group"]
 
@@ -127,10 +136,7 @@ class GradAccumulator:
     def on_grad(self, c: int, k: int) -> None:
         """Param ``k`` of chunk ``c`` got a grad: add it into its master grad and release it."""
         if self.state.unscaled:
-            raise RuntimeError(
-                "a backward ran after unscale_() and before step(): its grads would be added, still loss-scaled, "
-                "to unscaled ones. Call unscale_() after the last backward() of the step."
-            )
+            refuse_backward_after_unscale("its grads would be added, still loss-scaled, to unscaled ones")
         if self.backwards is not None:
             self.fired[c, k] = self.fired.get((c, k), 0) + 1
         self.take(c, k, self.store.chunks[c].params[k])

@@ -25,7 +25,7 @@ from .._checks import is_int
 from ..precision import LOW_PRECISION
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from .checks import check_options, check_torch_optimizer
-from .results import ScaleGuard, SkipLog, StepState, warn_caller
+from .results import ScaleGuard, SkipLog, StepState, refuse_backward_after_unscale, warn_caller
 
 __all__ = ["FORMAT", "MixedPrecisionOptimizer", "check_wrappable", "register_factory"]
 
@@ -260,10 +260,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Scale ``loss`` and run autograd backward; ``kwargs`` go to ``Tensor.backward``."""
         if self._s.unscaled:
-            raise RuntimeError(
-                "backward() called after unscale_() and before step(): the new grads would be mixed with "
-                "unscaled ones. Call unscale_() after the last backward() of the step."
-            )
+            refuse_backward_after_unscale("the new grads would be mixed with unscaled ones")
         self.scale_loss(loss).backward(**kwargs)
 
     def step(self, closure=None):

@@ -14,7 +14,10 @@ import torch
 
 from .mesh import local
 
-__all__ = ["GradMarks", "ScaleGuard", "SkipLog", "StepResults", "StepState", "warn_caller", "weak_hook"]
+__all__ = [
+    "GradMarks", "ScaleGuard", "SkipLog", "StepResults", "StepState", "refuse_backward_after_unscale", "warn_caller",
+    "weak_hook",
+]  # fmt: skip
 
 logger = logging.getLogger("halfprec")
 # frames of halfprec and of torch (its optimizer-step and no_grad wrappers) are not the user's line
@@ -40,6 +43,15 @@ def _call_weak(ref: weakref.WeakMethod, args: tuple, param: torch.Tensor) -> Non
     bound = ref()
     if bound is not None:
         bound(*args)
+
+
+def refuse_backward_after_unscale(lost: str) -> None:
+    """The RuntimeError of every strategy for a backward between ``unscale_()`` and ``step()``, from ``backward()``
+    or from a grad hook (a plain ``loss.backward()``); ``lost``: what would become of its grads."""
+    raise RuntimeError(
+        f"a backward ran after unscale_() and before step(): {lost}. Call unscale_() after the last backward() "
+        "of the step."
+    )
 
 
 class GradMarks:

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import Layout
-from ..results import GradMarks, weak_hook
+from ..results import GradMarks, refuse_backward_after_unscale, weak_hook
 
 __all__ = ["GradReducer"]
 
@@ -157,10 +157,7 @@ class GradReducer:
         """The grad hook of param ``i``: copy (and at a bucket's last grad, reduce) its grad."""
         self._settle()
         if self.frozen:
-            raise RuntimeError(
-                "a backward ran after unscale_() and before step(): its grads would not reach this step. Call "
-                "unscale_() after the last backward() of the step."
-            )
+            refuse_backward_after_unscale("its grads would not reach this step")
         if self.consumed and self.accumulate:
             self._restart()
         if self.stage == 2 and self.consumed:
