@@ -113,11 +113,6 @@ ERRORS = [
     ({"stage": 1}, r"stage=1 .* already sharded by fully_shard .* pass stage=0"),
     ({"process_group": "WORLD"}, r"FSDP2 already reduce-scatters: leave process_group=None"),
     (
-        {"impl": "triton"},
-        r"impl='triton' runs on the fused kernels, which do not yet run over FSDP2 .* impl='torch'",
-    ),
-    ({"masters": "split"}, r"masters='split' runs on the fused kernels.* masters='fp32'"),
-    (
         {"param_dtype": torch.bfloat16, "fp32": True},
         r"fp32 DTensor .* cannot be recast in place.*\(model\.to\(torch\.bfloat16\), then fully_shard",
     ),
@@ -128,7 +123,7 @@ ERRORS = [
 @pytest.mark.parametrize(
     ("options", "pattern"),
     ERRORS,
-    ids=["stage", "process_group", "triton", "split", "bf16-cast", "fp16-cast"],
+    ids=["stage", "process_group", "bf16-cast", "fp16-cast"],
 )
 def test_the_factory_refuses_what_cannot_apply_to_fsdp2_shards(mesh, options, pattern):
     options = dict(options)

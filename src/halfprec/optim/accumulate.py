@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from .chunk import MasterStore
 from .mesh import local
-from .results import ScaleGuard, StepState, refuse_backward_after_unscale, weak_hook
+from .results import Delivered, ScaleGuard, StepState, refuse_backward_after_unscale, weak_hook
 
 __all__ = ["GradAccumulator", "all_reduce_master_grads", "all_reduce_mean", "check_process_group"]
 
@@ -114,16 +114,14 @@ def all_reduce_master_grads(
 class GradAccumulator:
     """The hooks that accumulate ``store``'s model grads into its fp32 master grads. ``state``: the optimizer's
     step record (its ``unscaled`` flag makes a backward between ``unscale_()`` and ``step()`` an error).
-    ``backwards``: for FSDP2's sharded params, the guard whose ``marks`` count the backwards (module docstring)."""
+    ``backwards``: for FSDP2's sharded params, the guard whose ``marks`` count the backwards (``Delivered``)."""
 
     def __init__(self, store: MasterStore, state: StepState, backwards: ScaleGuard | None = None) -> None:
         self.store = store
         self.state = state
         self.consumed = False  # a step read the master grads: the next grad starts a new accumulation
         self.hooked = 0  # chunks of the store whose params carry the hook (add_param_group adds chunks)
-        self.backwards = backwards
-        self.counted = 0 if backwards is None else backwards.marks  # backwards before this accumulation
-        self.fired: dict[tuple[int, int], int] = {}  # hook calls per param in this accumulation (FSDP2)
+        self.delivered = None if backwards is None else Delivered(backwards)  # FSDP2 (module docstring)
         self.hook_new_chunks()
 
     def hook_new_chunks(self) -> None:
@@ -137,8 +135,8 @@ class GradAccumulator:
         """Param ``k`` of chunk ``c`` got a grad: add it into its master grad and release it."""
         if self.state.unscaled:
             refuse_backward_after_unscale("its grads would be added, still loss-scaled, to unscaled ones")
-        if self.backwards is not None:
-            self.fired[c, k] = self.fired.get((c, k), 0) + 1
+        if self.delivered is not None:
+            self.delivered.fire((c, k))
         self.take(c, k, self.store.chunks[c].params[k])
 
     def cleared(self) -> None:
@@ -148,27 +146,14 @@ class GradAccumulator:
     def collect(self) -> list[torch.Tensor]:
         """At the step: take the model grads assigned by hand (no hook ran for them), end the accumulation (the
         next grad starts a new one) and return the master grads that hold a grad (still scaled)."""
-        if self.backwards is not None:
-            self.check_reduced()
+        if self.delivered is not None:
+            self.delivered.check()
         for c, chunk in enumerate(self.store.chunks):
             for k, p in enumerate(chunk.params):
                 if p.grad is not None:
                     self.take(c, k, p)
         self.consumed = True
         return [m.grad for m in self.store.master_params() if m.grad is not None]
-
-    def check_reduced(self) -> None:
-        """RuntimeError when more backwards ran in this accumulation than FSDP2 delivered sharded grads for."""
-        ran, most = self.backwards.marks - self.counted, max(self.fired.values(), default=0)
-        self.counted, self.fired = self.backwards.marks, {}
-        if ran > most:
-            raise RuntimeError(
-                f"{ran} backward() calls since the last step, and FSDP2 delivered the sharded grads of {most}: a "
-                "backward under model.set_requires_gradient_sync(False) leaves its grads in FSDP2's unsharded "
-                "buffer, which grad_accum_dtype='fp32' cannot reach. Keep set_requires_gradient_sync(True) on "
-                "every micro-batch (the fp32 sums of the sharded grads replace FSDP2's unsharded accumulation), "
-                "or pass grad_accum_dtype='param'"
-            )
 
     def take(self, c: int, k: int, param: torch.Tensor) -> None:
         """Add ``param.grad`` into master ``k`` of chunk ``c`` and release it; first drop the master grads a step

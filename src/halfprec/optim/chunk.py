@@ -12,7 +12,7 @@ import torch
 
 from .layout import Layout, aligned, build_table
 from .masters import Masters
-from .mesh import local
+from .mesh import is_dtensor, local
 from .split import join_master, store_split
 
 __all__ = ["Chunk", "MasterStore", "chunk_params"]
@@ -56,19 +56,38 @@ class Chunk:
         self.grad: torch.Tensor | None = None
         self.grad_views: list[torch.Tensor] = []
         self.state: dict[str, torch.Tensor] = {}
+        # FSDP2's shards (DTensors) live in storage FSDP2 owns and all-gathers from: the flat buffers are a copy,
+        # which copy_out() writes back after an update (4 B/param of traffic per step on the local shards)
+        self.staged = flat_params and is_dtensor(self.params[0])
         with torch.no_grad():
             if flat_params and self.dtype != torch.float32:
                 self.param = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
                 for p, view in zip(self.params, self.views(self.param), strict=True):
-                    view.copy_(p.data)
+                    view.copy_(local(p))
             # split: the param becomes its master rounded ties away
             values = {k: local(src) for k, src in enumerate(sources)}
             self.masters = Masters(self.layout, values, param=self.param, split=split, device=self.device)
             self.master_views = [] if self.data is None else self.views(self.data)
-            if flat_params:
-                flat = self.data if self.param is None else self.param
-                for p, view in zip(self.params, self.views(flat), strict=True):
+            if flat_params and not self.staged:
+                for p, view in zip(self.params, self.views(self.weights), strict=True):
                     p.data = view
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """The flat buffer of the params' values: the 16-bit ``param``, or for fp32 params ``data``."""
+        return self.data if self.param is None else self.param
+
+    @torch.no_grad()
+    def copy_out(self) -> None:
+        """Staged chunks (FSDP2 shards): write the flat params into the shards (else they are views already)."""
+        if self.staged:
+            torch._foreach_copy_([local(p) for p in self.params], self.views(self.weights))
+
+    @torch.no_grad()
+    def copy_in(self) -> None:
+        """Staged chunks: take the shards' current values into the flat params (after a weights-only load)."""
+        if self.staged:
+            torch._foreach_copy_(self.views(self.weights), [local(p) for p in self.params])
 
     @property
     def data(self) -> torch.Tensor | None:

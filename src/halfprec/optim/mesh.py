@@ -144,6 +144,22 @@ class Mesh:
             return norm, torch.zeros((), dtype=torch.float32, device=device)
         return norm, ((packed[1] > 0) | ~norm.isfinite()).to(torch.float32)
 
+    @torch.no_grad()
+    def reduce_partials(self, sq: torch.Tensor, bad: torch.Tensor) -> None:
+        """The fused norm pass's per-program partials of this rank's grads (sums of squares ``sq``, counts of
+        non-finite values ``bad``, fp32) become the whole grads' in place: one all-reduce of the fp64 sums of the
+        first replicas' ``sq`` and of every rank's ``bad``; element 0 holds each total (rounded once to fp32),
+        the rest are zero, so the finalize program reads the same norm and skip on every rank."""
+        packed = torch.stack([sq.sum(dtype=torch.float64), bad.sum(dtype=torch.float64)])
+        if not self.counts:
+            packed[0] = 0.0
+        for group in self.groups:
+            dist.all_reduce(packed, group=group)
+        sq.zero_()
+        bad.zero_()
+        sq[0] = packed[0]
+        bad[0] = packed[1]
+
 
 def _check_placements(placements: tuple) -> None:
     from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415 - only reached once DTensors exist
@@ -161,9 +177,8 @@ def _check_placements(placements: tuple) -> None:
 
 
 def check_sharded_options(
-    params: Sequence[torch.Tensor], *, param_dtype: Any = None, process_group: Any = None, stage: int = 0,
-    impl: str = "torch", masters: str = "fp32",
-) -> None:  # fmt: skip
+    params: Sequence[torch.Tensor], *, param_dtype: Any = None, process_group: Any = None, stage: int = 0
+) -> None:
     """ValueError naming the fix for an option that cannot apply to FSDP2-sharded (DTensor) ``params``."""
     if stage:
         raise ValueError(
@@ -175,12 +190,6 @@ def check_sharded_options(
         raise ValueError(
             f"process_group={process_group!r} all-reduces the grads, and these params are sharded by fully_shard "
             "(DTensors), whose grads FSDP2 already reduce-scatters: leave process_group=None"
-        )
-    if impl == "triton" or masters == "split":
-        asked = "impl='triton'" if impl == "triton" else "masters='split'"
-        raise ValueError(
-            f"{asked} runs on the fused kernels, which do not yet run over FSDP2 shards (DTensor params): use "
-            "impl='torch' (impl='auto' picks it here) with masters='fp32'"
         )
     if param_dtype in LOW_PRECISION:
         fp32 = next((p for p in params if p.dtype == torch.float32), None)

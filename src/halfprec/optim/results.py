@@ -15,7 +15,7 @@ import torch
 from .mesh import local
 
 __all__ = [
-    "GradMarks", "ScaleGuard", "SkipLog", "StepResults", "StepState", "refuse_backward_after_unscale", "warn_caller",
+    "Delivered", "GradMarks", "ScaleGuard", "SkipLog", "StepResults", "StepState", "refuse_backward_after_unscale", "warn_caller",
     "weak_hook",
 ]  # fmt: skip
 
@@ -157,3 +157,31 @@ class ScaleGuard:
             "or mp.scale_loss(loss).backward() instead of loss.backward().",
             RuntimeWarning,
         )
+
+
+class Delivered:
+    """Over FSDP2 with fp32 sums: the backwards since the last step (``guard.marks``, one per ``scale_loss``) against
+    the sharded grads FSDP2 delivered to the hooks. A backward under ``set_requires_gradient_sync(False)`` reduces
+    nothing and calls no hook (FSDP2 keeps its grads in its unsharded buffer, out of the hooks' reach), so
+    ``check()`` refuses a gap rather than step without that micro-batch."""
+
+    def __init__(self, guard: ScaleGuard) -> None:
+        self.guard = guard
+        self.counted = guard.marks  # backwards before this accumulation
+        self.fired: dict = {}  # hook calls per param in this accumulation
+
+    def fire(self, key) -> None:
+        self.fired[key] = self.fired.get(key, 0) + 1
+
+    def check(self) -> None:
+        """RuntimeError when more backwards ran since the last check than FSDP2 delivered sharded grads for."""
+        ran, most = self.guard.marks - self.counted, max(self.fired.values(), default=0)
+        self.counted, self.fired = self.guard.marks, {}
+        if ran > most:
+            raise RuntimeError(
+                f"{ran} backward() calls since the last step, and FSDP2 delivered the sharded grads of {most}: a "
+                "backward under model.set_requires_gradient_sync(False) leaves its grads in FSDP2's unsharded "
+                "buffer, which grad_accum_dtype='fp32' cannot reach. Keep set_requires_gradient_sync(True) on "
+                "every micro-batch (the fp32 sums of the sharded grads replace FSDP2's unsharded accumulation), "
+                "or pass grad_accum_dtype='param'"
+            )

@@ -36,6 +36,8 @@ from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, tell_schedulers
 from ..chunk import Chunk, chunk_params
 from ..masters import check_masters
+from ..mesh import Mesh, check_sharded_options, is_dtensor, local
+from ..results import Delivered
 from ..state import adopt_views
 from .grads import GradViews, stream_capturing
 from .results import DeviceResults, SkipReporter
@@ -132,6 +134,18 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     def _build(self) -> None:
         cfg = settings()
         self._model_params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
+        # FSDP2's shards (DTensors, mesh.py): the local shards, staged in the flat buffers (chunk.py)
+        self._mesh = Mesh.of([p for p in self._model_params if p.requires_grad])
+        if self._mesh is not None:
+            check_sharded_options(
+                self._model_params, param_dtype=self.param_dtype, process_group=self.process_group
+            )
+            if self.KIND == Kind.LAMB:
+                raise ValueError(
+                    f"{type(self).__name__}'s trust ratio needs each whole param's norm, and these params are FSDP2 "
+                    "shards (DTensors): use an elementwise optimizer (FusedAdamW, FusedAdam, FusedSGD, "
+                    "FusedAdagrad) over them"
+                )
         trainable, group_of, originals = [], [], {}
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -180,7 +194,10 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._pscal = torch.zeros(n, PSCAL_WIDTH, dtype=torch.float32, device=dev)
         self._hyper = HyperTable(len(self.param_groups), dev)
         self._scalars = torch.zeros(8, dtype=torch.float32, device=dev)
-        self._grads = GradViews(trainable, self._where, dev, GRAD_ACCUM[self.grad_accum_dtype])
+        accum = GRAD_ACCUM[self.grad_accum_dtype]
+        # FSDP2 with fp32 sums: a no-sync backward delivers no sharded grad, which the step refuses
+        delivered = Delivered(self._scale_guard) if self._mesh is not None and accum is not None else None
+        self._grads = GradViews(trainable, self._where, dev, accum, delivered)
 
     # --- per-algorithm hooks (subclasses) --------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
@@ -341,6 +358,14 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             n = table.shape[0]
             norm.sumsq(chunk.grad, table, flags, scale, self._sq[off : off + n], self._bad[off : off + n])
             off += n
+        if (
+            self._mesh is not None
+        ):  # every rank's norm and skip are the whole grads' (on every rank of the mesh)
+            if off == 0:  # this rank holds no rows
+                self._sq[:1].zero_()
+                self._bad[:1].zero_()
+            off = max(off, 1)
+            self._mesh.reduce_partials(self._sq[:off], self._bad[:off])
         fused_scaler = self.loss_scaler if scaler_kernel.fusable(self.loss_scaler, self._device) else None
         norm.finalize(
             self._sq[:off], self._bad[:off], scale, self._scalars, self.max_grad_norm, flags, self._steps,
@@ -354,6 +379,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             self._reporter.record(self._scalars)
         for k in range(len(self._chunks)):
             self._launch_update(k)
+            self._chunks[k].copy_out()
         if scaler_after:
             self.loss_scaler.update(self._scalars[0])
             self._scalars[5].copy_(self.loss_scaler.scale)
@@ -384,6 +410,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         """Copy the model's current weights into the masters (after an external weights-only load; split
         masters: the low halves become zero)."""
         for chunk in self._chunks:
+            chunk.copy_in()
             chunk.reset_masters()
 
     def flush_reports(self) -> None:
@@ -420,10 +447,20 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         }
 
     def _param_entries(self) -> list[dict[str, Any]]:
+        """As the exact strategy's: an FSDP2 shard's entry holds its local shape and the rows this rank keeps."""
         held = {p for p in self._trainable if p.dtype != torch.float32}  # the params with an fp32 master
-        return [
-            {"shape": list(p.shape), "dtype": str(p.dtype), "master": p in held} for p in self._model_params
-        ]
+        entries = []
+        for p in self._model_params:
+            entries.append({"shape": list(local(p).shape), "dtype": str(p.dtype), "master": p in held})
+            if self._mesh is not None and is_dtensor(p):
+                entries[-1]["rows"] = list(self._mesh.rows(p))
+        return entries
+
+    @property
+    def collective(self) -> bool:
+        """FSDP2 shards' masters and state are spread over the mesh (ZeRO-0's are reduced over its group): the
+        ranks save them together."""
+        return self.process_group is not None or self._mesh is not None
 
     def _load_payload(self, state_dict: dict[str, Any]) -> None:
         self._load_torch_state(state_dict["optimizer"])
@@ -433,6 +470,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 chunk.load_master(local, value)
             for chunk in self._chunks:
                 chunk.round_params()
+                chunk.copy_out()
 
     def _load_torch_state(self, inner: dict[str, Any]) -> None:
         saved_groups = inner["param_groups"]

@@ -51,7 +51,8 @@ import torch.distributed as dist
 
 from ..accumulate import all_reduce_mean
 from ..chunk import Chunk
-from ..results import weak_hook
+from ..mesh import as_dtensor, is_dtensor, local_grad
+from ..results import Delivered, weak_hook
 
 __all__ = ["GradViews", "stream_capturing"]
 
@@ -70,9 +71,12 @@ class GradViews:
 
     def __init__(
         self, params: Sequence[torch.nn.Parameter], where: Sequence[tuple[Chunk, int]], device: torch.device,
-        accum_dtype: torch.dtype | None = None,
+        accum_dtype: torch.dtype | None = None, delivered: Delivered | None = None,
     ) -> None:  # fmt: skip
         self.params = list(params)
+        self.delivered = delivered  # FSDP2 with fp32 sums: the backwards the hooks saw (results.Delivered)
+        # FSDP2's shards: .grad is a DTensor, whose local tensor is read and becomes a view of the flat buffer
+        self._dtensor = [is_dtensor(p) for p in self.params]
         self.accum_dtype = accum_dtype
         # the params whose grads are added into a wider buffer and released (fp32 params accumulate in .grad)
         self._accumulates = [accum_dtype not in (None, chunk.dtype) for chunk, _ in where]
@@ -92,7 +96,10 @@ class GradViews:
         # where each param's grad view starts, once its chunk's grad buffer is made: one int compare per param in
         # adopt(), which is host time on a skipped step
         self._view_ptrs: list[int | None] = [None] * len(self.params)
-        self._param_ptrs = [p.data_ptr() for p in self.params]  # the params are views of the flat buffers
+        # the params are views of the flat buffers (staged FSDP2 shards are not: copied at the step)
+        self._param_ptrs = [
+            None if chunk.staged else p.data_ptr() for p, (chunk, _) in zip(self.params, where, strict=True)
+        ]
         self.pinned = False  # a CUDA graph holds the grad buffers' addresses: zero_grad no longer frees them
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(weak_hook(self._hook, i))
@@ -112,9 +119,16 @@ class GradViews:
                     self._view_ptrs[i] = chunk.grad_views[local].data_ptr()
         return chunk.grad_views
 
+    def _attach(self, i: int, view: torch.Tensor) -> None:
+        """Make ``view`` param ``i``'s ``.grad`` (a DTensor laid out like an FSDP2 shard's)."""
+        p = self.params[i]
+        p.grad = as_dtensor(p, view) if self._dtensor[i] else view
+
     def _hook(self, i: int) -> None:
         """Backward's post-accumulate-grad hook: mark param ``i``; its copy into the flat buffer may wait for a
         batched one, and the device marks are written at the end of the backward."""
+        if self.delivered is not None:
+            self.delivered.fire(i)
         if self.mark(i, batched=True) and (self._callback is None or self._callback() is None):
             callback = self.end_of_backward  # a new bound method: autograd's engine holds the only reference
             self._callback = weakref.ref(callback)
@@ -136,7 +150,7 @@ class GradViews:
             return False  # cast after the optimizer was built: step() refuses it (checks.check_dtypes)
         pinned = self._pin_if_capturing()  # before the buffer is made: a captured backward makes it
         view = (self.views(chunk) if chunk.grad is None else chunk.grad_views)[local]
-        g = p.grad
+        g = local_grad(p) if self._dtensor[i] else p.grad
         if self._accumulates[i]:
             view.add_(g) if self._marked[i] else view.copy_(g)
             p.grad = None
@@ -146,14 +160,14 @@ class GradViews:
             if batched and not pinned:
                 # .grad stays the fresh tensor until the flush. Its hook's stream made it: the copy runs there,
                 # as a copy in the hook would (the end of the backward may run on another stream)
-                self._held_back[i] = (g, torch.cuda.current_stream() if self._cuda else None)
+                self._held_back[i] = (p.grad, torch.cuda.current_stream() if self._cuda else None)
                 self._held_bytes += g.untyped_storage().nbytes()  # what it keeps alive (.grad may be a slice)
                 if self._held_bytes >= _BATCH_BYTES:
                     self.flush()
             else:
                 self._held_back.pop(i, None)  # of a backward that raised
                 view.copy_(g)
-                p.grad = view
+                self._attach(i, view)
         self._marked[i] = True
         self._had_grad[i] = True
         if pinned:
@@ -173,7 +187,7 @@ class GradViews:
                 idx, views, grads = groups.setdefault((id(chunk), stream), ([], [], []))
                 idx.append(i)
                 views.append(chunk.grad_views[local])
-                grads.append(g)
+                grads.append(local_grad(self.params[i]))
         self._held_back, self._held_bytes = {}, 0
         current = torch.cuda.current_stream(self.flags.device) if self._cuda else None  # the step's device
         with torch.no_grad():
@@ -184,7 +198,7 @@ class GradViews:
                 if elsewhere:
                     current.wait_stream(stream)  # the step (and the rest of this backward) reads the views
                 for i, view in zip(idx, views, strict=True):
-                    self.params[i].grad = view
+                    self._attach(i, view)
 
     def write_marks(self) -> None:
         """Write the host's marks to ``flags`` where they differ (one copy; none in a step like the last). Not
@@ -198,10 +212,11 @@ class GradViews:
             self._on_device = list(self._marked)
 
     def held(self, i: int) -> torch.Tensor | None:
-        """The grad param ``i`` holds now: its ``.grad``, or with fp32 accumulation its fp32 sum so far."""
+        """The grad param ``i`` holds now: its ``.grad`` (a shard's local tensor), or with fp32 accumulation its
+        fp32 sum so far."""
         p = self.params[i]
         if p.grad is not None or not (self._accumulates[i] and self._marked[i]):
-            return p.grad
+            return local_grad(p)
         chunk, local = self.where[i]
         return chunk.grad_views[local]
 
@@ -210,18 +225,20 @@ class GradViews:
         optimizer's name, for the error when a param no longer lives in the flat buffer)."""
         self.flush()  # of a backward that raised before its end
         for i, p in enumerate(self.params):
-            if p.data_ptr() != self._param_ptrs[i]:
+            if self._param_ptrs[i] is not None and p.data_ptr() != self._param_ptrs[i]:
                 raise RuntimeError(
                     f"the param of shape {tuple(p.shape)} no longer lives in {owner}'s flat buffer "
                     "(replaced by model.to(), .half()/.float(), load_state_dict(assign=True) or a .data "
                     "assignment after the optimizer was built), so its updates would not reach the model; "
                     "build the optimizer after the model is in its final dtype and device"
                 )
-            g = p.grad
+            g = local_grad(p) if self._dtensor[i] else p.grad
             if g is None and self._marked[i] and not self._accumulates[i]:
                 self._marked[i] = False
             elif g is not None and g.data_ptr() != self._view_ptrs[i]:
                 self.mark(i)
+        if self.delivered is not None:
+            self.delivered.check()
 
     def ready(self, chunks: Sequence[Chunk], *, capturing: bool) -> None:
         """Before a step's kernels: every chunk has its grad buffer (zero where no grad came). A captured step
@@ -277,10 +294,13 @@ class GradViews:
                 p.grad = None
         else:
             for chunk in chunks:
-                views = self.views(chunk)
+                self.views(chunk)
                 chunk.grad.zero_()
-                for p, view in zip(chunk.params, views, strict=True):
-                    p.grad = view if view.dtype == p.dtype else None
+            for i, (p, (chunk, local)) in enumerate(zip(self.params, self.where, strict=True)):
+                view = chunk.grad_views[local]
+                p.grad = None  # a wider view (fp32 accumulation) is no grad of a 16-bit param
+                if view.dtype == p.dtype:
+                    self._attach(i, view)
         if self.pinned or any(self._on_device):  # a step left them cleared: no launch
             self.flags.zero_()
         self.consumed()  # the masters' .grad (fp32 accumulation) let go of their views

@@ -1,0 +1,196 @@
+"""The fused optimizers over FSDP2 shards (``fully_shard``: DTensor params) in one process (a gloo world of one,
+Triton's interpreter): the local shards staged in the flat buffers (``chunk.py``), the norm and skip reduced over
+the mesh (``mesh.py``), DTensor grads taken into the flat grad buffer (``fused/grads.py``).
+
+The oracle is the same fused optimizer over the same model unsharded: at world size 1 FSDP2's reduce-scatter of a
+grad is the grad, and the update is elementwise, so masters, state and params agree bit for bit, fp32 or split
+masters. The norm is summed in another order (fp64 partial sums over the mesh), so a clipped step agrees to
+fp32's rounding of the coefficient only. Several ranks: ``tests/distributed/test_fsdp_fused.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import halfprec
+from halfprec.optim import FusedAdagrad, FusedAdam, FusedAdamW, FusedLamb, FusedSGD
+from halfprec.optim.exact import ExactMixedPrecisionOptimizer
+from halfprec.optim.mesh import is_dtensor, local
+from halfprec.optim.split import split_master
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on CPU, Triton's interpreter")
+
+ALGORITHMS = [
+    (FusedAdamW, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)),
+    (FusedAdam, dict(lr=1e-2, weight_decay=0.05)),
+    (FusedSGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    (FusedAdagrad, dict(lr=0.05, lr_decay=0.01, weight_decay=0.01)),
+]
+_IDS = [cls.__name__ for cls, _ in ALGORITHMS]
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _model(mesh=None, dtype=torch.bfloat16) -> torch.nn.Module:
+    """Odd widths (7, 9, 1 rows); per block, then the root, as torchtitan shards."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 9), torch.nn.Tanh(), torch.nn.Linear(9, 1)
+    ).to(dtype)
+    if mesh is not None:
+        for block in (m[0], m[2], m[4]):
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    return m
+
+
+def _loss(model, step: int, micro: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + micro)
+    x, y = torch.randn(4, 5, generator=g).to(torch.bfloat16), torch.randn(4, 1, generator=g)
+    return torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+def _train(mp, model, steps: int, micro: int = 1, inf_at: int | None = None) -> list:
+    norms = []
+    for step in range(steps):
+        for k in range(micro):
+            mp.backward(_loss(model, step, k))
+        if step == inf_at:
+            with torch.no_grad():
+                local(next(model.parameters()).grad)[0, 0] = float("inf")
+        mp.step()
+        norms.append((mp.step_was_skipped, mp.grad_norm))
+        mp.zero_grad()
+    return norms
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def _assert_same(a, b, model_a, model_b) -> None:
+    """Masters, every state tensor and the params of two optimizers, bit for bit."""
+    for m, n in zip(a.master_params(), b.master_params(), strict=True):
+        assert torch.equal(m, n)
+    sa, sb = a.state_dict()["optimizer"]["state"], b.state_dict()["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and sa
+    for k in sa:
+        for key in sa[k]:
+            assert torch.equal(_whole(sa[k][key]), _whole(sb[k][key])), (k, key)
+    for p, q in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(_whole(p.detach()), _whole(q.detach()))
+
+
+@pytest.mark.parametrize("masters", ["fp32", "split"])
+@pytest.mark.parametrize(("cls", "hp"), ALGORITHMS, ids=_IDS)
+def test_steps_over_shards_equal_the_same_optimizer_on_the_unsharded_model(mesh, cls, hp, masters):
+    sharded, plain = _model(mesh), _model()
+    a = cls(sharded.parameters(), **hp, masters=masters)
+    b = cls(plain.parameters(), **hp, masters=masters)
+    skipped = _train(a, sharded, 4, inf_at=2)
+    assert skipped == _train(b, plain, 4, inf_at=2)
+    assert [s for s, _ in skipped] == [False, False, True, False]
+    _assert_same(a, b, sharded, plain)
+    # the params are still FSDP2's DTensors, in its own storage, and the model computes with the new values
+    assert all(is_dtensor(p) and p.dtype == torch.bfloat16 for p in sharded.parameters())
+    assert torch.equal(_loss(sharded, 9), _loss(plain, 9))
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_fp32_sums_and_clipping_over_shards(mesh, clip):
+    """Three micro-batches summed in fp32 (FSDP2 delivers each reduced shard to the hooks); with clipping the
+    norms agree to fp32 rounding, and so do the masters."""
+    sharded, plain = _model(mesh), _model()
+    options = dict(grad_accum_dtype="fp32", max_grad_norm=clip)
+    a = FusedAdamW(sharded.parameters(), lr=1e-2, weight_decay=0.1, **options)
+    b = FusedAdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, **options)
+    na, nb = _train(a, sharded, 3, micro=3), _train(b, plain, 3, micro=3)
+    if clip is None:
+        assert na == nb
+        _assert_same(a, b, sharded, plain)
+        return
+    for (sa, x), (sb, y) in zip(na, nb, strict=True):
+        assert sa == sb and x == pytest.approx(y, rel=1e-6)
+    for m, n in zip(a.master_params(), b.master_params(), strict=True):
+        torch.testing.assert_close(m, n, rtol=1e-6, atol=1e-7)
+
+
+def test_a_backward_without_gradient_sync_is_refused_with_fp32_sums(mesh):
+    sharded = _model(mesh)
+    mp = FusedAdamW(sharded.parameters(), lr=1e-2, grad_accum_dtype="fp32")
+    sharded.set_requires_gradient_sync(False)
+    mp.backward(_loss(sharded, 0, 0))
+    sharded.set_requires_gradient_sync(True)
+    mp.backward(_loss(sharded, 0, 1))
+    with pytest.raises(
+        RuntimeError, match="2 backward\\(\\) calls since the last step, and FSDP2 delivered.* of 1"
+    ):
+        mp.step()
+
+
+def test_the_factory_picks_the_fused_strategy_over_shards_only_when_asked(mesh):
+    """impl='auto' keeps the exact strategy over shards; impl='triton' (masters='split' too) asks for the fused
+    one (here under the interpreter, which an explicit impl='triton' accepts); masters='split' with impl='auto' is
+    refused on this CPU machine as for an unsharded model."""
+    sharded = _model(mesh)
+    auto = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(sharded.parameters()))
+    assert isinstance(auto, ExactMixedPrecisionOptimizer)
+    for masters in ("fp32", "split"):
+        mp = halfprec.MixedPrecisionOptimizer(
+            torch.optim.AdamW(_model(mesh).parameters()), impl="triton", masters=masters
+        )
+        assert isinstance(mp, FusedAdamW) and mp.masters == masters and mp.collective  # saved by every rank
+    with pytest.raises(ValueError, match="the fused kernels need CUDA params"):
+        halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(_model(mesh).parameters()), masters="split")
+    with pytest.raises(
+        ValueError, match="FusedLamb's trust ratio needs each whole param's norm.*FSDP2 shards"
+    ):
+        FusedLamb(_model(mesh).parameters())
+    with pytest.raises(ValueError, match="process_group=.*leave process_group=None"):
+        FusedAdamW(_model(mesh).parameters(), grad_accum_dtype="fp32", process_group=dist.group.WORLD)
+
+
+@pytest.mark.parametrize("masters", ["fp32", "split"])
+def test_state_dicts_move_between_the_fused_and_exact_strategies_over_shards(mesh, masters):
+    sharded = _model(mesh)
+    a = FusedAdamW(sharded.parameters(), lr=1e-2, masters=masters)
+    _train(a, sharded, 2)
+    saved = a.state_dict()
+    assert all(e["rows"] == [0, e["shape"][0]] for e in saved["params"])  # a rank-local payload: its rows
+    fresh = _model(mesh)
+    b = FusedAdamW(fresh.parameters(), lr=1e-2, masters=masters)
+    b.load_state_dict(saved)
+    _assert_same(a, b, sharded, fresh)
+    exact_model = _model(mesh)
+    exact = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(exact_model.parameters(), lr=1e-2))
+    exact.load_state_dict(saved)
+    for m, n in zip(exact.master_params(), a.master_params(), strict=True):
+        assert torch.equal(m, n)
+    assert exact.state_dict()["params"] == saved["params"]
+
+
+def test_refresh_masters_reads_the_shards_after_fsdp2_gives_them_new_storage(mesh):
+    sharded = _model(mesh)
+    mp = FusedSGD(sharded.parameters(), lr=0.1, masters="split")
+    sharded.to_empty(device="cpu")  # the same Parameters, new local storage
+    with torch.no_grad():
+        for p in sharded.parameters():
+            p.to_local().fill_(0.25)
+    mp.refresh_masters()
+    assert all(torch.equal(m, torch.full_like(m, 0.25)) for m in mp.master_params())
+    _train(mp, sharded, 1)
+    for p, m in zip(sharded.parameters(), mp.master_params(), strict=True):
+        assert not torch.equal(m, torch.full_like(m, 0.25))
+        assert torch.equal(p.to_local(), split_master(m.reshape(-1))[0].view_as(m))  # the split's high half
