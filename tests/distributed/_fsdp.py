@@ -2,7 +2,8 @@
 
 One launch does it all, each phase on its own mesh: ranks {0, 1} and {2, 3} run two halves of the 1-D cases at
 the same time (two 2-rank meshes), all four run HSDP on a 2x2 mesh, then ranks {0, 1, 2} and {3} load the
-checkpoint the first pair saved, at world sizes 3 and 1.
+checkpoint the first pair saved, at world sizes 3 and 1. Cases with ``fused`` run the fused strategy (Triton's
+interpreter) and have a second oracle: the same fused optimizer over the whole model, fed the whole grads.
 
 The oracle of a case, on every rank: the same model unsharded, as fp32 copies stepped by the same torch AdamW on
 the full grads. The grads come from a twin FSDP2 model given the same weights and batches before every step, whose
@@ -13,6 +14,7 @@ planted in one rank's grad shard.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import _worker  # the launch protocol (process group, results, teardown) is _worker.main's
@@ -25,6 +27,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import halfprec
 from halfprec.distributed import checkpoint as dcp
+from halfprec.optim import FusedAdamW
 from halfprec.optim.clip import clip_coefficient
 from halfprec.optim.mesh import as_dtensor, local
 
@@ -76,11 +79,20 @@ def run_case(cfg: dict, mesh) -> dict:
     model, twin = make_model(dtype, mesh), make_model(dtype, mesh)
     params, twins = list(model.parameters()), list(twin.parameters())
     foreach = cfg.get("foreach", False)
+    fused = {"impl": "triton", "masters": cfg.get("masters", "fp32")} if cfg.get("fused") else {}
     mp = halfprec.MixedPrecisionOptimizer(
         torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY, foreach=foreach),
-        loss_scaler=make_scaler(cfg), max_grad_norm=cfg.get("clip"),
+        loss_scaler=make_scaler(cfg), max_grad_norm=cfg.get("clip"), **fused,
         grad_accum_dtype="fp32" if micro > 1 else "param",
     )  # fmt: skip
+    # the fused cases' second oracle: the same fused optimizer over the model unsharded, fed the whole grads
+    plain = [torch.nn.Parameter(p.full_tensor()) for p in params] if fused and micro == 1 else []
+    fopt = None
+    if plain:
+        fopt = FusedAdamW(
+            plain, lr=LR, weight_decay=DECAY, loss_scaler=make_scaler(cfg), max_grad_norm=cfg.get("clip"),
+            masters=fused["masters"],
+        )  # fmt: skip
     oracle = [torch.nn.Parameter(p.full_tensor().float()) for p in params]
     oopt = torch.optim.AdamW(oracle, lr=LR, weight_decay=DECAY, foreach=foreach)
     oscaler = make_scaler(cfg)
@@ -105,6 +117,17 @@ def run_case(cfg: dict, mesh) -> dict:
             with torch.no_grad():
                 local(params[0].grad)[0, 0] = float("inf")
         differs = differs or any(not torch.equal(s, w.float()) for s, w in zip(sums, low, strict=True))
+        if fopt is not None:
+            for q, p in zip(plain, params, strict=True):
+                q.grad = full(p, local(p.grad))
+            if planted:  # HSDP: the other replica's ranks gather a shard without it
+                plain[0].grad[0, 0] = float("inf")
+            with (
+                warnings.catch_warnings()
+            ):  # scaled grads set by hand, on purpose: no "not loss-scaled" warning
+                warnings.simplefilter("ignore", RuntimeWarning)
+                fopt.step()
+            fopt.zero_grad()
         mp.step()
         mp.zero_grad()
         # the oracle's step
@@ -128,14 +151,23 @@ def run_case(cfg: dict, mesh) -> dict:
                 "oracle_norm": None if planted_anywhere else norm.item(),
                 "scale": mp.loss_scale,
                 "oracle_scale": None if oscaler is None else oscaler.loss_scale,
+                "fused_oracle": None
+                if fopt is None
+                else [fopt.step_was_skipped, fopt.grad_norm, fopt.loss_scale],
             }
         )
     masters = mp.master_params()
-    state = {
-        key: [full(p, mp.state[m][key]) for p, m in zip(params, masters, strict=True)]
-        for key in ("exp_avg", "exp_avg_sq")
-    }
+    saved = mp.state_dict()["optimizer"]["state"]  # every strategy's: local tensors by param index
+    state = {key: [full(p, saved[i][key]) for i, p in enumerate(params)] for key in ("exp_avg", "exp_avg_sq")}
+    if fopt is not None:
+        theirs = fopt.state_dict()["optimizer"]["state"]
+        fused_oracle = {
+            "masters": [m.detach().clone() for m in fopt.master_params()],
+            "params": [q.detach().clone() for q in plain],
+            "state": {key: [theirs[i][key] for i in range(len(plain))] for key in state},
+        }
     return {
+        "fused_oracle": fused_oracle if fopt is not None else None,
         "steps": steps,
         "rows": rows,
         "placements": str(params[0].placements),
@@ -143,7 +175,7 @@ def run_case(cfg: dict, mesh) -> dict:
         "masters": [full(p, m.detach()) for p, m in zip(params, masters, strict=True)],
         "params": [p.full_tensor() for p in params],
         "state": state,
-        "step_count": [float(mp.state[m]["step"]) for m in masters],
+        "step_count": [float(saved[i]["step"]) for i in range(len(params))],
         "oracle": [o.detach() for o in oracle],
         "oracle_state": {key: [oopt.state[o][key] for o in oracle] for key in state},
     }
@@ -284,7 +316,7 @@ def refusals(mesh) -> dict:
 SINGLES: list = []
 
 
-def scenario_fsdp(out: str, pairs: list, hsdp: dict) -> dict:
+def scenario_fsdp(out: str, pairs: list, hsdp: list) -> dict:
     out = Path(out)
     rank = dist.get_rank()
     # every group is made by every rank, in one order
@@ -302,7 +334,8 @@ def scenario_fsdp(out: str, pairs: list, hsdp: dict) -> dict:
         result["fp32_shards"] = fp32_shards(out, mesh, pair)
         result["refusals"] = refusals(mesh)
     hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    result["cases"][hsdp["name"]] = run_case(hsdp, hsdp_mesh)
+    for cfg in hsdp:
+        result["cases"][cfg["name"]] = run_case(cfg, hsdp_mesh)
     dist.barrier()  # the checkpoint is in
     group = three if rank < 3 else SINGLES[3]
     result["load"] = load_checkpoint(out, DeviceMesh.from_group(group, "cpu"), group)

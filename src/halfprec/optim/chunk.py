@@ -151,7 +151,9 @@ class Chunk:
 
     def table(self, indices: Sequence[int], block: int) -> torch.Tensor:
         """``indices``: this chunk's params' indices in the kernels' per-param arrays."""
-        return build_table(self.offsets, [p.numel() for p in self.params], indices, block, self.device)
+        return build_table(
+            self.offsets, self.layout.numels, indices, block, self.device
+        )  # local shards' sizes
 
 
 def chunk_params(

@@ -92,10 +92,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         masters: str = "fp32",
         process_group: Any = None,
     ) -> None:
-        grad_accum_dtype = check_grad_accum_dtype(
-            grad_accum_dtype, strategy="fused", process_group=process_group
-        )
-        check_process_group(process_group, grad_accum_dtype)
         ok, why = triton_status()
         if not ok:
             raise ValueError(
@@ -107,9 +103,17 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             param_dtype=param_dtype,
         )  # fmt: skip
         self._built = False
-        self.grad_accum_dtype = grad_accum_dtype
         self.process_group = process_group
         torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})  # owns its groups
+        # FSDP2's shards (DTensors, mesh.py): the local shards, staged in the flat buffers (chunk.py); FSDP2 reduces
+        # each grad before the fp32 sum, as ZeRO does
+        self._mesh = Mesh.of([p for g in self.param_groups for p in g["params"] if p.requires_grad])
+        self.grad_accum_dtype = check_grad_accum_dtype(
+            grad_accum_dtype,
+            strategy="fused" if self._mesh is None else "sharded",
+            process_group=process_group,
+        )
+        check_process_group(process_group, self.grad_accum_dtype)
         trained = [p.dtype for g in self.param_groups for p in g["params"] if p.requires_grad]
         check_masters(masters, [param_dtype, *trained])  # before any param is cast
         self.masters = masters
@@ -134,8 +138,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     def _build(self) -> None:
         cfg = settings()
         self._model_params: list[torch.nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
-        # FSDP2's shards (DTensors, mesh.py): the local shards, staged in the flat buffers (chunk.py)
-        self._mesh = Mesh.of([p for p in self._model_params if p.requires_grad])
         if self._mesh is not None:
             check_sharded_options(
                 self._model_params, param_dtype=self.param_dtype, process_group=self.process_group
