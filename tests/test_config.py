@@ -24,6 +24,7 @@ VALID = [
     {"precision": "bf16", "grad_accum_dtype": "fp32", "zero_stage": 2},  # fp32 buffer, fp32 reduce-scatter
     {"grad_accum_dtype": "fp32", "reduce_dtype": "param"},  # stage 0: reduce_dtype is not used
     {"zero_stage": 3, "precision": "fp16"},  # fully_shard inside initialize
+    {"zero_stage": 3, "impl": "triton", "masters": "split"},  # the fused strategy over the shards
     # FSDP2 reduce-scatters in bf16, the hooks sum the reduced shards of the micro-batches in fp32
     {"zero_stage": 3, "grad_accum_dtype": "fp32", "reduce_dtype": "param"},
 ]
@@ -63,14 +64,6 @@ INVALID = [
     ({"skip_nonfinite": 1}, r"skip_nonfinite must be one of True, False, got 1"),
     ({"zero_stage": 4}, r"zero_stage must be one of 0, 1, 2, 3, got 4"),
     ({"zero_stage": True}, r"zero_stage must be one of 0, 1, 2, 3, got True"),
-    (
-        {"zero_stage": 3, "impl": "triton"},
-        r"zero_stage=3 with impl='triton': the fused kernels do not run on FSDP2 shards yet.*impl='auto'",
-    ),
-    (
-        {"zero_stage": 3, "masters": "split"},
-        r"zero_stage=3 with masters='split': the fused kernels do not run on FSDP2 shards yet.*masters='fp32'",
-    ),
     ({"reduce_dtype": "bf16"}, r"reduce_dtype must be one of 'fp32', 'param', got 'bf16'"),
     ({"impl": "cuda"}, r"impl must be one of 'auto', 'torch', 'triton', got 'cuda'"),
     (

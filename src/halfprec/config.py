@@ -102,9 +102,9 @@ class Config:
     as torchtitan shards transformer layers; without one, each direct child that has params), then to the root,
     on a 1-D mesh over the default process group (which must be initialised). The torch optimizer passed to
     ``initialize`` (fresh, built over ``model.parameters()``) is pointed at the sharded params. Masters and
-    optimizer state are those of each rank's rows (the exact strategy: ``impl="triton"`` and ``masters="split"``
-    are refused); every micro-batch is reduce-scattered. A model that is sharded already is refused here: pass
-    0."""
+    optimizer state are those of each rank's rows (the exact strategy; the fused one with ``impl="triton"`` or
+    ``masters="split"``); every micro-batch is reduce-scattered. A model that is sharded already is refused here:
+    pass 0."""
 
     reduce_dtype: Literal["fp32", "param"] = "fp32"
     """Sharded stages: dtype of the gradient reduce-scatter (fp32, or the params' 16-bit dtype; at stages 1/2
@@ -152,13 +152,6 @@ class Config:
         # the values their Literal annotations name
         for name in ("zero_stage", "reduce_dtype", "impl", "masters"):
             choice(name, getattr(self, name), get_args(_HINTS[name]))
-        if self.zero_stage == 3 and (self.impl == "triton" or self.masters == "split"):
-            asked = f"impl={self.impl!r}" if self.impl == "triton" else f"masters={self.masters!r}"
-            raise ValueError(
-                f"zero_stage=3 with {asked}: the fused kernels do not run on FSDP2 shards yet; use impl='auto' "
-                "or 'torch' with masters='fp32' (the exact strategy on each rank's rows), or zero_stage 1 or 2"
-            )
-        check_grad_accum(self.grad_accum_dtype, auto=True)
         if self.masters == "split" and (self.impl == "torch" or self.precision == "fp16"):
             raise ValueError(
                 f"masters='split' with impl={self.impl!r}, precision={self.precision!r}: split masters are the "

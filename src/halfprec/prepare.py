@@ -97,15 +97,16 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def start_masters_from(mp: MixedPrecisionOptimizer, rows: dict[torch.Tensor, torch.Tensor]) -> None:
-    """Set the masters of ``rows``' params (the exact strategy: its groups hold them in ``model_params()``
-    order, a frozen param as itself) to the fp32 rows their 16-bit shards were rounded from."""
+    """Set the masters of ``rows``' params to the fp32 rows their 16-bit shards were rounded from, through the
+    contract's state dict (every strategy's payload holds the masters by param index; split masters are split
+    from them, and the shards rounded)."""
     if not rows:
         return
-    inner = [m for g in mp.param_groups for m in g["params"]]
-    with torch.no_grad():
-        for p, m in zip(mp.model_params(), inner, strict=True):
-            if p in rows and m is not p:
-                m.copy_(rows[p])
+    state = mp.state_dict()
+    for k, p in enumerate(mp.model_params()):
+        if p in rows and k in state["masters"]:
+            state["masters"][k] = rows[p]
+    mp.load_state_dict(state)
 
 
 def check_shards(model: torch.nn.Module, dtype: torch.dtype) -> bool:

@@ -65,13 +65,11 @@ def schedule(optimizer: torch.optim.Optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.2 * s))
 
 
-def stage3_engine(seed: int = 0):
+def stage3_engine(seed: int = 0, **config):
     model = Net(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
-    return halfprec.initialize(
-        model, opt, precision="bf16", zero_stage=3, gradient_accumulation_steps=GAS, max_grad_norm=CLIP,
-        lr_scheduler=schedule(opt),
-    )  # fmt: skip
+    options = dict(precision="bf16", gradient_accumulation_steps=GAS, max_grad_norm=CLIP) | config
+    return halfprec.initialize(model, opt, zero_stage=3, lr_scheduler=schedule(opt), **options)
 
 
 def train(engine, steps: int) -> list[float]:
@@ -201,6 +199,49 @@ def refusals(alone) -> dict:
     }
 
 
+def stage3_engine_losses(**config) -> list[float]:
+    """The exact strategy's losses over the same run (``fused_run``'s reference)."""
+    return train(stage3_engine(**config), FIRST + MORE)
+
+
+def fused_run(out: Path, exact: list) -> dict:
+    """``zero_stage=3`` with the fused strategy (Triton's interpreter; fp16, whose interpreted arithmetic is
+    right): masters from the fp32 weights, the exact engine's losses within the fused path's tolerance, and a
+    checkpoint that resumes to the same masters, state and weights as training on."""
+    config = dict(impl="triton", precision="fp16", static_loss_scale=256.0)
+    engine = stage3_engine(**config)
+    fp32 = dict(Net().named_parameters())
+    names = {p: n for n, p in engine.module.named_parameters()}
+    rows = {
+        names[p]: distribute_tensor(fp32[names[p]].detach(), p.device_mesh, p.placements, src_data_rank=None)
+        for p in engine.optimizer.model_params()
+    }
+    starts = all(
+        torch.equal(m, rows[names[p]].to_local())
+        for p, m in zip(engine.optimizer.model_params(), engine.optimizer.master_params(), strict=True)
+    )
+    losses = train(engine, FIRST)
+    engine.save_checkpoint(out / "ck-fused")
+    losses += train(engine, MORE)
+    resumed = stage3_engine(seed=1, **config)
+    resumed.load_checkpoint(out / "ck-fused")
+    resumed_losses = train(resumed, MORE)
+    whole = [m.detach() for m in engine.optimizer.master_params()]
+    again = [m.detach() for m in resumed.optimizer.master_params()]
+    return {
+        "type": type(engine.optimizer).__name__,
+        "masters_start_from_fp32": starts,
+        "losses": losses,
+        "resumed_losses": resumed_losses,
+        "resumed_masters_equal": all(torch.equal(a, b) for a, b in zip(whole, again, strict=True)),
+        "resumed_weights_equal": all(
+            torch.equal(a.to_local(), b.to_local())
+            for a, b in zip(engine.module.parameters(), resumed.module.parameters(), strict=True)
+        ),
+        "exact_losses": exact,
+    }
+
+
 def scenario_save(out: str) -> dict:
     out = Path(out)
     rank = dist.get_rank()
@@ -243,6 +284,7 @@ def scenario_save(out: str) -> dict:
         "counters": [engine.global_step, resumed.global_step, engine.micro_step, resumed.micro_step],
         "lr": [engine.optimizer.param_groups[0]["lr"], resumed.optimizer.param_groups[0]["lr"]],
         "user": user_sharded_run(2),
+        "fused": fused_run(out, stage3_engine_losses(precision="fp16", static_loss_scale=256.0)),
         "refusals": refusals(singles[rank]),
     }
     return result

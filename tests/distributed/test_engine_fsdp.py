@@ -13,6 +13,7 @@ import pytest
 import torch
 from _compare import assert_equal
 from safetensors.torch import load_file
+from tests.tolerances import tol
 
 import halfprec
 from halfprec.cli.main import main
@@ -160,3 +161,19 @@ def test_a_model_without_a_module_list_is_sharded_per_child_with_params_in_fp16(
     engine.backward(engine(torch.randn(3, 4)).float().pow(2).mean())
     record = engine.step()
     assert record.loss_scale == 2.0**16 and not record.skipped
+
+
+@pytest.mark.slow
+def test_zero_stage_3_with_the_fused_strategy_trains_and_resumes_bit_exactly(saved):
+    for rank, r in enumerate(saved[1]):
+        fused = r["fused"]
+        assert fused["type"] == "FusedAdamW", rank
+        assert fused["masters_start_from_fp32"], rank  # the fp32 weights, not their rounding
+        # the exact strategy on the same run: the fused update rounds otherwise (tests/tolerances.py)
+        torch.testing.assert_close(
+            torch.tensor(fused["losses"]),
+            torch.tensor(fused["exact_losses"]),
+            **tol("fused_engine_loss", torch.float16),
+        )
+        assert fused["resumed_losses"] == fused["losses"][-len(fused["resumed_losses"]) :], rank
+        assert fused["resumed_masters_equal"] and fused["resumed_weights_equal"], rank
