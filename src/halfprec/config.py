@@ -152,6 +152,7 @@ class Config:
         # the values their Literal annotations name
         for name in ("zero_stage", "reduce_dtype", "impl", "masters"):
             choice(name, getattr(self, name), get_args(_HINTS[name]))
+        check_grad_accum(self.grad_accum_dtype, auto=True)
         if self.masters == "split" and (self.impl == "torch" or self.precision == "fp16"):
             raise ValueError(
                 f"masters='split' with impl={self.impl!r}, precision={self.precision!r}: split masters are the "
