@@ -315,3 +315,8 @@ def test_bench_measures_every_implementation():
     got = {(r["impl"], r["optimizer"]) for r in result["rows"]}
     assert got == {(i, o) for i in impls for o in ("adamw", "sgd")}, got
     assert all(r["ms"] > 0 for r in result["rows"])
+    # the fused rows also time the step as a loop calls it (after zero_grad() and a backward), skipped too
+    called = [r for r in result["rows"] if r["impl"] in ("fused", "split")]
+    assert called and all(
+        r["user_ms"] > 0 and r["user_skipped_ms"] > 0 and r["user_host_ms"] > 0 for r in called
+    )
