@@ -163,3 +163,12 @@ def world_of_one(store):
         yield torch.distributed.group.WORLD
     finally:
         torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def mesh_of_one(store):
+    """A one-rank CPU device mesh over ``world_of_one(store)``: FSDP2's ``fully_shard`` in one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with world_of_one(store):
+        yield init_device_mesh("cpu", (1,))

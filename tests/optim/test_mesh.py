@@ -14,17 +14,13 @@ import halfprec
 from halfprec.optim.exact import ExactMixedPrecisionOptimizer
 from halfprec.optim.mesh import Mesh, as_dtensor, is_dtensor, local, local_grad
 
+from .helpers import mesh_of_one
+
 
 @pytest.fixture
 def mesh(tmp_path):
-    """A 1-rank CPU device mesh of a gloo world of one."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    with mesh_of_one(tmp_path / "store") as one:
+        yield one
 
 
 def _sharded(mesh, dtype=torch.bfloat16, **options) -> torch.nn.Module:

@@ -19,6 +19,8 @@ from halfprec.optim.exact import ExactMixedPrecisionOptimizer
 from halfprec.optim.mesh import is_dtensor, local
 from halfprec.optim.split import split_master
 
+from ..helpers import mesh_of_one
+
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo on CPU, Triton's interpreter")
 
 ALGORITHMS = [
@@ -32,13 +34,8 @@ _IDS = [cls.__name__ for cls, _ in ALGORITHMS]
 
 @pytest.fixture
 def mesh(tmp_path):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    with mesh_of_one(tmp_path / "store") as one:
+        yield one
 
 
 def _model(mesh=None, dtype=torch.bfloat16) -> torch.nn.Module:
