@@ -1,6 +1,6 @@
 """The engine over FSDP2: ``Config(zero_stage=3)`` shards the model itself, a model the user sharded trains as it
 is, and checkpoints gather the weights whole and reshard (``_engine_fsdp.py``: one launch on 2 gloo ranks that
-saves, one on 3 that loads; world size 1 in this process)."""
+saves, one on 3 and one on 4 that load; world size 1 in this process)."""
 
 from __future__ import annotations
 
@@ -100,12 +100,13 @@ def test_refusals_over_two_ranks(saved, case, pattern):
 
 
 @pytest.mark.slow
-def test_the_checkpoint_loads_at_world_size_3(saved, tmp_path):
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_checkpoint_loads_at_another_world_size(saved, tmp_path, world):
     whole = _whole(saved)
-    for rank, r in enumerate(_launch_worker(3, "load", tmp_path, ck=saved[1][0]["path"])):
+    for rank, r in enumerate(_launch_worker(world, "load", tmp_path, ck=saved[1][0]["path"])):
         assert r["global_step"] == worker.FIRST
-        assert_equal(r["state"], whole["state"], f"rank {rank} of 3: masters and state")
-        assert_equal(r["weights"], whole["weights"], f"rank {rank} of 3: weights")
+        assert_equal(r["state"], whole["state"], f"rank {rank} of {world}: masters and state")
+        assert_equal(r["weights"], whole["weights"], f"rank {rank} of {world}: weights")
 
 
 @pytest.mark.slow
