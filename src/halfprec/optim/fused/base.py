@@ -345,6 +345,12 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             self._grads.adopt(type(self).__name__)
             self._ensure_state()
         self._grads.ready(self._chunks, capturing=capturing)
+        if capturing and self._mesh is not None:
+            raise RuntimeError(
+                f"{type(self).__name__} over FSDP2 shards cannot be captured in a CUDA graph (FSDP2 hands over new "
+                "sharded grad tensors each backward, which a replay would not read, and their collectives are "
+                "FSDP2's); step it eagerly"
+            )
         if self.process_group is not None:
             if capturing:
                 raise RuntimeError(
