@@ -23,6 +23,7 @@ engine.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -289,3 +290,234 @@ def test_fused_on_cuda_takes_compiled_grads():
                 assert float(got[k][name]) == float(value) == STEPS, (k, float(got[k][name]), float(value))
             else:
                 torch.testing.assert_close(got[k][name], value, **tol("fused_state", torch.bfloat16))
+
+
+# --- checkpoints: keyed by the model's own names, compiled or not ----------------------------------------------
+# A compiled model's names start with ``_orig_mod.`` (a compiled submodule's hold it in the middle); checkpoints and
+# state dicts are keyed by the names without it (halfprec/optim/names.py), so one written from the model compiled
+# loads into it uncompiled and back. "before": written as halfprec wrote them before, ``_orig_mod.`` names and all,
+# which still load into either form. Forms: None (eager), "whole" (torch.compile(model)), "nested" (the last
+# layer compiled: ``2._orig_mod.weight``); every compile is aot_eager, whose grads are the eager ones (above).
+ACROSS = [("whole", None), (None, "whole"), ("nested", None), ("whole", "nested")]
+WRITERS = ["current", "before"]
+CLEAN = ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def _form(model: torch.nn.Module, form: str | None) -> torch.nn.Module:
+    """What the user trains: the model itself, compiled whole, or with its last layer compiled."""
+    if form == "nested":
+        model[2] = torch.compile(model[2], backend="aot_eager")
+        return model
+    return _compile(model, "aot_eager" if form == "whole" else None)
+
+
+@contextlib.contextmanager
+def _writing(writer: str):
+    """``"before"``: halfprec's writers as they were before names were cleaned (every module's ``clean_name`` the
+    identity; a compiled model's optimizer must be built inside, as it takes its names then). Their files hold the
+    keys the code of then wrote (checked against files written by it: ``_orig_mod.0.weight`` in model.safetensors,
+    engine.pt's param_names, ``master/_orig_mod.0.weight`` items, a sharded state dict's layout names)."""
+    if writer == "current":
+        yield
+        return
+    import halfprec.checkpoint.dcp  # noqa: F401, PLC0415 - the engine imports it lazily, the patch must see it
+    from halfprec.optim import names  # noqa: PLC0415
+
+    real = names.clean_name
+    with pytest.MonkeyPatch.context() as patch:
+        for module in [m for n, m in sys.modules.items() if n.startswith("halfprec")]:
+            if getattr(module, "clean_name", None) is real:
+                patch.setattr(module, "clean_name", lambda name: name)
+        yield
+
+
+def _keys_written(writer: str, form: str | None, keys) -> None:
+    """The premise of a round trip: ``keys`` (names as a file holds them) hold ``_orig_mod`` exactly when written
+    the old way from a compiled model."""
+    prefixed = any("_orig_mod" in k for k in keys)
+    assert prefixed == (writer == "before" and form is not None), sorted(keys)
+
+
+def _engine_run(engine, batches, compiled: bool) -> list[float]:
+    losses = []
+    for micro in batches:
+        for x, y in micro:
+            loss = _loss(engine, x, y, compiled)
+            engine.backward(loss)
+            losses.append(loss.item())
+            engine.step()
+    return losses
+
+
+@pytest.mark.parametrize("writer", [*WRITERS, "legacy"])
+@pytest.mark.parametrize("saved, loaded", ACROSS)
+def test_engine_checkpoint_of_a_compiled_model_loads_uncompiled_and_back(saved, loaded, writer, tmp_path):
+    """An engine checkpoint (the current format, the old names, or the format before DCP: optimizer.pt) written
+    from one form loads into the other: params, masters and optimizer state bit for bit, and the next step
+    equal."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    from halfprec.checkpoint.consolidate import read_checkpoint  # noqa: PLC0415
+
+    from .engine_util import legacy_checkpoint  # noqa: PLC0415
+
+    batches = _batches(torch.float32)
+
+    def build(form):
+        model = _model()
+        forward = _form(model, form)
+        opt = torch.optim.AdamW(forward.parameters(), **HP)
+        engine = halfprec.initialize(
+            forward, opt, precision="bf16", gradient_accumulation_steps=MICRO, max_grad_norm=1.0
+        )
+        return model, engine
+
+    with _writing(writer):
+        model_a, a = build(saved)
+    _engine_run(a, batches[:2], saved is not None)
+    with _writing(writer):
+        path = legacy_checkpoint(a, tmp_path) if writer == "legacy" else a.save_checkpoint(tmp_path)
+    old = (
+        "before" if writer == "legacy" else writer
+    )  # the legacy writer (tests) keys by the names as they are
+    _keys_written(old, saved, load_file(str(path / "model.safetensors")))
+    _keys_written(old, saved, torch.load(path / "engine.pt")["param_names"])
+    if writer != "legacy":
+        _keys_written(writer, saved, read_checkpoint(path / "optimizer"))
+    model_b, b = build(loaded)
+    b.load_checkpoint(tmp_path)
+    assert (b.global_step, b.micro_step) == (a.global_step, a.micro_step) == (2, 4)
+    _assert_same(_snapshot(model_b, b.optimizer), _snapshot(model_a, a.optimizer))
+    losses_a = _engine_run(a, batches[2:], saved is not None)
+    losses_b = _engine_run(b, batches[2:], loaded is not None)
+    assert losses_b == losses_a
+    _assert_same(_snapshot(model_b, b.optimizer), _snapshot(model_a, a.optimizer))
+
+
+def _optimizer(form: str | None, stage: int):
+    """``(model, forward, optimizer)``: stage 0 the exact strategy, 1 ZeRO-1 (in a world of one)."""
+    model = _model(torch.bfloat16)
+    forward = _form(model, form)
+    options = dict(stage=stage, named_parameters=forward) if stage else {}
+    mp = halfprec.MixedPrecisionOptimizer(
+        torch.optim.AdamW(forward.parameters(), **HP), max_grad_norm=1.0, impl="torch", **options
+    )
+    return model, forward, mp
+
+
+def _optimizer_run(forward, mp, batches, compiled: bool) -> list[float]:
+    losses = []
+    for micro in batches:
+        for x, y in micro:
+            loss = _loss(forward, x, y, compiled)
+            mp.backward(loss)
+            losses.append(loss.item())
+        mp.step()
+        mp.zero_grad()
+    return losses
+
+
+def _round_trip(save, load, saved, loaded, writer, stage) -> None:
+    """Train one form two steps, ``save(optimizer, forward)`` (under ``writer``) and ``load(optimizer, forward,
+    saved)`` into the other form's optimizer: the same params, masters and state, and the next step equal."""
+    batches = _batches(torch.bfloat16)
+    with _writing(writer):
+        model_a, forward_a, a = _optimizer(saved, stage)
+    _optimizer_run(forward_a, a, batches[:2], saved is not None)
+    with _writing(writer):
+        written = save(a, forward_a)
+    model_b, forward_b, b = _optimizer(loaded, stage)
+    load(b, forward_b, written)
+    _assert_same(_snapshot(model_b, b), _snapshot(model_a, a))
+    losses_a = _optimizer_run(forward_a, a, batches[2:], saved is not None)
+    losses_b = _optimizer_run(forward_b, b, batches[2:], loaded is not None)
+    assert losses_b == losses_a
+    _assert_same(_snapshot(model_b, b), _snapshot(model_a, a))
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+@pytest.mark.parametrize("saved, loaded", ACROSS)
+def test_sharded_state_dict_of_a_compiled_model_loads_uncompiled_and_back(saved, loaded, writer, tmp_path):
+    """ZeRO-1's rank-local state dict names its params in its layout: the model's own names."""
+
+    def save(mp, forward):
+        state = mp.state_dict()
+        _keys_written(writer, saved, state["layout"]["names"])
+        if writer == "current":
+            assert sorted(state["layout"]["names"]) == CLEAN
+        return state
+
+    def load(mp, forward, state):
+        mp.load_state_dict(state)
+
+    with world_of_one(tmp_path / "store"):
+        _round_trip(save, load, saved, loaded, writer, stage=1)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("writer", WRITERS)
+@pytest.mark.parametrize("saved, loaded", ACROSS)
+def test_dcp_checkpoint_of_a_compiled_model_loads_uncompiled_and_back(saved, loaded, writer, stage, tmp_path):
+    """``halfprec.distributed.checkpoint`` keys its items by the model's own names (``master/0.weight``), for the
+    exact strategy and ZeRO-1 alike; consolidate gives them too, whatever wrote the checkpoint."""
+    from halfprec.distributed import checkpoint, consolidate, read_checkpoint  # noqa: PLC0415
+
+    def save(mp, forward):
+        path = checkpoint.save(mp, tmp_path / "ckpt", named_parameters=forward)
+        _keys_written(writer, saved, read_checkpoint(path))
+        return path
+
+    def load(mp, forward, path):
+        assert sorted(consolidate(path)) == CLEAN
+        checkpoint.load(mp, path, named_parameters=forward)
+
+    with world_of_one(tmp_path / "store") if stage else contextlib.nullcontext():
+        _round_trip(save, load, saved, loaded, writer, stage)
+
+
+def test_sharded_state_dict_of_another_model_names_its_params(tmp_path):
+    """A rank-local state dict of a model with other names (the same sizes) is refused, naming both lists."""
+    with world_of_one(tmp_path / "store"):
+        _, _, a = _optimizer(None, 1)
+        other = torch.nn.Sequential(_model(torch.bfloat16)[0], torch.nn.GELU(), torch.nn.Identity())
+        other.append(_model(torch.bfloat16)[2])
+        b = halfprec.MixedPrecisionOptimizer(
+            torch.optim.AdamW(other.parameters(), **HP), stage=1, named_parameters=other, impl="torch"
+        )
+        with pytest.raises(ValueError, match=r"layout: names \['2\.bias', .*\(here \['3\.bias'"):
+            b.load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("writer", [*WRITERS, "legacy"])
+@pytest.mark.parametrize("form", ["whole", "nested"])
+def test_export_writes_the_models_own_names(form, writer, tmp_path):
+    """``halfprec export`` of a checkpoint of the compiled model (tied weights, a LayerNorm) writes the names of
+    the model uncompiled, which it strict-loads: the fp32 masters under them, whatever wrote the checkpoint."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    from halfprec.cli.main import main  # noqa: PLC0415
+
+    from .engine_util import TiedLM, legacy_checkpoint, train  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    if form == "nested":
+        model.mix = torch.compile(model.mix, backend="aot_eager")
+    forward = model if form == "nested" else torch.compile(model, backend="aot_eager")
+    with _writing(writer):
+        engine = halfprec.initialize(forward, torch.optim.AdamW(forward.parameters(), **HP), precision="bf16")
+    train(engine, 2)
+    with _writing(writer):
+        path = legacy_checkpoint(engine, tmp_path) if writer == "legacy" else engine.save_checkpoint(tmp_path)
+    old = "before" if writer == "legacy" else writer
+    _keys_written(old, form, load_file(str(path / "model.safetensors")))
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(path), "--out", str(out)]) == 0
+    weights = load_file(str(out))
+    plain = TiedLM()
+    assert list(weights) == sorted(plain.state_dict())
+    plain.load_state_dict(weights, strict=True)
+    names = ["emb.weight", "mix.weight", "mix.bias", "norm.weight", "norm.bias"]
+    for name, master in zip(names, engine.optimizer.master_params(), strict=True):
+        assert weights[name].dtype == torch.float32 and torch.equal(weights[name], master), name
+    assert torch.equal(weights["head.weight"], weights["emb.weight"])

@@ -18,12 +18,13 @@ import torch
 from ._checks import is_int
 from .checkpoint.directory import check_directory, check_tag, reading, save_pt, stage
 from .checkpoint.directory import saving as saving_into
-from .checkpoint.manifest import ENGINE_SHARDED, CheckpointError, layout_of, seal
+from .checkpoint.manifest import ENGINE_SHARDED, CheckpointError, layout_of, reraised, seal
 from .checkpoint.plain import check_plain, rng_state, set_rng_state
 from .checkpoint.read import load_pt, load_weights, resolve, verify
 from .config import Config, check_fields
 from .optim.base import MixedPrecisionOptimizer
 from .optim.checks import world_size
+from .optim.names import clean_keys, clean_name
 from .optim.select import build
 from .precision import DTYPES
 from .prepare import (
@@ -362,7 +363,7 @@ class Engine:
         tag = f"step-{self.global_step}" if tag is None else check_tag(tag)
         client_state = client_state or {}
         check_plain(client_state)
-        names = {p: n for n, p in self.module.named_parameters()}  # first name of a tied param
+        names = {p: clean_name(n) for n, p in self.module.named_parameters()}  # first name of a tied param
         engine_state = {
             "global_step": self.global_step,
             "micro_step": self.micro_step,
@@ -415,6 +416,8 @@ class Engine:
             dcp.save(mp, tmp / "optimizer", named_parameters=self.module, local=not collective)
             save_pt(rng_state(), tmp / f"rng-{rank}.pt")
             weights = whole_state(self.module, keep=rank == 0)  # FSDP2 shards: collective
+            if weights is not None:  # a compiled model's names as the model's own (optim/names.py)
+                weights = clean_keys(weights)
             if collective:
                 torch.distributed.barrier(group)
             if rank == 0:
@@ -450,8 +453,7 @@ class Engine:
             path = resolve(directory, tag)
             manifest = verify(path)
             weights = load_weights(path, manifest)
-            _check_weights(self.module, weights, path)
-            weights = laid_out_like(self.module, weights)
+            weights = laid_out_like(self.module, _check_weights(self.module, weights, path))
             engine_state = load_pt(path, "engine")
             counters = _check_engine_state(path, engine_state)
             if load_optimizer_states:
@@ -527,9 +529,16 @@ def _check_engine_state(path: Path, engine_state: Any) -> tuple[int, int]:
     return engine_state["global_step"], engine_state["micro_step"]
 
 
-def _check_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
-    """Name the first parameter or buffer whose name, shape or dtype differs from the checkpoint's."""
-    own = module.state_dict()
+def _check_weights(
+    module: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path
+) -> dict[str, torch.Tensor]:
+    """Name the first parameter or buffer whose name, shape or dtype differs from the checkpoint's; return the
+    weights under the module's own state-dict names. Names compare clean (``optim/names.py``) on both sides: a
+    model saved compiled loads uncompiled and back, checkpoints saved with ``_orig_mod.`` names too."""
+    state = module.state_dict()
+    own = clean_keys(state)
+    with reraised(ValueError, f"checkpoint {path}"):
+        weights = clean_keys(weights)
     for name, tensor in own.items():
         saved = weights.get(name)
         if saved is None:
@@ -545,3 +554,4 @@ def _check_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], pa
     extra = sorted(set(weights) - set(own))
     if extra:
         raise CheckpointError(f"checkpoint {path} has tensors this model lacks: {extra[:5]}")
+    return {name: weights[clean_name(name)] for name in state}

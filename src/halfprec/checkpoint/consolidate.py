@@ -10,6 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..optim.names import clean_keys
 from .safe_dcp import SafeFileSystemReader, open_checkpoint
 
 __all__ = ["consolidate", "read_checkpoint", "read_items", "masters_of", "hparam_groups"]
@@ -41,18 +42,20 @@ def _read(
 
 
 def consolidate(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The FP32 master weights of a checkpoint, in their params' shapes, keyed by parameter name."""
+    """The FP32 master weights of a checkpoint, in their params' shapes, keyed by parameter name (clean: without
+    torch.compile's ``_orig_mod.``)."""
     return masters_of(read_checkpoint(checkpoint_dir))
 
 
 def masters_of(items: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The masters among a checkpoint's items (:func:`read_checkpoint`), in their params' shapes, by name."""
+    """The masters among a checkpoint's items (:func:`read_checkpoint`), in their params' shapes, by clean name
+    (``optim/names.py``; a checkpoint from before names were cleaned may hold torch.compile's ``_orig_mod.``)."""
     out = {}
     for key, value in items.items():
         if key.startswith("master/"):
             name = key.removeprefix("master/")
             out[name] = value.view(tuple(items[f"shape/{name}"].tolist())).contiguous()
-    return out
+    return clean_keys(out, what="params")
 
 
 def hparam_groups(items: Iterable[str]) -> dict[int, list[str]]:

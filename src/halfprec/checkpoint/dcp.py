@@ -14,9 +14,11 @@ the world size that wrote it):
                                each file's size and SHA-256, its own SHA-256; verified before any file is read
 =============================  =====================================================================
 
-Every item is a tensor, so loading unpickles only ``.metadata``, through an allow-list (``safe_dcp``). State
-is allocated from the checkpoint's own metadata, so no state key can be silently left out (DCP loads in place
-and skips what the destination does not hold). The one branch on the optimizer's type is :func:`_model_space`.
+``{name}`` is the param's clean name (``optim/names.py``: without torch.compile's ``_orig_mod.``), so a model saved
+compiled loads uncompiled and back. Every item is a tensor, so loading unpickles only ``.metadata``, through an
+allow-list (``safe_dcp``). State is allocated from the checkpoint's own metadata, so no state key can be silently
+left out (DCP loads in place and skips what the destination does not hold). The one branch on the optimizer's type
+is :func:`_model_space`.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from .._checks import is_number
 from ..optim.base import MixedPrecisionOptimizer
 from ..optim.mesh import Mesh
 from ..optim.mesh import local as local_shard
+from ..optim.names import clean_keys, named_trainable
 from ..optim.sharded import ShardedMixedPrecisionOptimizer
-from ..optim.sharded.checks import named_trainable
 from ..optim.state import is_elementwise
 from .atomic import commit, remove_if_dead
 from .atomic import held as held_dir  # ``held`` names what a rank holds here
@@ -305,6 +307,7 @@ def staged_load(
     path, metadata = open_checkpoint(path)
     saved = metadata.state_dict_metadata
     held, every, full = _model_space(optimizer, named_parameters)
+    held, every = _as_saved(path, saved, held, every)
     _check_names(path, saved, every)
     _check_kinds(path, saved, optimizer)
     plan = _plan(held, lambda h: _saved_keys(path, saved, h))
@@ -350,6 +353,17 @@ def staged_load(
     optimizer.check_state_dict(full)
     own = [(h.index, masters[id(h)]) for h in held if h.numel and h.index not in full["masters"]]
     return lambda: _apply_unsharded(optimizer, full, own)
+
+
+def _as_saved(path: Path, saved: dict, held: list[_Held], every: list) -> tuple[list[_Held], list]:
+    """``held`` and ``every`` under the names ``path`` holds them by, matched by clean name (``optim/names.py``):
+    their clean names, except in a checkpoint written before names were cleaned, whose names may hold
+    torch.compile's ``_orig_mod.`` (every param has a ``shape/`` item). Either loads into the model compiled or not."""
+    names = [item[len("shape/") :] for item in saved if item.startswith("shape/")]
+    with reraised(ValueError, str(path), ValueError):
+        as_saved = clean_keys({name: name for name in names}, what="params")
+    held = [_Held(as_saved.get(h.name, h.name), *h[1:]) for h in held]
+    return held, [(as_saved.get(n, n), s, g) for n, s, g in every]
 
 
 def _check_names(path: Path, saved: dict, every: list) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..optim.names import clean_keys, clean_name
 from ..precision import DTYPES
 from .atomic import fsync_path, remove_leftovers, tmp_dir, unique_suffix
 from .directory import reading, save_safetensors
@@ -21,7 +22,8 @@ __all__ = ["consolidated_weights", "export", "describe"]
 
 
 def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dict[str, torch.Tensor]:
-    """Every key of the model's state dict; trained params from their fp32 masters, cast to ``dtype``.
+    """Every key of the model's state dict, by clean name (``optim/names.py``: a model saved compiled as the model
+    itself); trained params from their fp32 masters, cast to ``dtype``.
 
     Tied weights appear under each of their names as separate tensors, so a strict ``load_state_dict`` works.
     """
@@ -37,17 +39,18 @@ def consolidated_weights(path: str | os.PathLike, *, dtype: str = "fp32") -> dic
         ties = manifest.get("ties", {})
     out = {}
     for key, tensor in weights.items():
-        value = masters.get(key, tensor)
+        value = masters.get(clean_name(key), tensor)
         out[key] = (value.to(DTYPES[dtype]) if value.is_floating_point() else value).clone().contiguous()
     for alias, name in ties.items():
         out[alias] = out[name].clone()
-    return out
+    # the model's own names: a checkpoint from before names were cleaned holds torch.compile's `_orig_mod.`
+    return clean_keys(out)
 
 
 def _read_engine(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor], str]:
     """``(manifest, weights, masters, optimizer)`` of an engine checkpoint, read under its directory's lock and
     verified as a load verifies it (:func:`read.verify`: the counters in its manifest are those its files hold,
-    so what ``inspect`` shows is what a load restores); the fp32 masters by parameter name."""
+    so what ``inspect`` shows is what a load restores); the fp32 masters by clean parameter name."""
     with reading(path.parent):
         manifest = verify(path)
         weights = load_weights(path, manifest)
@@ -60,7 +63,9 @@ def _read_engine(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], d
             masters, optimizer = masters_of(items), f"{', '.join(kinds)} (reshardable)"
         else:
             names, optim = load_pt(path, "engine")["param_names"], load_pt(path, "optimizer")
-            masters = {names[int(i)]: m for i, m in optim["masters"].items() if names[int(i)] is not None}
+            masters = {
+                clean_name(names[int(i)]): m for i, m in optim["masters"].items() if names[int(i)] is not None
+            }
             optimizer = f"MixedPrecisionOptimizer, {optim['scaler']['type']}"
     return manifest, weights, masters, optimizer
 

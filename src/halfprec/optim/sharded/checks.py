@@ -1,4 +1,4 @@
-"""Checks on what a sharded optimizer wraps, and the param names that key its checkpoints."""
+"""Checks on what a sharded optimizer wraps (the param names that key its checkpoints: ``optim/names.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ __all__ = [
     "check_named_parameters",
     "check_optimizer",
     "check_reduce_dtype",
-    "named_trainable",
 ]
 
 
@@ -31,7 +30,7 @@ def check_optimizer(optimizer: Any, loss_scaler: Any, max_grad_norm: Any, param_
 
 def check_named_parameters(named_parameters: Any) -> None:
     """Raise ValueError unless ``named_parameters`` is an ``nn.Module`` or an iterable (of ``(name, param)``
-    pairs, which ``named_trainable`` checks one by one)."""
+    pairs, which ``names.named_trainable`` checks one by one)."""
     if not isinstance(named_parameters, (torch.nn.Module, Iterable)):
         raise ValueError(
             f"named_parameters must be the model or its named_parameters(), got {named_parameters!r}; pass "
@@ -51,38 +50,3 @@ def check_reduce_dtype(reduce_dtype: Any, grad_accum_dtype: str) -> None:
             "be rounded to the params' 16-bit dtype for the reduction; fp32 accumulation reduces in fp32: pass "
             "reduce_dtype='fp32' (the default), or grad_accum_dtype='param'"
         )
-
-
-def named_trainable(
-    optimizer: torch.optim.Optimizer, named_parameters: Any
-) -> tuple[list[str], list[torch.nn.Parameter], list[int]]:
-    """Names, params and group indices of the optimizer's trainable params, in optimizer order."""
-    pairs: Iterable = named_parameters
-    if isinstance(named_parameters, torch.nn.Module):
-        pairs = named_parameters.named_parameters()
-    name_of: dict[int, str] = {}
-    for item in pairs:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise ValueError(
-                "named_parameters must be an nn.Module or an iterable of (name, param) pairs, e.g. "
-                "model.named_parameters()"
-            )
-        name_of.setdefault(id(item[1]), item[0])
-    names, params, groups, seen = [], [], [], set()
-    for gi, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if id(p) in seen:
-                raise ValueError(f"param of shape {tuple(p.shape)} appears twice in the optimizer's groups")
-            seen.add(id(p))
-            if not p.requires_grad:
-                continue
-            name = name_of.get(id(p))
-            if name is None:
-                raise ValueError(
-                    f"a trainable param of shape {tuple(p.shape)} in group {gi} has no name in named_parameters; "
-                    "pass the model whose parameters the optimizer holds"
-                )
-            names.append(name)
-            params.append(p)
-            groups.append(gi)
-    return names, params, groups

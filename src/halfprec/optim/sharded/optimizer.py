@@ -46,9 +46,10 @@ from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear
 from ..clip import clip_coefficient
 from ..layout import Layout
 from ..masters import Masters, check_masters
+from ..names import clean_name, named_trainable
 from ..policy import select_impl
 from ..state import Target, move_state, restore_state_dtypes
-from .checks import check_named_parameters, check_optimizer, check_reduce_dtype, named_trainable
+from .checks import check_named_parameters, check_optimizer, check_reduce_dtype
 from .fused_step import FusedLocalStep
 from .grads import GradReducer
 
@@ -417,16 +418,19 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         }
 
     def _check_payload(self, state_dict: dict[str, Any]) -> None:
-        if (saved := state_dict.get("layout")) != self._fingerprint():
-            where = (
-                f"world size {saved.get('world_size')} rank {saved.get('rank')}"
-                if isinstance(saved, dict)
-                else saved
+        saved, mine = state_dict.get("layout"), self._fingerprint()
+        if isinstance(saved, dict) and isinstance(saved.get("names"), list):
+            # clean names on both sides: a state dict saved before names were cleaned holds `_orig_mod.` ones
+            saved = {**saved, "names": [clean_name(n) if isinstance(n, str) else n for n in saved["names"]]}
+        if saved != mine:
+            saved = saved if isinstance(saved, dict) else {}
+            differs = "; ".join(
+                f"{k} {saved.get(k)} (here {v})" for k, v in mine.items() if saved.get(k) != v
             )
             raise ValueError(
-                f"rank-local state dict saved at {where} does not match this layout (world size "
-                f"{self.world_size} rank {self.rank}); to change world size save and load with "
-                "halfprec.distributed.checkpoint"
+                f"rank-local state dict does not match this layout: {differs}. It loads into the same model's "
+                "optimizer (param groups, bucket_size) on the same rank at the same world size; to change any, "
+                "save and load with halfprec.distributed.checkpoint"
             )
 
     def _load_payload(self, state_dict: dict[str, Any]) -> None:
