@@ -1,7 +1,8 @@
-"""End-to-end training benchmark: a transformers Llama (~271M params, seq 1024) under torch autocast, halfprec and
-DeepSpeed ZeRO-0, in interleaved rounds.
+"""End-to-end training benchmark: a transformers Llama (``--shape``: ~271M params by default, ~1.2B, or a tiny one
+for CPU smoke tests) under torch autocast, halfprec, FSDP2 and DeepSpeed ZeRO-0, in interleaved rounds.
 
     python benchmarks/bench_train.py [--rounds 3] [--steps 40] [--systems autocast,halfprec,deepspeed]
+        [--shape 271m|1.2b|tiny] [--smoke]
 
 Every (round, system, dtype) runs in its own process (peak memory is per process; nothing is shared between
 systems), rounds interleaved because the device's speed drifts. Each run builds the same model from the same seed,
@@ -13,6 +14,22 @@ system runs the model with ``use_cache=False``, as the HF Trainer does. ``--cpus
 summary gives each system's tokens/s over the first system's in the same round and dtype. ``--trees
 old=DIR,new=DIR`` runs each system once per source tree in every round (an A/B of a change, interleaved).
 ``--trace`` adds every step's loss, loss scale and grad norm to the JSON.
+
+Shapes (``SHAPES``; batches of ``--batch`` 8 rows of the shape's sequence length unless ``--seq`` says otherwise):
+``271m`` hidden 1024, 16 layers, MLP 2816, 16 heads, vocab 32000, seq 1024 (the default); ``1.2b`` hidden 2048, 20
+layers, MLP 5632, 16 heads, vocab 32000, seq 1024 (1.16B params); ``tiny`` hidden 64, 2 layers, MLP 128, 4 heads,
+vocab 512, seq 32: CPU smoke tests only.
+
+MFU: model FLOPs per trained token ``6 * N + 12 * layers * hidden * seq`` (forward and backward: 6 per weight of a
+matmul, 12 per layer for the attention scores and their weighted sum over the sequence, not halved for the causal
+mask: PaLM's appendix B, torchtitan's count), N the params of the matmuls: every param but the input embedding's
+(a lookup; the untied ``lm_head`` counts), times tokens/s, over ``PEAK_FLOPS``, the H200's dense bf16 (and fp16)
+peak. The JSON has ``params`` (all of them) and ``flops_per_token``.
+
+``--smoke``: every system that can run on the CPU (or those ``--systems`` names) for 3 steps on the ``tiny`` shape
+on the CPU, bf16, one round (``--shape tiny --device cpu --dtypes bf16 --rounds 1 --warmup 1 --steps 2``); it fails
+unless every run gives a finite loss. On the CPU the steps are timed by the host clock and no peak memory is
+reported; the ``hf*``, ``deepspeed*`` and ``*-paired`` systems need CUDA.
 
 Systems:
   autocast   fp32 model under ``torch.autocast``, ``torch.optim.AdamW(fused=True)``; fp16 with ``GradScaler``
@@ -50,17 +67,46 @@ Systems:
   hf-autocast-paired  the same for the HF Trainer without halfprec (its own ``bf16=True`` / ``fp16=True`` autocast,
              ``optim="adamw_torch_fused"``) against the ``autocast`` plain loop: how much the Trainer's loop costs
              a plain loop when halfprec is not involved
+  fsdp2      FSDP2's own recipe on a one-rank process group (the run makes it: nccl on CUDA, gloo on the CPU, over a
+             file store): the fp32 model, ``fully_shard`` on each decoder layer then the root (halfprec's
+             ``zero_stage=3`` policy: the children of the model's first ``nn.ModuleList``) with
+             ``MixedPrecisionPolicy(param_dtype=bf16 or fp16, reduce_dtype=fp32)``, ``torch.optim.AdamW(fused=True)``
+             (unfused on the CPU), ``clip_grad_norm_``; fp16 with ``torch.amp.GradScaler``, which takes FSDP2's
+             DTensor grads (torch's documented way since 2.5; ``ShardedGradScaler`` is FSDP1's)
+  fsdp2-halfprec  the 16-bit model (``model.to(dtype)``: FSDP2 fixes its shards' dtype) sharded the same way with
+             no param cast and fp32 reduce-scatters (``MixedPrecisionPolicy(reduce_dtype=fp32)``, as halfprec's
+             ``zero_stage=3``), ``MixedPrecisionOptimizer(AdamW, impl="triton", max_grad_norm=1.0)`` over the shards
+             in a plain loop (``backward``, ``step``, ``zero_grad``); its masters start from the 16-bit weights (a
+             plain loop's; the engine's ``zero_stage=3`` starts them from the fp32 ones). On the CPU without
+             ``TRITON_INTERPRET=1`` it runs ``impl="torch"``, and its row says so
+  fsdp2-halfprec-split  the same with ``masters="split"`` (bf16 only; CUDA, or the Triton interpreter)
+  fsdp2-halfprec-exact  the same with ``impl="torch"``, the exact strategy: a diagnostic
+  halfprec-float8  ``halfprec`` on the model after ``torchao.float8.convert_to_float8_training`` (every Linear but
+             the ``lm_head`` whose dims are multiples of 16), converted in fp32 and cast to 16 bits by the engine (a
+             ``Float8Linear`` keeps its weight a plain param), so the masters start from the fp32 weights as in
+             ``halfprec`` (bf16 only; when torchao imports)
+  torchao-float8  torchao's recipe: the fp32 model converted the same way, under ``torch.autocast(bf16)``, with
+             ``torch.optim.AdamW(fused=True)`` (``autocast``'s loop; bf16 only; when torchao imports)
+  SYSTEM-compiled  SYSTEM with ``torch.compile`` (inductor, default settings) applied before its setup: the whole
+             model for ``autocast``, ``halfprec*`` and the float8 systems; for ``fsdp2*`` each decoder layer
+             (``torch.compile(layer, fullgraph=True)`` put back in its place, then ``fully_shard``), as torchtitan
+             compiles under FSDP2. Not for ``hf*``, ``deepspeed*`` or ``*-paired``. The compile runs in the
+             warm-up steps (``--warmup``), which are not timed
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import socket
 import statistics
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 SYSTEMS = (
@@ -81,40 +127,118 @@ SYSTEMS = (
     "hf-nosync-paired",
     "hf-nolink-paired",
     "hf-autocast-paired",
+    "fsdp2",
+    "fsdp2-halfprec",
+    "fsdp2-halfprec-split",
+    "fsdp2-halfprec-exact",
+    "halfprec-float8",
+    "torchao-float8",
 )
+COMPILED = "-compiled"  # SYSTEM-compiled: SYSTEM under torch.compile (module docstring)
+NOT_COMPILED = ("hf", "deepspeed")  # prefixes of the systems with no compiled variant (nor the *-paired ones)
+ONLY_DTYPE = {  # the systems that run in one dtype
+    "deepspeed-reset": "fp16",  # DeepSpeed's construction step is its fp16 wrapper's
+    "fsdp2-halfprec-split": "bf16",  # split masters are bf16's
+    "halfprec-float8": "bf16",  # torchao's float8 recipe is bf16's
+    "torchao-float8": "bf16",
+}
 PAIRED_BLOCK = 5  # steps per block in the paired systems
 LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
+# the H200 SXM's dense BF16 Tensor Core peak, FP16's the same: NVIDIA H200 datasheet (1,979 TFLOP/s with 2:4
+# sparsity, twice the dense rate)
+PEAK_FLOPS = 989e12
 
 
-def llama(seed: int):
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """A Llama's size (``LlamaConfig``'s fields) and the sequence length of its batches."""
+
+    hidden: int
+    """``hidden_size``"""
+    layers: int
+    """``num_hidden_layers``"""
+    intermediate: int
+    """``intermediate_size``, the MLP's"""
+    heads: int
+    """``num_attention_heads``, and as many key/value heads"""
+    vocab: int
+    """``vocab_size``"""
+    seq: int
+    """tokens per row, unless ``--seq`` says otherwise; also ``max_position_embeddings``"""
+
+
+SHAPES = {
+    "271m": Shape(hidden=1024, layers=16, intermediate=2816, heads=16, vocab=32000, seq=1024),
+    "1.2b": Shape(hidden=2048, layers=20, intermediate=5632, heads=16, vocab=32000, seq=1024),
+    "tiny": Shape(hidden=64, layers=2, intermediate=128, heads=4, vocab=512, seq=32),  # CPU smoke tests
+}
+
+
+def llama(seed: int, shape: Shape = SHAPES["271m"], device: str = "cuda"):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=16, max_position_embeddings=1024, tie_word_embeddings=False, attn_implementation="sdpa",
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
+        max_position_embeddings=shape.seq, tie_word_embeddings=False, attn_implementation="sdpa",
         use_cache=False,  # training builds no KV cache: the HF Trainer sets the same (TrainingArguments.use_cache)
     )  # fmt: skip
     torch.manual_seed(seed)
-    with torch.device("cuda"):
+    with torch.device(device):
         return LlamaForCausalLM(config)
 
 
-def batches(batch: int, seq: int, count: int = 4):
+def batches(batch: int, seq: int, count: int = 4, *, vocab: int = 32000, device: str = "cuda"):
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(1)
-    return [torch.randint(0, 32000, (batch, seq), device="cuda", generator=g) for _ in range(count)]
+    g = torch.Generator(device=device).manual_seed(1)
+    return [torch.randint(0, vocab, (batch, seq), device=device, generator=g) for _ in range(count)]
 
 
-def autocast_runner(model, dtype):
+def flops_per_token(model, shape: Shape, seq: int) -> int:
+    """Model FLOPs of one trained token, forward and backward (the module docstring's MFU formula)."""
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+    lookups = {p for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    matmuls = sum(p.numel() for p in model.parameters() if p not in lookups)
+    return 6 * matmuls + 12 * shape.layers * shape.hidden * seq
+
+
+class HostEvent:
+    """``torch.cuda.Event``'s ``record()`` and ``elapsed_time()`` on the host clock, for runs on the CPU."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def timing_event(device: str):
+    import torch
+
+    return torch.cuda.Event(enable_timing=True) if device == "cuda" else HostEvent()
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def autocast_runner(model, dtype, *, device: str = "cuda", autocast: bool = True):
+    """``autocast`` (and ``torchao-float8``); ``autocast=False``: ``fsdp2``'s loop, the 16-bit compute being
+    FSDP2's ``MixedPrecisionPolicy``'s. Fused AdamW on CUDA only (the smoke test's CPU runs take the default)."""
+    import torch
+
+    fused = True if device == "cuda" else None
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=fused)
+    scaler = torch.amp.GradScaler(device) if dtype == torch.float16 else None
 
     def step(x):
-        with torch.autocast("cuda", dtype=dtype):
+        with torch.autocast(device, dtype=dtype, enabled=autocast):
             loss = model(input_ids=x, labels=x).loss
         if scaler is None:
             loss.backward()
@@ -170,6 +294,114 @@ def keep_runner(model, dtype):
         return loss.detach()
 
     return step, lambda: (mp.grad_norm, mp.step_loss_scale)
+
+
+@contextlib.contextmanager
+def one_rank_group(device: str):
+    """The default process group of one rank that FSDP2 shards over (nccl on CUDA, gloo on the CPU), made over a
+    file store in a fresh temporary folder (no port to pick) and destroyed on the way out."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as folder:
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def shard(model, policy, *, device: str, compiled: bool) -> None:
+    """``fully_shard`` over a one-rank mesh by halfprec's ``zero_stage=3`` policy (``prepare.fully_shard_model``):
+    each child with params of the model's first ``nn.ModuleList`` (the decoder layers), then the root.
+    ``compiled``: each such layer ``torch.compile``d first and put back in its place, as torchtitan compiles a
+    model it shards (``apply_compile`` before ``apply_fsdp``: FSDP2's hooks stay outside the compiled layers)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device, (1,))
+    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+    for name, block in list(layers.named_children()):
+        if next(block.parameters(), None) is None:
+            continue
+        if compiled:
+            block = torch.compile(block, fullgraph=True)
+            layers.register_module(name, block)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def fsdp2_runner(model, dtype, *, device: str, compiled: bool):
+    """``fsdp2``: FSDP2's own mixed precision over the fp32 model, in ``autocast``'s loop without autocast."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    shard(model, policy, device=device, compiled=compiled)
+    return autocast_runner(model, dtype, device=device, autocast=False)
+
+
+def fsdp2_halfprec_runner(model, dtype, *, impl: str, masters: str, device: str, compiled: bool):
+    """``fsdp2-halfprec*``: the 16-bit model sharded with fp32 reduce-scatters, ``MixedPrecisionOptimizer`` over
+    its shards in a plain loop (module docstring)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import halfprec
+
+    info = {"impl": impl, "masters": masters}
+    if device == "cpu" and impl == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        impl = "torch"  # the fused kernels take CPU params only under the interpreter
+        info = {"impl": impl, "masters": masters, "note": "impl='torch': CPU without TRITON_INTERPRET=1"}
+    model.to(dtype)  # FSDP2 fixes the shards' dtype at fully_shard()
+    shard(model, MixedPrecisionPolicy(reduce_dtype=torch.float32), device=device, compiled=compiled)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    mp = halfprec.MixedPrecisionOptimizer(opt, impl=impl, masters=masters, max_grad_norm=CLIP)
+
+    def step(x):
+        loss = model(input_ids=x, labels=x).loss
+        mp.backward(loss)
+        mp.step()
+        mp.zero_grad()
+        return loss.detach()
+
+    step.info = info
+    return step, lambda: (mp.grad_norm, mp.step_loss_scale)
+
+
+def float8_filter(module, fqn: str) -> bool:
+    """The Linears torchao's float8 training converts: not the ``lm_head`` (torchtitan's float8 recipe leaves the
+    output layer in 16 bits), and only those whose dims are multiples of 16, as float8 matmuls need."""
+    import torch
+
+    return (
+        isinstance(module, torch.nn.Linear)
+        and fqn != "lm_head"
+        and module.in_features % 16 == 0
+        and module.out_features % 16 == 0
+    )
+
+
+def float8_module():
+    """``torchao.float8``, imported quietly: torchao logs a warning for each CUDA kernel library it cannot load
+    (all of them on a CPU build of torch)."""
+    import logging
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    import torchao.float8
+
+    return torchao.float8
+
+
+def to_float8(model) -> None:
+    """``torchao.float8.convert_to_float8_training`` in place (tensorwise dynamic scaling, its default)."""
+    float8_module().convert_to_float8_training(model, module_filter_fn=float8_filter)
 
 
 def deepspeed_runner(model, dtype, batch: int, *, reset: bool, clip=CLIP, scaled: bool = False):
@@ -286,7 +518,9 @@ def paired_run(system: str, model, dtype, data, args) -> dict:
     from transformers import TrainerCallback
 
     autocast = system == "hf-autocast-paired"
-    plain_step, _ = (autocast_runner if autocast else halfprec_runner)(llama(args.seed), dtype)
+    plain_step, _ = (autocast_runner if autocast else halfprec_runner)(
+        llama(args.seed, SHAPES[args.shape]), dtype
+    )
     plain_ms: list[list[float]] = []  # per block
     plain_losses = []
 
@@ -373,23 +607,30 @@ def child(system: str, dtype_name: str, args) -> dict:
     if args.cpus:
         os.sched_setaffinity(0, args.cpus)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-    launch = launch_us()
-    model = llama(args.seed)
+    device, shape = args.device, SHAPES[args.shape]
+    cuda = device == "cuda"
+    launch = launch_us() if cuda else math.nan
+    model = llama(args.seed, shape, device)
+    params, flops = sum(p.numel() for p in model.parameters()), flops_per_token(model, shape, args.seq)
+    base, compiled = system.removesuffix(COMPILED), system.endswith(COMPILED)
 
     def fresh_batches() -> list:
         """The run's batches, made before the timed steps: the peak memory counts from here."""
-        data = batches(args.batch, args.seq)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        data = batches(args.batch, args.seq, vocab=shape.vocab, device=device)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         return data
 
     def row(ms_per_step: float, final_loss: float, **extra) -> dict:
+        tokens_per_s = args.batch * args.seq / (ms_per_step * 1e-3)
         return {
-            "system": system, "dtype": dtype_name, "ms_per_step": ms_per_step,
-            "tokens_per_s": args.batch * args.seq / (ms_per_step * 1e-3),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "final_loss": final_loss,
-            "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
-            "launch_us": launch, "launch_us_after": launch_us(), **extra,
+            "system": system, "dtype": dtype_name, "ms_per_step": ms_per_step, "tokens_per_s": tokens_per_s,
+            "mfu": tokens_per_s * flops / PEAK_FLOPS,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "final_loss": final_loss,
+            "params": params, "flops_per_token": flops, "shape": args.shape, "device": device,
+            "torch": torch.__version__, "launch_us": launch, "launch_us_after": launch_us() if cuda else math.nan,
+            **extra,
         }  # fmt: skip
 
     if system.endswith("-paired"):  # peak_gib: both models, not comparable to the other systems'
@@ -398,13 +639,25 @@ def child(system: str, dtype_name: str, args) -> dict:
         nosync, nolink = system in ("hf-nosync", "hf-quiet"), system in ("hf-nolink", "hf-quiet")
         ms, losses = hf_run(model, dtype, fresh_batches(), args, nosync=nosync, nolink=nolink)
         return row(statistics.median(ms), losses[-1])
-    if system == "autocast":
-        step, probe = autocast_runner(model, dtype)
-    elif system == "halfprec-keep":
+    if base.endswith("-float8"):
+        to_float8(model)
+    if compiled and not base.startswith("fsdp2"):  # fsdp2*: each layer, in shard()
+        model = torch.compile(model)
+    if base in ("autocast", "torchao-float8"):
+        step, probe = autocast_runner(model, dtype, device=device)
+    elif base == "fsdp2":
+        step, probe = fsdp2_runner(model, dtype, device=device, compiled=compiled)
+    elif base.startswith("fsdp2-halfprec"):
+        impl = "torch" if base.endswith("-exact") else "triton"
+        masters = "split" if base.endswith("-split") else "fp32"
+        step, probe = fsdp2_halfprec_runner(
+            model, dtype, impl=impl, masters=masters, device=device, compiled=compiled
+        )
+    elif base == "halfprec-keep":
         step, probe = keep_runner(model, dtype)
-    elif system.startswith("halfprec"):
-        clip = None if system.endswith("-noclip") else CLIP
-        step, probe = halfprec_runner(model, dtype, clip, scheduled=system == "halfprec-sched")
+    elif base.startswith("halfprec"):  # halfprec, -noclip, -sched, -float8
+        clip = None if base.endswith("-noclip") else CLIP
+        step, probe = halfprec_runner(model, dtype, clip, scheduled=base == "halfprec-sched")
     else:
         clip = 0.0 if system.endswith("-noclip") else CLIP
         step, probe = deepspeed_runner(
@@ -417,9 +670,7 @@ def child(system: str, dtype_name: str, args) -> dict:
         )
     data = fresh_batches()
     total = args.warmup + args.steps
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(total)
-    ]
+    events = [(timing_event(device), timing_event(device)) for _ in range(total)]
     losses, probes = [], []  # probe() syncs: only with --trace, which is not for timing
     for i in range(total):
         events[i][0].record()
@@ -427,7 +678,7 @@ def child(system: str, dtype_name: str, args) -> dict:
         events[i][1].record()
         if args.trace:
             probes.append(probe())
-    torch.cuda.synchronize()
+    synchronize(device)
 
     def num(v):
         return None if v is None else float(v)
@@ -445,14 +696,24 @@ def child(system: str, dtype_name: str, args) -> dict:
     return result
 
 
-def available(system: str) -> bool:
-    if not system.startswith("deepspeed"):
-        return True
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def unavailable(system: str, device: str) -> str | None:
+    """Why ``system`` cannot run here (a missing package, no CUDA), or None when it can."""
+    base = system.removesuffix(COMPILED)
+    if device != "cuda" and (base.startswith(("hf", "deepspeed")) or base.endswith("-paired")):
+        return "needs CUDA"
+    if base.startswith("deepspeed"):
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            return "deepspeed is not installed"
+    if base.endswith("-float8"):
+        try:
+            float8_module()
+        except ImportError:
+            return "torchao is not installed (the [float8] extra)"
+    if base == "fsdp2-halfprec-split" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "split masters need the fused kernels: CUDA, or TRITON_INTERPRET=1 on the CPU"
+    return None
 
 
 def pick_cpus(spec: str) -> set[int]:
@@ -500,15 +761,17 @@ def paired(rows: list[dict], base: str) -> dict[tuple[str, str], list[float]]:
 
 
 def table(rows: list[dict]) -> str:
+    """MFU: of ``PEAK_FLOPS`` (module docstring); note: what the run did instead of what its system says."""
     lines = [
-        "| round | system | dtype | ms/step | tokens/s | peak GiB | loss after N steps | host us/launch |",
-        "|---|---|---|---|---|---|---|---|",
+        "| round | system | dtype | ms/step | tokens/s | MFU % | peak GiB | loss after N steps | host us/launch | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        peak = "n/a" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
         lines.append(
             f"| {r.get('round', 'best')} | {r['system']} | {r['dtype']} | {r['ms_per_step']:.1f} | "
-            f"{r['tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | {r['final_loss']:.3f} | "
-            f"{r.get('launch_us', float('nan')):.1f} |"
+            f"{r['tokens_per_s']:,.0f} | {100 * r.get('mfu', float('nan')):.1f} | {peak} | "
+            f"{r['final_loss']:.3f} | {r.get('launch_us', float('nan')):.1f} | {r.get('note', '')} |"
         )
     return "\n".join(lines)
 
@@ -533,13 +796,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--systems", default="autocast,halfprec,deepspeed")
+    parser.add_argument(
+        "--systems", default=None, help="comma-separated (module docstring); default autocast,halfprec,deepspeed, "
+        "with --smoke every one that can run on the CPU",
+    )  # fmt: skip
     parser.add_argument("--dtypes", default="bf16,fp16")
+    parser.add_argument("--shape", choices=SHAPES, default="271m", help="the Llama's size (module docstring)")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: host-clock timing, no peak memory"
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="3 steps of every system on the tiny shape on the CPU, bf16, one "
+        "round; fails unless every loss is finite (module docstring)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=None, help="tokens per row; default: the shape's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--trace", action="store_true", help="every step's loss, scale and grad norm in the JSON"
@@ -552,29 +826,56 @@ def main() -> None:
         "--trees", default="", help="A/B of source trees: NAME=DIR,NAME=DIR (each DIR holds src/halfprec); every "
         "system runs once per tree in each round, as SYSTEM@NAME, and the ratios are against the first tree's",
     )  # fmt: skip
-    parser.add_argument("--json", type=Path, default=None, help="write every run's result here")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write every run's result here (again after each run)"
+    )
     parser.add_argument("--child", nargs=2, metavar=("SYSTEM", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cpus == "probe":  # internal: the 'auto' probe's child
         print("RESULT " + json.dumps(core_speeds(sorted(os.sched_getaffinity(0)))), flush=True)
         return
     args.cpus = pick_cpus(args.cpus)
+    if args.smoke:  # 3 steps: 1 warm-up, 2 timed
+        vars(args).update(shape="tiny", device="cpu", dtypes="bf16", rounds=1, warmup=1, steps=2)
+    args.seq = args.seq or SHAPES[args.shape].seq
     if args.child:
-        print("RESULT " + json.dumps(child(*args.child, args)), flush=True)
+        group = one_rank_group(args.device) if args.child[0].startswith("fsdp2") else contextlib.nullcontext()
+        with group:
+            result = child(*args.child, args)
+        print("RESULT " + json.dumps(result), flush=True)
         return
+    if args.systems is None:
+        args.systems = ",".join(SYSTEMS) if args.smoke else "autocast,halfprec,deepspeed"
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
-        if s not in SYSTEMS:
-            parser.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
-    missing = [s for s in systems if not available(s)]
-    if missing:
-        print(f"skipping {', '.join(missing)}: deepspeed is not installed", file=sys.stderr)
-    systems = [s for s in systems if s not in missing]
+        base = s.removesuffix(COMPILED)
+        if base not in SYSTEMS:
+            parser.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)} (or SYSTEM{COMPILED})")
+        if s != base and (base.startswith(NOT_COMPILED) or base.endswith("-paired")):
+            parser.error(
+                f"{s!r}: {base} has no compiled variant; every system but hf*, deepspeed* and *-paired has"
+            )
+    reasons = {s: unavailable(s, args.device) for s in systems}
+    for s, reason in reasons.items():
+        if reason is not None:
+            print(f"skipping {s}: {reason}", file=sys.stderr)
+    systems = [s for s in systems if reasons[s] is None]
+    if not systems:
+        raise SystemExit("no system to run here (the notes above say why each was skipped)")
     dtypes = [d for d in args.dtypes.split(",") if d]
     rows, failures = [], []
-    passthrough = [f"--{k}={getattr(args, k)}" for k in ("steps", "warmup", "batch", "seq", "seed")]
+    keys = ("steps", "warmup", "batch", "seq", "seed", "shape", "device")
+    passthrough = [f"--{k}={getattr(args, k)}" for k in keys]
     passthrough += [f"--cpus={','.join(map(str, sorted(args.cpus)))}"] if args.cpus else []
     trees = trees_of(args.trees)
+
+    def save() -> None:
+        """The JSON so far: a command stopped by a time limit keeps the runs it finished."""
+        if args.json:
+            args.json.write_text(
+                json.dumps({"runs": rows, "failures": failures, "cpus": sorted(args.cpus)}, indent=1)
+            )
+
     for rnd in range(1, args.rounds + 1):
         for system in systems:
             for tree, src in trees.items():
@@ -585,7 +886,7 @@ def main() -> None:
                         filter(None, [str(src), os.environ.get("PYTHONPATH")])
                     )
                 for dtype in dtypes:
-                    if system == "deepspeed-reset" and dtype != "fp16":
+                    if ONLY_DTYPE.get(system.removesuffix(COMPILED), dtype) != dtype:
                         continue
                     cmd = [sys.executable, __file__, "--child", system, dtype, *passthrough]
                     cmd += ["--trace"] if args.trace else []
@@ -594,9 +895,11 @@ def main() -> None:
                     if proc.returncode != 0 or line is None:
                         failures.append((rnd, label, dtype, proc.stderr[-2000:]))
                         print(f"round {rnd} {label} {dtype}: FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
+                        save()
                         continue
                     row = json.loads(line[len("RESULT ") :]) | {"round": rnd, "system": label}
                     rows.append(row)
+                    save()
                     print(table([row]).splitlines()[-1], flush=True)
                     if "paired_tokens_ratio" in row:
                         print(paired_table([row]).splitlines()[-1], flush=True)
@@ -625,12 +928,17 @@ def main() -> None:
         for (system, dtype), values in ratios.items():
             each = " ".join(f"{v:.3f}" for v in values)
             print(f"| {system} | {dtype} | {statistics.median(values):.3f} | {each} |")
-    if args.json:
-        args.json.write_text(
-            json.dumps({"runs": rows, "failures": failures, "cpus": sorted(args.cpus)}, indent=1)
-        )
     if failures:
         sys.exit(1)
+    if args.smoke:
+        nonfinite = [
+            f"{r['system']} {r['dtype']}: {r['final_loss']}"
+            for r in rows
+            if not math.isfinite(r["final_loss"])
+        ]
+        if nonfinite or not rows:
+            raise SystemExit(f"smoke: no run, or a non-finite loss: {'; '.join(nonfinite)}")
+        print(f"\nsmoke: {len(rows)} runs, every loss finite")
 
 
 if __name__ == "__main__":
