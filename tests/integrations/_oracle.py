@@ -137,10 +137,13 @@ def plain_loop(
     impl="torch",
     device="cpu",
     grad_accum_dtype="param",
+    gradient_sync=True,
 ):
     """The reference: ``mp.backward(loss / accum)`` per micro-batch, ``mp.step()`` at each boundary.
 
     ``cast_targets``: round the targets to ``dtype`` too, as Lightning's ``convert_input`` does to the batch.
+    ``gradient_sync=False``: an FSDP2 model reduce-scatters the last micro-batch of each step only (the others run
+    under ``set_requires_gradient_sync(False)``, as Accelerate's ``accumulate()`` runs them).
     """
     if model is None:
         model = make_model(device=device)
@@ -151,6 +154,8 @@ def plain_loop(
     device = model[0].weight.device
     for i, (x, y) in enumerate(batches):
         x, y = x.to(device), y.to(device)
+        if not gradient_sync:
+            model.set_requires_gradient_sync((i + 1) % accum == 0)
         loss = loss_fn(model(x.to(dtype)), y.to(dtype) if cast_targets else y)
         rec.losses.append(loss.item())
         mp.backward(loss / accum)

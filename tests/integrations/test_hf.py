@@ -361,7 +361,8 @@ def test_resume_from_checkpoint_bit_exact(name, tmp_path):
         ({"fp16": True}, r"TrainingArguments\(fp16=True\).*fp16=False, bf16=False.*torch\.float16"),
         (
             {"fsdp": "full_shard"},
-            r"TrainingArguments\(fsdp=.*drop fsdp= \(DDP\), or .*fully_shard the 16-bit model",
+            r"TrainingArguments\(fsdp=True\): under FSDP2 .*Drop fsdp \(DDP\), or train FSDP2 with halfprec under "
+            r"Accelerate",
         ),
     ],
 )

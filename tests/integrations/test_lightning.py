@@ -363,18 +363,3 @@ def test_scheduler_proxy_can_be_deep_copied():
     proxy = _HoldOnSkipScheduler(torch.optim.lr_scheduler.StepLR(mp, 1, 0.5), mp)
     twin = copy.deepcopy(proxy)
     assert twin.get_last_lr() == [1.0] and twin.state_dict() == proxy.state_dict()
-
-
-@pytest.mark.parametrize("name", ["FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy"])
-def test_a_strategy_that_shards_the_model_is_refused_with_the_fix(name):
-    import lightning.pytorch.strategies as strategies
-
-    from halfprec.integrations.lightning import check_trainer_strategy
-
-    strategy = object.__new__(getattr(strategies, name))  # built without its launcher: only its type is read
-    with pytest.raises(
-        ValueError, match=rf"Trainer\(strategy={name}\) shards or casts .*fully_shard the 16-bit"
-    ):
-        check_trainer_strategy(strategy)
-    check_trainer_strategy(object.__new__(strategies.DDPStrategy))  # DDP is fine
-    check_trainer_strategy(None)

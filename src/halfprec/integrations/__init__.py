@@ -41,15 +41,23 @@ def check_strategy(impl: Any, grad_accum_dtype: Any) -> None:
 
 
 def resolve_grad_accum_dtype(
-    choice: Any, optimizer: torch.optim.Optimizer, param_dtype: torch.dtype | None, micro_batches: int
+    choice: Any,
+    optimizer: torch.optim.Optimizer,
+    param_dtype: torch.dtype | None,
+    micro_batches: int,
+    *,
+    fp32_sums: bool | None = None,
 ) -> str:
     """The ``grad_accum_dtype`` an adapter wraps ``optimizer`` with (its params cast to ``param_dtype``; None: they
-    are 16-bit already): ``"auto"`` is ``Config``'s rule for the tool's ``micro_batches``, 16-bit when several
-    processes train (the tool's DDP all-reduces the 16-bit ``.grad``, which fp32 accumulation releases); an
-    explicit value as it is."""
+    are 16-bit already): ``"auto"`` is ``Config``'s rule for the tool's ``micro_batches`` where ``fp32_sums`` are
+    possible; an explicit value as it is. ``fp32_sums=None``: on one process only (the tool's DDP all-reduces the
+    16-bit ``.grad``, which fp32 accumulation releases); over FSDP2 shards the adapter says whether the tool
+    reduce-scatters every micro-batch."""
     if choice != "auto":
         return choice
     if param_dtype is None:
         bf16 = any(p.dtype == torch.bfloat16 for group in optimizer.param_groups for p in group["params"])
         param_dtype = torch.bfloat16 if bf16 else torch.float16
-    return auto_grad_accum(param_dtype, micro_batches, fp32_sums=world_size() == 1)
+    if fp32_sums is None:
+        fp32_sums = world_size() == 1
+    return auto_grad_accum(param_dtype, micro_batches, fp32_sums=fp32_sums)

@@ -63,12 +63,27 @@ def check_training_args(args: Any) -> None:
             "and DeepSpeed are alternatives: drop deepspeed= or use the plain Trainer"
         )
     if getattr(args, "fsdp", None):
-        raise ValueError(
-            f"TrainingArguments(fsdp={args.fsdp!r}) has the Trainer shard and cast the model under halfprec's "
-            "optimizer, which the Trainer integration does not support: drop fsdp= (DDP), or train FSDP2 shards "
-            "in your own loop: fully_shard the 16-bit model, then halfprec.MixedPrecisionOptimizer over its "
-            "params (docs/distributed.md, FSDP2)"
-        )
+        version = (getattr(args, "fsdp_config", None) or {}).get("version", 2)
+        _refuse_fsdp(f"TrainingArguments(fsdp={args.fsdp!r})", version)
+
+
+def _refuse_fsdp(setting: str, version: int) -> None:
+    # transformers' Trainer._prepare_for_training: with FSDP2 it builds the optimizer before
+    # accelerator.prepare(model, optimizer), and it refuses optimizers= under FSDP (Trainer.__init__)
+    why = (
+        "under FSDP2 the Trainer builds the optimizer over the whole model, then Accelerate's prepare() shards "
+        "the model and swaps the optimizer's params for the shards, which halfprec's fp32 masters are not of; "
+        "the Trainer has no step between the two where halfprec could build its optimizer over the shards"
+        if int(version) == 2
+        else "FSDP1 wraps the model in FullyShardedDataParallel, whose flat params halfprec does not train (it "
+        "trains FSDP2's DTensor shards)"
+    )
+    raise ValueError(
+        f"{setting}: {why}, and the Trainer's FSDP checkpoints save the optimizer through torch.distributed."
+        "checkpoint's get_optimizer_state_dict, which reads torch's own optimizer format. Drop fsdp (DDP), or "
+        "train FSDP2 with halfprec under Accelerate (halfprec.integrations.accelerate: prepare the 16-bit model, "
+        "then the MixedPrecisionOptimizer over its shards) or in your own loop (docs/integrations.md)"
+    )
 
 
 def _unwrap(optimizer: Any) -> MixedPrecisionOptimizer | None:
@@ -145,6 +160,10 @@ class HalfprecTrainerMixin:
         self._halfprec_flop_params: tuple[Any, int] | None = None  # (model, its non-embedding param count)
         super().__init__(*args, **kwargs)
         check_training_args(self.args)
+        if getattr(self, "is_fsdp_enabled", False):  # FSDP from the Accelerate config (accelerate launch)
+            _refuse_fsdp(
+                "the Accelerate config turns FSDP on", self.accelerator.state.fsdp_plugin.fsdp_version
+            )
         if not any(isinstance(cb, HalfprecCallback) for cb in self.callback_handler.callbacks):
             self.add_callback(HalfprecCallback())
 

@@ -6,6 +6,9 @@ The model is built in fp32. ``convert_module`` casts it to the 16-bit dtype (par
 ``MixedPrecisionOptimizer(optimizer, param_dtype=...)`` to wrap the plain optimizer, so the masters start from
 the fp32 weights, not from their 16-bit roundings.
 
+Under ``HalfprecModelParallelStrategy`` (FSDP2, ``lightning_strategy.py``) ``convert_module`` recasts the shards
+with ``module.to()`` and keeps this rank's fp32 rows of each, which the masters start from.
+
 Lightning calls ``lr_scheduler_step`` on every step and gives the plugin no hook there, so ``connect``
 replaces each ``interval="step"`` scheduler with a proxy that does not step after a skipped optimizer step.
 ``gradient_clip_val`` (norm) becomes the ``MixedPrecisionOptimizer``'s ``max_grad_norm`` for that one step: it
@@ -30,16 +33,21 @@ from ..optim.base import MixedPrecisionOptimizer
 from ..precision import DTYPES
 from ..scaler import LossScaler
 from . import check_strategy, require, resolve_grad_accum_dtype
+from .fsdp import fp32_rows, start_masters, trains_shards
+from .lightning_strategy import HalfprecModelParallelStrategy, check_fabric_strategy, check_trainer_strategy
 
 _FabricPrecision = require("lightning.fabric.plugins", "lightning").Precision
 _TrainerPrecision = require("lightning.pytorch.plugins.precision", "lightning").Precision
 _LightningModule = require("lightning.pytorch", "lightning").LightningModule
 apply_to_collection = require("lightning_utilities", "lightning").apply_to_collection
-_strategies = require("lightning.pytorch.strategies", "lightning")
-# the strategies that shard or cast the model under the optimizer, with their own masters and precision
-_SHARDING = (_strategies.FSDPStrategy, _strategies.ModelParallelStrategy, _strategies.DeepSpeedStrategy)
 
-__all__ = ["HalfprecFabricPrecision", "HalfprecPrecision", "check_trainer_strategy", "setup_fabric"]
+__all__ = [
+    "HalfprecFabricPrecision",
+    "HalfprecModelParallelStrategy",
+    "HalfprecPrecision",
+    "check_trainer_strategy",
+    "setup_fabric",
+]
 
 _LIGHTNING_NAME = {"bf16": "bf16-true", "fp16": "16-true"}
 
@@ -78,17 +86,21 @@ class _Common:
         self.loss_scaler = loss_scaler
         self.skip_nonfinite = skip_nonfinite
         self._fp32: dict[torch.Tensor, torch.Tensor] = {}  # param -> its fp32 tensor, until connect/setup
+        self._rows: dict[torch.Tensor, torch.Tensor] = {}  # FSDP2 shard -> its fp32 rows, likewise
         self._optimizers: list[MixedPrecisionOptimizer] = []
         self._base_clip: dict[int, float | None] = {}  # Trainer: max_grad_norm outside a clipped step
 
     # --- dtypes -----------------------------------------------------------------------------------------
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        # FSDP2's shards (fully_shard in configure_model, which runs before this) are recast by module.to(), whose
+        # fully_shard-ed modules lay their shards out anew; a new .data would leave FSDP2's own buffers behind
+        self._rows.update(fp32_rows(module))
         with torch.no_grad():
             for p in module.parameters():
-                if p.dtype == torch.float32:
+                if p.dtype == torch.float32 and p not in self._rows:
                     self._fp32[p] = p.data
                     p.data = p.data.to(self.dtype)
-        return module.to(dtype=self.dtype)  # the floating buffers
+        return module.to(dtype=self.dtype)  # the floating buffers, and the shards
 
     def convert_input(self, data: Any) -> Any:
         return apply_to_collection(data, function=_to_dtype, dtype=torch.Tensor, dst_type=self.dtype)
@@ -113,7 +125,7 @@ class _Common:
         optimizer = _unwrap(optimizer)
         if isinstance(optimizer, MixedPrecisionOptimizer):
             mp = optimizer  # already owns masters and a loss scale (MixedPrecisionOptimizer, FusedAdamW, ...)
-            if any(p in self._fp32 for p in mp.model_params()):
+            if any(p in self._fp32 or p in self._rows for p in mp.model_params()):
                 warnings.warn(
                     f"the {type(mp).__name__} was built over params that the halfprec plugin had already cast to "
                     f"{self.dtype}, so its fp32 masters start from their 16-bit roundings, not from the fp32 "
@@ -127,6 +139,15 @@ class _Common:
                     # back to fp32 so that param_dtype keeps it as the master; on the param's device now (the
                     # Trainer moves the module after convert_module, the fp32 copy stayed)
                     p.data = self._fp32[p].to(p.device)
+            # FSDP2 reduce-scatters every micro-batch under the Trainer (it has no no_sync for fully_shard)
+            shards = trains_shards(p for group in optimizer.param_groups for p in group["params"])
+            accum = resolve_grad_accum_dtype(
+                self.grad_accum_dtype,
+                optimizer,
+                self.dtype,
+                micro_batches,
+                fp32_sums=True if shards else None,
+            )
             mp = MixedPrecisionOptimizer(
                 optimizer,
                 loss_scaler=copy.deepcopy(self.loss_scaler),  # one per optimizer
@@ -134,10 +155,9 @@ class _Common:
                 skip_nonfinite=self.skip_nonfinite,
                 param_dtype=self.dtype,
                 impl=self.impl,
-                grad_accum_dtype=resolve_grad_accum_dtype(
-                    self.grad_accum_dtype, optimizer, self.dtype, micro_batches
-                ),
+                grad_accum_dtype=accum,
             )
+            start_masters(mp, self._rows)  # FSDP2 shards: from this rank's fp32 rows
         if mp not in self._optimizers:
             self._optimizers.append(mp)
         return mp
@@ -145,6 +165,7 @@ class _Common:
     def release_fp32(self) -> None:
         """Drop the fp32 copies kept for wrapping: params outside every optimizer stay 16-bit."""
         self._fp32.clear()
+        self._rows.clear()
 
     def _mp(self, optimizer: Any = None) -> MixedPrecisionOptimizer:
         if optimizer is not None:
@@ -191,17 +212,6 @@ class _Common:
 
 def _to_dtype(tensor: torch.Tensor, dst_type: torch.dtype) -> torch.Tensor:
     return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
-
-
-def check_trainer_strategy(strategy: Any) -> None:
-    """ValueError for a Trainer strategy that shards or casts the model itself (FSDP, ModelParallel, DeepSpeed):
-    halfprec's masters would be of params the strategy then replaces."""
-    if isinstance(strategy, _SHARDING):
-        raise ValueError(
-            f"Trainer(strategy={type(strategy).__name__}) shards or casts the model under halfprec's optimizer, with "
-            "its own precision: the halfprec plugin runs with DDP or one device. For FSDP2, fully_shard the 16-bit "
-            "model in your own loop and build halfprec.MixedPrecisionOptimizer over it (docs/distributed.md, FSDP2)"
-        )
 
 
 def _trainer(model: Any) -> Any:
@@ -373,6 +383,7 @@ def setup_fabric(
     have a ``HalfprecFabricPrecision`` plugin. ``max_grad_norm`` clips the unscaled master grads inside each
     step (why rather than ``fabric.clip_gradients``: docs/integrations.md).
     """
+    check_fabric_strategy(fabric.strategy)
     plugin = fabric.strategy.precision
     if not isinstance(plugin, HalfprecFabricPrecision):
         raise ValueError(
