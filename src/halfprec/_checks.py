@@ -22,6 +22,7 @@ __all__ = [
     "is_number",
 ]
 
+
 def is_int(value: Any) -> bool:
     # bool is an int subclass, but True as a count or a stage is a typo, not a number
     return isinstance(value, int) and not isinstance(value, bool)

@@ -47,28 +47,22 @@ from .test_accelerate import _train  # noqa: E402
 
 
 # --- the shared helpers ----------------------------------------------------------------------------------
-def test_fp32_rows_are_kept_through_the_cast_and_start_the_masters(world_of_one):
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_fp32_rows_are_kept_through_the_cast_and_start_the_masters(world_of_one, impl):
+    """Either strategy over the shards (the fused one under Triton's interpreter) starts from the fp32 rows."""
     model = shard(make_model())
     whole = [p.full_tensor().clone() for p in model.parameters()]
     rows = fp32_rows(model)
     model.to(torch.bfloat16)  # fully_shard's modules re-lay their shards out
     assert [r.dtype for r in rows.values()] == [torch.float32] * 4
-    mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), impl="torch")
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), impl=impl)
+    assert mp.impl == impl
     start_masters(mp, rows)
     for m, w in zip(mp.master_params(), whole, strict=True):
         torch.testing.assert_close(m, w, rtol=0, atol=0)  # world of one: the rows are the whole tensor
+    for p, w in zip(mp.model_params(), whole, strict=True):  # the shards are the masters rounded
+        assert torch.equal(p.full_tensor(), w.bfloat16())
     assert trains_shards(mp.model_params()) and not trains_shards(make_model().parameters())
-
-
-def test_start_masters_refuses_a_strategy_whose_masters_start_from_the_shards(world_of_one):
-    model = shard(make_model())
-    rows = fp32_rows(model)
-    model.to(torch.bfloat16)
-    mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), impl="triton")
-    with pytest.raises(
-        ValueError, match=r"impl='triton'.*start from the 16-bit shards.*impl='auto' or 'torch'"
-    ):
-        start_masters(mp, rows)
 
 
 # --- Accelerate: FSDP2 -----------------------------------------------------------------------------------

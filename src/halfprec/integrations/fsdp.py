@@ -1,6 +1,7 @@
 """FSDP2 under the tools: what the adapters share about a model sharded by ``fully_shard`` (DTensor params).
 
-halfprec trains FSDP2's shards with the exact strategy on each rank's rows (``optim/mesh.py``). Where a tool
+halfprec trains FSDP2's shards on each rank's rows (``optim/mesh.py``; the exact strategy, or the fused one with
+``impl="triton"``). Where a tool
 builds the halfprec optimizer over the shards, that works as in a plain loop; where a tool replaces the
 optimizer's params after it was built (Accelerate's ``prepare``, the HF Trainer), it cannot, since halfprec's
 masters are of the params it was given. An adapter that casts a sharded fp32 model itself (the Lightning plugin)
@@ -37,11 +38,4 @@ def start_masters(mp: MixedPrecisionOptimizer, rows: dict[torch.Tensor, torch.Te
     mine = {p: rows[p] for p in mp.model_params() if p in rows}
     if not mine:
         return
-    if mp.impl != "torch":
-        raise ValueError(
-            f"the {type(mp).__name__} (impl={mp.impl!r}) keeps its masters of FSDP2 shards in its own buffers, "
-            "which start from the 16-bit shards, and this model was cast from fp32 by halfprec: use impl='auto' "
-            "or 'torch' (the exact strategy, whose masters start from the fp32 rows), or cast the model before "
-            "fully_shard"
-        )
     start_masters_from(mp, mine)
