@@ -191,3 +191,31 @@ def test_refresh_masters_reads_the_shards_after_fsdp2_gives_them_new_storage(mes
     for p, m in zip(sharded.parameters(), mp.master_params(), strict=True):
         assert not torch.equal(m, torch.full_like(m, 0.25))
         assert torch.equal(p.to_local(), split_master(m.reshape(-1))[0].view_as(m))  # the split's high half
+
+
+def test_zero_grad_keeping_the_buffers_and_grads_set_by_hand_over_shards(mesh):
+    """``zero_grad(set_to_none=False)`` keeps each ``.grad`` a DTensor over the flat buffer, which FSDP2 adds the
+    next reduced shard into in place; a grad assigned by hand (a DTensor) is taken at the step; the same as on the
+    unsharded model, bit for bit."""
+    from halfprec.optim.mesh import as_dtensor
+
+    sharded, plain = _model(mesh), _model()
+    a = FusedAdamW(sharded.parameters(), lr=1e-2, weight_decay=0.1)
+    b = FusedAdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        for mp, model in ((a, sharded), (b, plain)):
+            mp.zero_grad(set_to_none=False)
+            mp.backward(_loss(model, step, 0))
+            mp.backward(_loss(model, step, 1))  # added into the kept grads
+        first = next(sharded.parameters())
+        assert is_dtensor(first.grad)  # a view of the flat grad buffer, laid out as FSDP2's shard
+        if step == 1:  # a grad set by hand on both
+            p, q = list(sharded.parameters())[-1], list(plain.parameters())[-1]
+            value = torch.full_like(q, 0.5)
+            q.grad = value.clone()
+            p.grad = as_dtensor(p, value.clone())
+        a.step()
+        b.step()
+    _assert_same(a, b, sharded, plain)
+    for g, h in zip(a.unscaled_grads(), b.unscaled_grads(), strict=True):
+        assert torch.equal(g, h)  # the last step's grads, unscaled, as plain fp32 tensors
