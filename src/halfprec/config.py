@@ -101,10 +101,10 @@ class Config:
     ``fully_shard`` is applied to each repeated block (the children of the first ``nn.ModuleList`` in the model,
     as torchtitan shards transformer layers; without one, each direct child that has params), then to the root,
     on a 1-D mesh over the default process group (which must be initialised). The torch optimizer passed to
-    ``initialize`` (fresh, built over ``model.parameters()``) is pointed at the sharded params. Masters and
-    optimizer state are those of each rank's rows (the exact strategy; the fused one with ``impl="triton"`` or
-    ``masters="split"``); every micro-batch is reduce-scattered. A model that is sharded already is refused here:
-    pass 0."""
+    ``initialize`` (built over ``model.parameters()``) is pointed at the sharded params, its state at their rows.
+    Masters and optimizer state are those of each rank's rows (the exact strategy; the fused one with
+    ``impl="triton"`` or ``masters="split"``); every micro-batch is reduce-scattered. A model that is sharded
+    already is refused here: pass 0."""
 
     reduce_dtype: Literal["fp32", "param"] = "fp32"
     """Sharded stages: dtype of the gradient reduce-scatter (fp32, or the params' 16-bit dtype; at stages 1/2

@@ -57,11 +57,6 @@ def fully_shard_model(
             "zero_stage=3 applies fully_shard, and the model is sharded already (fully_shard, DTensor params): "
             "pass zero_stage=0, which trains its shards as they are"
         )
-    if optimizer.state:
-        raise ValueError(
-            f"zero_stage=3 replaces the model's params with their shards, and the optimizer holds state for "
-            f"{len(optimizer.state)} of the old ones: pass a fresh torch optimizer built over model.parameters()"
-        )
     devices = {p.device for p in model.parameters()}
     if len(devices) != 1:
         raise ValueError(
@@ -82,6 +77,16 @@ def fully_shard_model(
     sharded = dict(model.named_parameters())  # FSDP2 keeps the names, and gives each param a new object
     for group in optimizer.param_groups:
         group["params"] = [sharded[names[p]] for p in group["params"]]
+    # state made before (Adagrad's constructor; a stepped optimizer's) follows its param: a tensor of the param's
+    # shape becomes this rank's rows of it, as a DTensor laid out like the shard; the rest (step counts) as it is
+    for old in list(optimizer.state):
+        new = sharded[names[old]]
+        optimizer.state[new] = {
+            key: distribute_tensor(v, mesh, new.placements, src_data_rank=None)
+            if torch.is_tensor(v) and v.dim() and v.shape == new.shape
+            else v
+            for key, v in optimizer.state.pop(old).items()
+        }
     # src_data_rank=None: each rank takes its own rows of its own weights, as fully_shard did (no communication)
     return {
         sharded[n]: distribute_tensor(w, mesh, sharded[n].placements, src_data_rank=None).to_local()

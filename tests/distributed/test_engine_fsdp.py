@@ -178,3 +178,30 @@ def test_zero_stage_3_with_the_fused_strategy_trains_and_resumes_bit_exactly(sav
         )
         assert fused["resumed_losses"] == fused["losses"][-len(fused["resumed_losses"]) :], rank
         assert fused["resumed_masters_equal"] and fused["resumed_weights_equal"], rank
+
+
+@pytest.mark.parametrize("stepped", [False, True])
+def test_zero_stage_3_takes_an_optimizer_holding_state(one_rank, stepped):
+    """Adagrad makes its state in its constructor, and a stepped optimizer holds some: at zero_stage=3 it follows
+    its params onto their rows. At world size 1 the rows are the params: the same as zero_stage=0, bit for bit."""
+
+    def engine(stage: int):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.25)
+        if stepped:
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return halfprec.initialize(model, opt, precision="bf16", zero_stage=stage)
+
+    sharded, plain = engine(3), engine(0)
+    for step in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        for e in (sharded, plain):
+            e.backward(e(x).float().pow(2).mean())
+            e.step()
+    a = worker.gathered(sharded.optimizer, sharded.module)
+    b = {k: v for k, v in worker.gathered(plain.optimizer, plain.module).items()}
+    assert_equal(a, b, "zero_stage=3 against 0, Adagrad")
+    assert float(next(iter(sharded.optimizer.state.values()))["step"]) == 2.0 + stepped

@@ -18,8 +18,9 @@ collective. Not overlapped with backward: one pass of 4 B/param plus the collect
 
 FSDP2 (DTensor params, ``mesh.py``) calls a sharded param's post-accumulate-grad hooks after each reduce-scatter,
 with ``.grad`` the reduced 16-bit shard: the same hooks sum the shards in fp32, without an unsharded fp32 buffer.
-A backward under ``set_requires_gradient_sync(False)`` reduces nothing and calls no hook (FSDP2 keeps its grads
-in its unsharded buffer, out of reach), so the step counts the backwards against the hooks and refuses the gap.
+A backward under ``set_requires_gradient_sync(False)`` reduces nothing and calls no hook (FSDP2 sums its grads in
+its unsharded buffer, in 16 bits or its reduce dtype), so the step counts the backwards against the hooks and
+refuses the gap (``results.Delivered``).
 
 Three hook sets collect grads: these (the exact strategy's fp32 sums), the fused strategy's (``fused/grads.py``) and
 the sharded reducer's (``sharded/grads.py``). What they have in common lives once: the flat grad buffers and their

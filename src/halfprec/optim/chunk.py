@@ -89,6 +89,12 @@ class Chunk:
         if self.staged:
             torch._foreach_copy_(self.views(self.weights), [local(p) for p in self.params])
 
+    def take_own_masters(self) -> None:
+        """Staged fp32 chunks: the shards are the masters (fp32 params are their own), so whatever wrote them
+        since (a load into the model, a DCP load) is what the masters hold: copied in before they are read."""
+        if self.staged and self.param is None:
+            self.copy_in()
+
     @property
     def data(self) -> torch.Tensor | None:
         """The fp32 masters (None: split)."""

@@ -160,10 +160,11 @@ class ScaleGuard:
 
 
 class Delivered:
-    """Over FSDP2 with fp32 sums: the backwards since the last step (``guard.marks``, one per ``scale_loss``) against
-    the sharded grads FSDP2 delivered to the hooks. A backward under ``set_requires_gradient_sync(False)`` reduces
-    nothing and calls no hook (FSDP2 keeps its grads in its unsharded buffer, out of the hooks' reach), so
-    ``check()`` refuses a gap rather than step without that micro-batch."""
+    """Over FSDP2 with fp32 sums: the backwards since the last step (``guard.marks``: one per ``mp.backward`` or
+    ``scale_loss``; a plain ``loss.backward()`` is not counted) against the sharded grads FSDP2 delivered to the
+    hooks. A backward under ``set_requires_gradient_sync(False)`` reduces nothing and calls no hook: FSDP2 sums its
+    grads into its unsharded buffer and hands the hooks one reduced shard at the next synced backward, so the fp32
+    sums would hold that micro-batch only as part of a 16-bit sum. ``check()`` refuses that gap."""
 
     def __init__(self, guard: ScaleGuard) -> None:
         self.guard = guard
@@ -180,8 +181,9 @@ class Delivered:
         if ran > most:
             raise RuntimeError(
                 f"{ran} backward() calls since the last step, and FSDP2 delivered the sharded grads of {most}: a "
-                "backward under model.set_requires_gradient_sync(False) leaves its grads in FSDP2's unsharded "
-                "buffer, which grad_accum_dtype='fp32' cannot reach. Keep set_requires_gradient_sync(True) on "
-                "every micro-batch (the fp32 sums of the sharded grads replace FSDP2's unsharded accumulation), "
-                "or pass grad_accum_dtype='param'"
+                "backward under model.set_requires_gradient_sync(False) adds its grads into FSDP2's unsharded "
+                "buffer (in the params' dtype, or FSDP2's reduce_dtype), so grad_accum_dtype='fp32' would get "
+                "them only as part of that sum. Keep set_requires_gradient_sync(True) on every micro-batch (the "
+                "fp32 sums of the sharded grads replace FSDP2's unsharded accumulation), or pass "
+                "grad_accum_dtype='param'"
             )

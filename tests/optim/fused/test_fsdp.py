@@ -5,7 +5,7 @@ the mesh (``mesh.py``), DTensor grads taken into the flat grad buffer (``fused/g
 The oracle is the same fused optimizer over the same model unsharded: at world size 1 FSDP2's reduce-scatter of a
 grad is the grad, and the update is elementwise, so masters, state and params agree bit for bit, fp32 or split
 masters. The norm is summed in another order (fp64 partial sums over the mesh), so a clipped step agrees to
-fp32's rounding of the coefficient only. Several ranks: ``tests/distributed/test_fsdp_fused.py``."""
+fp32's rounding of the coefficient only. Several ranks: ``tests/distributed/test_fsdp.py``'s fused cases."""
 
 from __future__ import annotations
 
@@ -219,3 +219,73 @@ def test_zero_grad_keeping_the_buffers_and_grads_set_by_hand_over_shards(mesh):
     _assert_same(a, b, sharded, plain)
     for g, h in zip(a.unscaled_grads(), b.unscaled_grads(), strict=True):
         assert torch.equal(g, h)  # the last step's grads, unscaled, as plain fp32 tensors
+
+
+def test_fp32_shards_are_their_own_masters_through_loads(mesh):
+    """fp32 shards (FSDP2's own recipe: fp32 params computing in 16 bits) are their own masters: what a load writes
+    into them is what the next step starts from. A resume from (weights, state dict) equals training on."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for block in (model[0], model[2]):
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model, FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, param_dtype=torch.float32)
+
+    (model, mp), (again, resumed) = build(), build()
+    _train(mp, model, 2)
+    weights = [p.to_local().clone() for p in model.parameters()]
+    saved = mp.state_dict()
+    _train(mp, model, 2)
+    with torch.no_grad():  # a weights-only load into the fp32 shards, then the optimizer's state
+        for p, w in zip(again.parameters(), weights, strict=True):
+            p.to_local().copy_(w)
+    resumed.load_state_dict(saved)
+    assert all(torch.equal(p.to_local(), w) for p, w in zip(again.parameters(), weights, strict=True))
+    assert all(torch.equal(m, w) for m, w in zip(resumed.master_params(), weights, strict=True))
+    _train(resumed, again, 2)  # the same batches as the uninterrupted run's last two steps
+    for p, q in zip(model.parameters(), again.parameters(), strict=True):
+        assert torch.equal(p.to_local(), q.to_local())
+
+
+def test_a_stepped_torch_optimizers_dtensor_state_moves_onto_the_fused_buffers(mesh):
+    """The factory hands a torch optimizer's state over to the fused one: over shards that state is DTensors, whose
+    local rows are taken (as the exact strategy takes them); a state tensor of another size is refused before the
+    load changes anything."""
+    sharded = _model(mesh)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    _loss(sharded, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    expected = [local(opt.state[p]["exp_avg"]).float() for p in sharded.parameters()]
+    mp = halfprec.MixedPrecisionOptimizer(opt, impl="triton")
+    state = mp.state_dict()["optimizer"]["state"]
+    assert all(torch.equal(state[i]["exp_avg"], e) for i, e in enumerate(expected))
+    bad = mp.state_dict()
+    bad["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
+    bad["optimizer"]["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(ValueError, match=r"exp_avg of param 0 has 3 elements here and the param 35"):
+        mp.load_state_dict(bad)
+    assert mp.param_groups[0]["lr"] == 1e-2  # a refused load changes nothing
+    after = mp.state_dict()["optimizer"]["state"]
+    assert all(torch.equal(after[i]["exp_avg"], e) for i, e in enumerate(expected))
+
+
+def test_a_captured_step_over_shards_is_refused_first(mesh, monkeypatch):
+    """Before any of the capture's own preconditions: a refused capture leaves the optimizer as it was."""
+    import halfprec.optim.fused.base as fused_base
+
+    sharded, plain = _model(mesh), _model()
+    a, b = FusedAdamW(sharded.parameters(), lr=1e-2), FusedAdamW(plain.parameters(), lr=1e-2)
+    a.backward(_loss(sharded, 0))
+    monkeypatch.setattr(fused_base, "stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="over FSDP2 shards cannot be captured in a CUDA graph"):
+        a.step()
+    monkeypatch.undo()
+    a.step()
+    a.zero_grad()
+    _train(b, plain, 1)  # the same first batch and step on the unsharded model
+    _assert_same(a, b, sharded, plain)

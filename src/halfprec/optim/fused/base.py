@@ -276,12 +276,34 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         return state | {name: self._state_view(name, i).clone() for name in self.STATE_NAMES}
 
     def _import_state(self, i: int, saved: dict[str, Any]) -> float:
-        """Copy a torch-format state entry into the buffers; return the step count to set."""
+        """Copy a torch-format state entry into the buffers (an FSDP2 shard's DTensor state: its local rows);
+        return the step count to set."""
         step = self.step_count(saved)
         if not step:
             return 0.0  # no state yet (Adagrad's constructor-made one: keep ours, a 16-bit copy is not exact)
-        adopt_views(dict(saved), self.STATE_NAMES, lambda name: self._state_view(name, i))
+        adopt_views(
+            {k: local(v) for k, v in saved.items()}, self.STATE_NAMES, lambda name: self._state_view(name, i)
+        )
         return step
+
+    def _check_state_sizes(self, state: dict) -> None:
+        """ValueError, before anything changes, for a state tensor whose size is not its param's (an FSDP2
+        shard's: its local rows; a whole tensor saved unsharded does not fit one rank's rows)."""
+        for k, p in enumerate(self._model_params):
+            i = self._index.get(p)
+            entry = state.get(k, state.get(str(k)))
+            if i is None or not entry:
+                continue
+            chunk, pos = self._where[i]
+            want = chunk.layout.numels[pos]
+            for name in self.STATE_NAMES:
+                value = entry.get(name)
+                if torch.is_tensor(value) and local(value).numel() != want:
+                    raise ValueError(
+                        f"state dict's {name} of param {k} has {local(value).numel()} elements here and the param "
+                        f"{want} (this rank's rows of a shard of shape {tuple(p.shape)}): load a state dict of "
+                        "this layout, or use halfprec.distributed.checkpoint, which reshards"
+                    )
 
     # --- grads ---------------------------------------------------------------------------------------
     def _backward_params(self) -> list[torch.Tensor]:
@@ -333,6 +355,12 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         from ...kernels import scaler as scaler_kernel
 
         capturing = stream_capturing()
+        if capturing and self._mesh is not None:
+            raise RuntimeError(
+                f"{type(self).__name__} over FSDP2 shards cannot be captured in a CUDA graph (FSDP2 hands over new "
+                "sharded grad tensors each backward, which a replay would not read, and their collectives are "
+                "FSDP2's); step it eagerly"
+            )
         if capturing and not self._state_ready:
             raise RuntimeError(
                 f"{type(self).__name__} allocates its state at the first step, which cannot happen during CUDA "
@@ -344,13 +372,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             self._reporter.drain()
             self._grads.adopt(type(self).__name__)
             self._ensure_state()
+            for chunk in self._chunks:
+                chunk.take_own_masters()
         self._grads.ready(self._chunks, capturing=capturing)
-        if capturing and self._mesh is not None:
-            raise RuntimeError(
-                f"{type(self).__name__} over FSDP2 shards cannot be captured in a CUDA graph (FSDP2 hands over new "
-                "sharded grad tensors each backward, which a replay would not read, and their collectives are "
-                "FSDP2's); step it eagerly"
-            )
         if self.process_group is not None:
             if capturing:
                 raise RuntimeError(
@@ -411,6 +435,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 masters, in param order (fp32 params are their own masters): views, or with
         ``masters="split"`` joined copies of the bf16 params' masters (writing to those changes nothing)."""
+        for chunk in self._chunks:
+            chunk.take_own_masters()
         return [chunk.master(local) for chunk, local in self._where]
 
     @torch.no_grad()
@@ -473,6 +499,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     def _load_payload(self, state_dict: dict[str, Any]) -> None:
         self._load_torch_state(state_dict["optimizer"])
         with torch.no_grad():
+            for chunk in self._chunks:
+                chunk.take_own_masters()
             for k, value in state_dict["masters"].items():
                 chunk, local = self._where[self._index[self._model_params[int(k)]]]
                 chunk.load_master(local, value)
@@ -489,6 +517,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         updates = [{key: v for key, v in saved.items() if key != "params"} for saved in saved_groups]
         for gi, (group, new) in enumerate(zip(self.param_groups, updates, strict=True)):
             self._validate_group(group | new, gi)  # on a copy: a refused load changes nothing
+        self._check_state_sizes(inner["state"])
         for group, new in zip(self.param_groups, updates, strict=True):
             group.update(new)
         steps = [0.0] * len(self._trainable)

@@ -93,6 +93,8 @@ class GradViews:
         # fresh grads whose copy waits for flush(), with the stream their hook ran on (on CUDA)
         self._held_back: dict[int, tuple[torch.Tensor, Any]] = {}
         self._held_bytes = 0
+        # the storages they keep alive, each counted once (FSDP2's sharded grads of one group share one)
+        self._held_storages: set[int] = set()
         # where each param's grad view starts, once its chunk's grad buffer is made: one int compare per param in
         # adopt(), which is host time on a skipped step
         self._view_ptrs: list[int | None] = [None] * len(self.params)
@@ -161,7 +163,10 @@ class GradViews:
                 # .grad stays the fresh tensor until the flush. Its hook's stream made it: the copy runs there,
                 # as a copy in the hook would (the end of the backward may run on another stream)
                 self._held_back[i] = (p.grad, torch.cuda.current_stream() if self._cuda else None)
-                self._held_bytes += g.untyped_storage().nbytes()  # what it keeps alive (.grad may be a slice)
+                storage = g.untyped_storage()  # what it keeps alive (.grad may be a slice of a shared one)
+                if storage.data_ptr() not in self._held_storages:
+                    self._held_storages.add(storage.data_ptr())
+                    self._held_bytes += storage.nbytes()
                 if self._held_bytes >= _BATCH_BYTES:
                     self.flush()
             else:
@@ -188,7 +193,7 @@ class GradViews:
                 idx.append(i)
                 views.append(chunk.grad_views[local])
                 grads.append(local_grad(self.params[i]))
-        self._held_back, self._held_bytes = {}, 0
+        self._held_back, self._held_bytes, self._held_storages = {}, 0, set()
         current = torch.cuda.current_stream(self.flags.device) if self._cuda else None  # the step's device
         with torch.no_grad():
             for (_, stream), (idx, views, grads) in groups.items():
@@ -288,7 +293,7 @@ class GradViews:
         the buffers zeroed with ``.grad`` kept as views (None when the view is wider than the param: fp32
         accumulation)."""
         self._pin_if_capturing()  # a captured zero_grad(set_to_none=False) writes the buffers
-        self._held_back, self._held_bytes = {}, 0
+        self._held_back, self._held_bytes, self._held_storages = {}, 0, set()
         if set_to_none:
             for p in self.params:
                 p.grad = None
