@@ -183,25 +183,38 @@ def run_case(cfg: dict, mesh) -> dict:
 
 # --- checkpoints ------------------------------------------------------------------------------------------
 def gathered(mp, model) -> dict:
-    """Whole masters and AdamW state of ``mp`` by param name (collective)."""
+    """Whole masters and AdamW state of ``mp`` (any strategy: its state dict's) by param name (collective)."""
     out = {}
-    for (name, p), m in zip(model.named_parameters(), mp.master_params(), strict=True):
+    state = mp.state_dict()["optimizer"]["state"]
+    for i, ((name, p), m) in enumerate(zip(model.named_parameters(), mp.master_params(), strict=True)):
         out[f"master/{name}"] = full(p, m.detach())
-        for key, value in mp.state[m].items():
-            out[f"state/{name}/{key}"] = full(p, value) if value.dim() else value.clone()
+        for key, value in state[i].items():
+            out[f"state/{name}/{key}"] = full(p, local(value)) if value.dim() else value.clone()
     return out
 
 
-def build_for_checkpoint(mesh):
-    model = make_model(torch.bfloat16, mesh)
+def build_for_checkpoint(mesh, impl: str = "torch"):
+    """``impl="triton"``: the fused strategy (Triton's interpreter), fp16, whose interpreted rounding is right."""
+    model = make_model(torch.float16 if impl == "triton" else torch.bfloat16, mesh)
     mp = halfprec.MixedPrecisionOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY), max_grad_norm=0.05
-    )
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY), max_grad_norm=0.05, impl=impl,
+        loss_scaler=halfprec.StaticLossScaler(64.0) if impl == "triton" else None,
+    )  # fmt: skip
     return model, mp
 
 
 def save_checkpoint(out: Path, mesh, group) -> dict:
-    """Three steps at world size 2, then a DCP save; pair rank 0 keeps the whole masters and state."""
+    """Three steps at world size 2, then a DCP save (the exact strategy, and the fused one into ck-fused); pair
+    rank 0 keeps the whole masters and state."""
+    fused, fused_model = build_for_checkpoint(mesh, "triton")[::-1]
+    for step in range(3):
+        fused.backward(loss_of(fused_model, step, 0, torch.float16))
+        fused.step()
+        fused.zero_grad()
+    dcp.save(fused, out / "ck-fused", named_parameters=fused_model, process_group=group)
+    whole_fused = gathered(fused, fused_model)
+    if dist.get_rank(group) == 0:
+        torch.save(whole_fused, out / "ck-fused-whole.pt")
     model, mp = build_for_checkpoint(mesh)
     for step in range(3):
         mp.backward(loss_of(model, step, 0, torch.bfloat16))
@@ -226,7 +239,22 @@ def save_checkpoint(out: Path, mesh, group) -> dict:
 
 
 def load_checkpoint(out: Path, mesh, group) -> dict:
-    """Load the world-size-2 checkpoint into this world size's shards."""
+    """Load the world-size-2 checkpoints into this world size's shards: the exact strategy's, and the fused one's
+    into the fused and the exact strategy."""
+    fused_saved = torch.load(out / "ck-fused-whole.pt", weights_only=True)
+    fused_unequal = {}
+    for impl in ("triton", "torch"):
+        f_model, f_mp = build_for_checkpoint(mesh, "triton")
+        if impl == "torch":  # the exact strategy over the same fp16 shards
+            f_mp = halfprec.MixedPrecisionOptimizer(
+                torch.optim.AdamW(f_model.parameters(), lr=LR, weight_decay=DECAY),
+                max_grad_norm=0.05, loss_scaler=halfprec.StaticLossScaler(64.0), impl="torch",
+            )  # fmt: skip
+        dcp.load(f_mp, out / "ck-fused", named_parameters=f_model, process_group=group)
+        got = gathered(f_mp, f_model)
+        fused_unequal[impl] = sorted(
+            k for k in fused_saved if k not in got or not torch.equal(got[k], fused_saved[k])
+        )
     model, mp = build_for_checkpoint(mesh)
     dcp.load(mp, out / "ck", named_parameters=model, process_group=group)
     loaded = gathered(mp, model)
@@ -241,6 +269,7 @@ def load_checkpoint(out: Path, mesh, group) -> dict:
             for p, m in zip(model.parameters(), masters, strict=True)
         ),
         "rows": [tuple(local(p).shape) for p in model.parameters()],
+        "fused_unequal": fused_unequal,
     }
 
 

@@ -191,6 +191,8 @@ def test_a_checkpoint_saved_at_world_size_2_loads_bit_identical_at(ranks, rank, 
     assert load["world"] == world
     assert load["keys_equal"] and load["unequal"] == []
     assert load["params_are_rounded_masters"]
+    # the fused strategy's checkpoint, into the fused and the exact strategy at this world size
+    assert load["fused_unequal"] == {"triton": [], "torch": []}
     if world == 3:
         assert [load["rows"] for load in (ranks[r]["load"] for r in range(3))] == [
             [(3, 5), (3,), (3, 7), (3,), (1, 9), (1,)],
