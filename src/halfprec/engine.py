@@ -29,6 +29,7 @@ from .optim.select import build
 from .precision import DTYPES
 from .prepare import (
     cast_rest,
+    cast_shards,
     check_shards,
     fully_shard_model,
     laid_out_like,
@@ -95,8 +96,9 @@ def initialize(
 
     ``overrides`` replace fields of ``config`` (e.g. ``precision="fp16", max_grad_norm=1.0``). An fp32 model is
     cast to the configured precision here, and the masters start from its original fp32 weights. A model sharded
-    by ``fully_shard`` (FSDP2) trains as it is, at ``zero_stage=0``, in the dtype of its shards; at
-    ``zero_stage=3`` the engine shards the model itself (``Config.zero_stage``'s policy).
+    by ``fully_shard`` (FSDP2) trains at ``zero_stage=0``: fp32 shards are cast by ``model.to()`` (FSDP2 lays
+    them out again), their masters starting from each rank's fp32 rows; at ``zero_stage=3`` the engine shards the
+    model itself (``Config.zero_stage``'s policy).
     ``lr_scheduler`` is stepped after every step that was not skipped; on the fused path, telling which were is one
     host wait per step, for the step's norm pass (without a scheduler ``engine.step()`` does not wait for the GPU).
     """
@@ -128,6 +130,10 @@ def initialize(
     )
     trained = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
     sharded = check_shards(model, dtype)
+    if (
+        sharded and config.zero_stage == 0
+    ):  # fp32 shards the user made: cast here, masters from their fp32 rows
+        fp32_rows = cast_shards(model, dtype)
     options = dict(
         loss_scaler=config.loss_scaler(),
         max_grad_norm=config.max_grad_norm,

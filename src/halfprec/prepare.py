@@ -10,10 +10,12 @@ import torch
 
 from .optim.base import MixedPrecisionOptimizer
 from .optim.checks import world_size
-from .optim.mesh import check_sharded_options, is_dtensor
+from .optim.mesh import is_dtensor, local
 
 __all__ = [
     "cast_rest",
+    "cast_shards",
+    "fp32_rows",
     "check_shards",
     "fully_shard_model",
     "laid_out_like",
@@ -114,6 +116,22 @@ def start_masters_from(mp: MixedPrecisionOptimizer, rows: dict[torch.Tensor, tor
     mp.load_state_dict(state)
 
 
+def fp32_rows(module: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
+    """Each fp32 FSDP2 shard (DTensor param) of ``module`` -> this rank's rows of it, taken before the module is cast
+    (the cast gives each param new storage; the rows keep the old one), for its master to start from."""
+    return {p: local(p).detach() for p in module.parameters() if is_dtensor(p) and p.dtype == torch.float32}
+
+
+def cast_shards(model: torch.nn.Module, dtype: torch.dtype) -> dict[torch.Tensor, torch.Tensor]:
+    """An FSDP2-sharded model with fp32 shards trained in ``dtype``: keep their fp32 rows (``fp32_rows``), then
+    ``model.to(dtype)``, which FSDP2's modules handle (they lay their shards out again; the Parameters stay, so
+    the optimizer built over them still holds them). Returns the rows."""
+    rows = fp32_rows(model)
+    if rows and dtype != torch.float32:
+        model.to(dtype)
+    return rows if dtype != torch.float32 else {}
+
+
 def check_shards(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether the model is sharded by FSDP2 (DTensor params), refusing what the engine cannot train then."""
     shards = [p for p in model.parameters() if is_dtensor(p)]
@@ -121,14 +139,13 @@ def check_shards(model: torch.nn.Module, dtype: torch.dtype) -> bool:
         return False
     floating = [p for p in shards if p.is_floating_point()]
     if dtype != torch.float32:
-        # the factory's refusal of fp32 shards, for frozen ones too: _cast_rest cannot recast them either
-        check_sharded_options(floating, param_dtype=dtype)
-        other = next((p for p in floating if p.dtype != dtype), None)
+        # fp32 shards are cast (cast_shards); 16-bit shards of the other dtype hold no more than their bits
+        other = next((p for p in floating if p.dtype not in (dtype, torch.float32)), None)
         if other is not None:
             raise ValueError(
                 f"a param of shape {tuple(other.shape)} is a {other.dtype} DTensor and the precision is {dtype}: "
-                f"FSDP2 fixes its shards' dtype at fully_shard(); cast the model (model.to({dtype})) before "
-                "sharding it"
+                f"recasting it would round {other.dtype} values again; pass the model in fp32 (sharded or not) "
+                f"or in {dtype}, or set the precision to match"
             )
     ranks, world = shards[0].device_mesh.size(), world_size()
     if ranks != world:

@@ -169,22 +169,54 @@ def user_sharded_run(steps: int) -> dict:
     return {"engine": gathered(engine.optimizer, model), "optimizer": gathered(mp, twin)}
 
 
+def fp32_sharded(frozen: bool) -> torch.nn.Module:
+    """The user's fully_shard of the fp32 model; ``frozen``: bf16 trained shards beside a frozen fp32 one."""
+    model = Net()
+    if frozen:
+        model.layers.to(torch.bfloat16)
+        model.inp.requires_grad_(False)
+        model.head.to(torch.bfloat16)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def fp16_sharded() -> torch.nn.Module:
+    model = Net().to(torch.float16)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def user_fp32_run(frozen: bool) -> dict:
+    """halfprec.initialize casts the user's fp32 shards (model.to, which FSDP2 handles) and starts the masters
+    from their fp32 rows; the frozen fp32 shard is cast too."""
+    model = fp32_sharded(frozen)
+    fp32 = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    engine = halfprec.initialize(
+        model, torch.optim.AdamW((p for p in model.parameters() if p.requires_grad), lr=LR), precision="bf16"
+    )
+    masters = {
+        k.removeprefix("master/"): v for k, v in gathered(engine.optimizer, model).items() if "master/" in k
+    }
+    start = all(torch.equal(masters[n], fp32[n]) for n in masters) and len(masters) > 0
+    losses = train(engine, 2)
+    return {
+        "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "dtensors": all(is_dtensor(p) for p in model.parameters()),
+        "masters_from_fp32": start,
+        "trained": len(masters),
+        "losses_finite": all(torch.isfinite(torch.tensor(losses))),
+    }
+
+
 def refusals(alone) -> dict:
     def init(model, **config):
         return halfprec.initialize(
             model, torch.optim.AdamW(p for p in model.parameters() if p.requires_grad), **config
         )
-
-    def fp32_sharded(frozen: bool) -> torch.nn.Module:
-        model = Net()
-        if frozen:  # trained bf16 shards, a frozen fp32 one the engine would have to recast
-            model.layers.to(torch.bfloat16)
-            model.inp.requires_grad_(False)
-            model.head.to(torch.bfloat16)
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
-        return model
 
     def sub_mesh() -> torch.nn.Module:
         model = Net().to(torch.bfloat16)
@@ -192,8 +224,7 @@ def refusals(alone) -> dict:
         return model
 
     return {
-        "fp32_shards": error_of(lambda: init(fp32_sharded(False), precision="bf16")),
-        "frozen_fp32_shard": error_of(lambda: init(fp32_sharded(True), precision="bf16")),
+        "fp16_shards": error_of(lambda: init(fp16_sharded(), precision="bf16")),
         "sharded_twice": error_of(lambda: init(user_sharded(), precision="bf16", zero_stage=3)),
         "sub_mesh": error_of(lambda: init(sub_mesh(), precision="bf16")),
     }
@@ -284,6 +315,7 @@ def scenario_save(out: str) -> dict:
         "counters": [engine.global_step, resumed.global_step, engine.micro_step, resumed.micro_step],
         "lr": [engine.optimizer.param_groups[0]["lr"], resumed.optimizer.param_groups[0]["lr"]],
         "user": user_sharded_run(2),
+        "user_fp32": [user_fp32_run(frozen) for frozen in (False, True)],
         "fused": fused_run(out, stage3_engine_losses(precision="fp16", static_loss_scale=256.0)),
         "refusals": refusals(singles[rank]),
     }

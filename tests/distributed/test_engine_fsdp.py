@@ -84,8 +84,7 @@ def test_a_model_the_user_sharded_in_bf16_trains_with_fp32_sums(saved):
 
 
 REFUSALS = [
-    ("fp32_shards", r"fp32 DTensor and param_dtype=torch.bfloat16.*Cast the model before sharding it"),
-    ("frozen_fp32_shard", r"fp32 DTensor and param_dtype=torch.bfloat16.*Cast the model before sharding it"),
+    ("fp16_shards", r"param 'inp.weight' is torch.float16 but precision='bf16'; pass the model in fp32"),
     ("sharded_twice", r"sharded already \(fully_shard, DTensor params\): pass zero_stage=0"),
     ("sub_mesh", r"mesh of 1 rank.*default process group of 2"),
 ]
@@ -205,3 +204,13 @@ def test_zero_stage_3_takes_an_optimizer_holding_state(one_rank, stepped):
     b = {k: v for k, v in worker.gathered(plain.optimizer, plain.module).items()}
     assert_equal(a, b, "zero_stage=3 against 0, Adagrad")
     assert float(next(iter(sharded.optimizer.state.values()))["step"]) == 2.0 + stepped
+
+
+@pytest.mark.slow
+def test_a_model_the_user_sharded_in_fp32_is_cast_with_masters_from_its_fp32_rows(saved):
+    for rank, r in enumerate(saved[1]):
+        plain, frozen = r["user_fp32"]
+        for run in (plain, frozen):
+            assert run["dtypes"] == ["torch.bfloat16"] and run["dtensors"], rank
+            assert run["masters_from_fp32"] and run["losses_finite"], rank
+        assert (plain["trained"], frozen["trained"]) == (12, 10), rank  # the frozen layer has no master

@@ -28,7 +28,8 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import halfprec  # noqa: E402
 from halfprec.integrations import accelerate as hp_accelerate  # noqa: E402
-from halfprec.integrations.fsdp import fp32_rows, start_masters, trains_shards  # noqa: E402
+from halfprec.integrations.fsdp import start_masters, trains_shards  # noqa: E402
+from halfprec.prepare import fp32_rows  # noqa: E402
 
 from ._oracle import (  # noqa: E402
     CLIP,

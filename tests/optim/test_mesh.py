@@ -110,7 +110,7 @@ ERRORS = [
     ({"process_group": "WORLD"}, r"FSDP2 already reduce-scatters: leave process_group=None"),
     (
         {"param_dtype": torch.bfloat16, "fp32": True},
-        r"fp32 DTensor .* cannot be recast in place.*\(model\.to\(torch\.bfloat16\), then fully_shard",
+        r"fp32 DTensor .* cannot recast them in place.*\(model\.to\(torch\.bfloat16\), before or after fully_shard",
     ),
     ({"param_dtype": torch.float16, "fp32": True}, r"param_dtype=torch\.float32"),
 ]

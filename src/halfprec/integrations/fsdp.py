@@ -16,10 +16,10 @@ from collections.abc import Iterable
 import torch
 
 from ..optim.base import MixedPrecisionOptimizer
-from ..optim.mesh import is_dtensor, local
+from ..optim.mesh import is_dtensor
 from ..prepare import start_masters_from
 
-__all__ = ["fp32_rows", "start_masters", "trains_shards"]
+__all__ = ["start_masters", "trains_shards"]
 
 
 def trains_shards(params: Iterable[torch.Tensor]) -> bool:
@@ -27,14 +27,8 @@ def trains_shards(params: Iterable[torch.Tensor]) -> bool:
     return any(is_dtensor(p) for p in params if p.requires_grad)
 
 
-def fp32_rows(module: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
-    """Each fp32 DTensor param of ``module`` -> this rank's rows of it, to be taken before the module is cast
-    (the cast gives each param new storage; the rows keep the old one)."""
-    return {p: local(p).detach() for p in module.parameters() if is_dtensor(p) and p.dtype == torch.float32}
-
-
 def start_masters(mp: MixedPrecisionOptimizer, rows: dict[torch.Tensor, torch.Tensor]) -> None:
-    """Start the masters of ``mp``'s params that ``rows`` holds from those fp32 rows (:func:`fp32_rows`)."""
+    """Start the masters of ``mp``'s params that ``rows`` holds from those fp32 rows (``prepare.fp32_rows``)."""
     mine = {p: rows[p] for p in mp.model_params() if p in rows}
     if not mine:
         return

@@ -31,9 +31,10 @@ import torch
 
 from ..optim.base import MixedPrecisionOptimizer
 from ..precision import DTYPES
+from ..prepare import fp32_rows
 from ..scaler import LossScaler
 from . import check_strategy, require, resolve_grad_accum_dtype
-from .fsdp import fp32_rows, start_masters, trains_shards
+from .fsdp import start_masters, trains_shards
 from .lightning_strategy import HalfprecModelParallelStrategy, check_fabric_strategy, check_trainer_strategy
 
 _FabricPrecision = require("lightning.fabric.plugins", "lightning").Precision

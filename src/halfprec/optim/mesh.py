@@ -196,8 +196,9 @@ def check_sharded_options(
         if fp32 is not None:
             raise ValueError(
                 f"a param of shape {tuple(fp32.shape)} is an fp32 DTensor and param_dtype={param_dtype}: FSDP2 "
-                "fixes its shards' dtype at fully_shard(), so they cannot be recast in place (the next forward "
-                f"fails). Cast the model before sharding it (model.to({param_dtype}), then fully_shard), or keep "
+                "lays its shards out again only when the module is cast, so the optimizer cannot recast them in "
+                f"place (the next forward fails). Cast the model (model.to({param_dtype}), before or after "
+                "fully_shard; halfprec.initialize does it and starts the masters from the fp32 rows), or keep "
                 f"fp32 shards, compute in 16 bits with fully_shard(..., mp_policy=MixedPrecisionPolicy("
                 f"param_dtype={param_dtype})) and pass param_dtype=torch.float32"
             )
