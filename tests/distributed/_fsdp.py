@@ -203,27 +203,26 @@ def build_for_checkpoint(mesh, impl: str = "torch"):
     return model, mp
 
 
+def train_and_save(model, mp, path: Path, group) -> dict:
+    """Three steps, a DCP save into ``path``; the whole masters and state (also in ``path``-whole.pt)."""
+    dtype = next(model.parameters()).dtype
+    for step in range(3):
+        mp.backward(loss_of(model, step, 0, dtype))
+        mp.step()
+        mp.zero_grad()
+    dcp.save(mp, path, named_parameters=model, process_group=group)
+    whole = gathered(mp, model)
+    if dist.get_rank(group) == 0:
+        torch.save(whole, path.with_name(f"{path.name}-whole.pt"))
+    return whole
+
+
 def save_checkpoint(out: Path, mesh, group) -> dict:
     """Three steps at world size 2, then a DCP save (the exact strategy, and the fused one into ck-fused); pair
     rank 0 keeps the whole masters and state."""
-    fused, fused_model = build_for_checkpoint(mesh, "triton")[::-1]
-    for step in range(3):
-        fused.backward(loss_of(fused_model, step, 0, torch.float16))
-        fused.step()
-        fused.zero_grad()
-    dcp.save(fused, out / "ck-fused", named_parameters=fused_model, process_group=group)
-    whole_fused = gathered(fused, fused_model)
-    if dist.get_rank(group) == 0:
-        torch.save(whole_fused, out / "ck-fused-whole.pt")
+    train_and_save(*build_for_checkpoint(mesh, "triton"), out / "ck-fused", group)
     model, mp = build_for_checkpoint(mesh)
-    for step in range(3):
-        mp.backward(loss_of(model, step, 0, torch.bfloat16))
-        mp.step()
-        mp.zero_grad()
-    dcp.save(mp, out / "ck", named_parameters=model, process_group=group)
-    whole = gathered(mp, model)
-    if dist.get_rank(group) == 0:
-        torch.save(whole, out / "ck-whole.pt")
+    whole = train_and_save(model, mp, out / "ck", group)
     # a rank-local state dict: loads into a fresh optimizer on the same rank, refused on the other rank
     torch.save(mp.state_dict(), out / f"sd-{dist.get_rank()}.pt")
     dist.barrier(group)
