@@ -156,10 +156,9 @@ class Chunk:
             self.state[name] = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
 
     def table(self, indices: Sequence[int], block: int) -> torch.Tensor:
-        """``indices``: this chunk's params' indices in the kernels' per-param arrays."""
-        return build_table(
-            self.offsets, self.layout.numels, indices, block, self.device
-        )  # local shards' sizes
+        """``indices``: this chunk's params' indices in the kernels' per-param arrays; the sizes are the layout's
+        (an FSDP2 shard's: its local rows)."""
+        return build_table(self.offsets, self.layout.numels, indices, block, self.device)
 
 
 def chunk_params(

@@ -135,30 +135,34 @@ class Mesh:
         local_sum = torch.zeros((), dtype=torch.float64, device=device)
         if grads:
             local_sum = torch.stack([g.to(torch.float64).square().sum() for g in grads]).sum()
-        flag = (~local_sum.isfinite()).to(torch.float64)
-        packed = torch.stack([local_sum if self.counts else torch.zeros_like(local_sum), flag])
-        for group in self.groups:
-            dist.all_reduce(packed, group=group)
+        packed = self._sum_over_mesh(local_sum, (~local_sum.isfinite()).to(torch.float64))
         norm = packed[0].sqrt().to(torch.float32)
         if not check:
             return norm, torch.zeros((), dtype=torch.float32, device=device)
         return norm, ((packed[1] > 0) | ~norm.isfinite()).to(torch.float32)
 
     @torch.no_grad()
-    def reduce_partials(self, sq: torch.Tensor, bad: torch.Tensor) -> None:
-        """The fused norm pass's per-program partials of this rank's grads (sums of squares ``sq``, counts of
-        non-finite values ``bad``, fp32) become the whole grads' in place: one all-reduce of the fp64 sums of the
-        first replicas' ``sq`` and of every rank's ``bad``; element 0 holds each total (rounded once to fp32),
-        the rest are zero, so the finalize program reads the same norm and skip on every rank."""
-        packed = torch.stack([sq.sum(dtype=torch.float64), bad.sum(dtype=torch.float64)])
-        if not self.counts:
-            packed[0] = 0.0
-        for group in self.groups:
-            dist.all_reduce(packed, group=group)
-        sq.zero_()
-        bad.zero_()
+    def reduce_partials(self, sq: torch.Tensor, bad: torch.Tensor, used: int) -> None:
+        """The fused norm pass's per-program partials of this rank's grads, the first ``used`` elements of ``sq``
+        (sums of squares) and ``bad`` (counts of non-finite values), fp32 buffers of at least one element, become
+        the whole grads' in place: element 0 holds each total over the mesh (rounded once to fp32) and the rest
+        of the first ``max(used, 1)`` are zero, so the finalize program reads the same norm and skip on every
+        rank (one that holds no rows: ``used`` 0)."""
+        packed = self._sum_over_mesh(sq[:used].sum(dtype=torch.float64), bad[:used].sum(dtype=torch.float64))
+        n = max(used, 1)
+        sq[:n].zero_()
+        bad[:n].zero_()
         sq[0] = packed[0]
         bad[0] = packed[1]
+
+    def _sum_over_mesh(self, squares: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+        """``[sum of squares, flags]`` over the mesh (fp64): one all-reduce (per mesh dim when the mesh does not
+        span the default group) of this rank's ``squares`` if it is of the first replica (each element counted
+        once), else 0, and of every rank's ``flags``."""
+        packed = torch.stack([squares if self.counts else torch.zeros_like(squares), flags])
+        for group in self.groups:
+            dist.all_reduce(packed, group=group)
+        return packed
 
 
 def _check_placements(placements: tuple) -> None:

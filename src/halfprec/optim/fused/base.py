@@ -393,11 +393,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         if (
             self._mesh is not None
         ):  # every rank's norm and skip are the whole grads' (on every rank of the mesh)
-            if off == 0:  # this rank holds no rows
-                self._sq[:1].zero_()
-                self._bad[:1].zero_()
+            self._mesh.reduce_partials(self._sq, self._bad, off)
             off = max(off, 1)
-            self._mesh.reduce_partials(self._sq[:off], self._bad[:off])
         fused_scaler = self.loss_scaler if scaler_kernel.fusable(self.loss_scaler, self._device) else None
         norm.finalize(
             self._sq[:off], self._bad[:off], scale, self._scalars, self.max_grad_norm, flags, self._steps,
