@@ -107,12 +107,13 @@ def start_masters_from(mp: MixedPrecisionOptimizer, rows: dict[torch.Tensor, tor
     """Set the masters of ``rows``' params to the fp32 rows their 16-bit shards were rounded from, through the
     contract's state dict (every strategy's payload holds the masters by param index; split masters are split
     from them, and the shards rounded)."""
-    if not rows:
+    mine = {k: rows[p] for k, p in enumerate(mp.model_params()) if p in rows}
+    if not mine:  # none of them is this optimizer's: no state-dict round trip
         return
     state = mp.state_dict()
-    for k, p in enumerate(mp.model_params()):
-        if p in rows and k in state["masters"]:
-            state["masters"][k] = rows[p]
+    for k, row in mine.items():
+        if k in state["masters"]:
+            state["masters"][k] = row
     mp.load_state_dict(state)
 
 

@@ -28,8 +28,8 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import halfprec  # noqa: E402
 from halfprec.integrations import accelerate as hp_accelerate  # noqa: E402
-from halfprec.integrations.fsdp import start_masters, trains_shards  # noqa: E402
-from halfprec.prepare import fp32_rows  # noqa: E402
+from halfprec.integrations.fsdp import trains_shards  # noqa: E402
+from halfprec.prepare import fp32_rows, start_masters_from  # noqa: E402
 
 from ._oracle import (  # noqa: E402
     CLIP,
@@ -58,7 +58,7 @@ def test_fp32_rows_are_kept_through_the_cast_and_start_the_masters(world_of_one,
     assert [r.dtype for r in rows.values()] == [torch.float32] * 4
     mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), impl=impl)
     assert mp.impl == impl
-    start_masters(mp, rows)
+    start_masters_from(mp, rows)
     for m, w in zip(mp.master_params(), whole, strict=True):
         torch.testing.assert_close(m, w, rtol=0, atol=0)  # world of one: the rows are the whole tensor
     for p, w in zip(mp.model_params(), whole, strict=True):  # the shards are the masters rounded

@@ -78,7 +78,8 @@ def _check_accumulation(accelerator: Any, grad_accum_dtype: str) -> None:
         raise ValueError(
             "grad_accum_dtype='fp32' sums each micro-batch's reduce-scattered FSDP2 shards, and "
             f"accelerator.accumulate() turns FSDP2's gradient sync off for all but the last of its {steps} "
-            "micro-batches (model.set_requires_gradient_sync(False)), whose grads FSDP2 would sum in its unsharded buffer, not in fp32: "
+            "micro-batches (model.set_requires_gradient_sync(False)), whose grads FSDP2 would sum in its "
+            "unsharded buffer, not in fp32: "
             f"on several processes, build the Accelerator with gradient_accumulation_plugin="
             f"GradientAccumulationPlugin(num_steps={steps}, sync_each_batch=True); else use grad_accum_dtype='param'"
         )

@@ -31,10 +31,10 @@ import torch
 
 from ..optim.base import MixedPrecisionOptimizer
 from ..precision import DTYPES
-from ..prepare import fp32_rows
+from ..prepare import fp32_rows, start_masters_from
 from ..scaler import LossScaler
 from . import check_strategy, require, resolve_grad_accum_dtype
-from .fsdp import start_masters, trains_shards
+from .fsdp import trains_shards
 from .lightning_strategy import HalfprecModelParallelStrategy, check_fabric_strategy, check_trainer_strategy
 
 _FabricPrecision = require("lightning.fabric.plugins", "lightning").Precision
@@ -158,7 +158,7 @@ class _Common:
                 impl=self.impl,
                 grad_accum_dtype=accum,
             )
-            start_masters(mp, self._rows)  # FSDP2 shards: from this rank's fp32 rows
+            start_masters_from(mp, self._rows)  # FSDP2 shards: from this rank's fp32 rows
         if mp not in self._optimizers:
             self._optimizers.append(mp)
         return mp
