@@ -12,13 +12,14 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.rendezvous import rendezvous_env
 
 pytest_examples = pytest.importorskip("pytest_examples")
 
@@ -51,12 +52,6 @@ def test_every_block_is_run_or_listed():
         rel = str(path.relative_to(ROOT))
         assert [lang for lang in languages if lang != "python"] == NOT_RUN.get(rel, []), rel
         assert languages.count("python") == sum(e.path == path for e in EXAMPLES), rel
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _marked(example):
@@ -93,14 +88,15 @@ def _run_as_torchrun_would(example, cwd: Path) -> None:
     script = cwd / "block.py"
     # Blank lines first, so that a traceback's line numbers are the Markdown file's.
     script.write_text("\n" * (example.start_line) + example.source)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
-    try:
-        done = subprocess.run(
-            [sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-        )
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"{_id(example)} did not finish in {e.timeout} s:\n{e.stderr}") from None
+    with rendezvous_env(1) as meeting:
+        env = {**os.environ, **meeting}
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
+        try:
+            done = subprocess.run(
+                [sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+            )
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"{_id(example)} did not finish in {e.timeout} s:\n{e.stderr}") from None
     assert done.returncode == 0, f"{_id(example)} exited {done.returncode}:\n{done.stderr[-4000:]}"
 
 

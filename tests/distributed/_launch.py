@@ -1,4 +1,4 @@
-"""Start N real gloo processes (127.0.0.1, a free port) running one scenario of ``_worker.py``; or make this
+"""Start N real gloo processes (meeting at a store this process hosts) running one scenario of ``_worker.py``; or make this
 process a world of one (``one_process_group``)."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tests.rendezvous import rendezvous_env
 
 __all__ = ["launch", "one_process_group", "results"]
 
 WORKER = Path(__file__).with_name("_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(
@@ -34,34 +28,32 @@ def launch(
     out.mkdir(parents=True, exist_ok=True)
     args = out / f"args-{scenario}.json"
     args.write_text(json.dumps({"out": str(out), **kwargs}))
-    port = _free_port()
-    procs, logs = [], []
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    for rank in range(world_size):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]),
-        )
-        log = open(out / f"log-{scenario}-{rank}.txt", "w")  # noqa: SIM115 - closed below
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(args)], env=env, stdout=log, stderr=log
+    with rendezvous_env(world_size) as meeting:
+        procs, logs = [], []
+        src = str(Path(__file__).resolve().parents[2] / "src")
+        for rank in range(world_size):
+            env = {**os.environ, **meeting}
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]),
             )
-        )
-    deadline = time.monotonic() + timeout
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append(p.wait())
+            log = open(out / f"log-{scenario}-{rank}.txt", "w")  # noqa: SIM115 - closed below
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), scenario, str(args)], env=env, stdout=log, stderr=log
+                )
+            )
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
     for log in logs:
         log.close()
     if expect_ok and any(codes):

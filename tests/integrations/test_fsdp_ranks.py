@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -16,43 +15,38 @@ import torch
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 
+from tests.rendezvous import rendezvous_env  # noqa: E402
+
 from ._fsdp_ranks import CASES  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("fsdp_ranks")
-    port = str(_free_port())
     procs = []
-    for rank in range(WORLD):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-        }
-        log = open(out / f"log-{rank}.txt", "w")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, "-m", "tests.integrations._fsdp_ranks", str(out)]
-        procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log), log))
-    codes = []
-    for proc, log in procs:
-        try:
-            codes.append(proc.wait(timeout=300))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            codes.append(proc.wait())
-        log.close()
+    with rendezvous_env(WORLD) as meeting:
+        for rank in range(WORLD):
+            env = {
+                **os.environ,
+                **meeting,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(WORLD),
+            }
+            log = open(out / f"log-{rank}.txt", "w")  # noqa: SIM115 - closed below
+            cmd = [sys.executable, "-m", "tests.integrations._fsdp_ranks", str(out)]
+            procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log), log))
+        codes = []
+        for proc, log in procs:
+            try:
+                codes.append(proc.wait(timeout=300))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(proc.wait())
+            log.close()
     logs = "\n".join((out / f"log-{r}.txt").read_text()[-3000:] for r in range(WORLD))
     assert codes == [0] * WORLD, f"exit codes {codes}:\n{logs}"
     return [torch.load(out / f"result-{r}.pt", weights_only=True) for r in range(WORLD)]
