@@ -25,6 +25,22 @@ def test_initialize_casts_and_keeps_fp32_masters():
     assert model.head.weight is model.emb.weight
 
 
+def test_initialize_keeps_buffers_outside_the_state_dict_as_from_pretrained_does():
+    """A buffer registered persistent=False is a constant the model derives at construction (HF's rotary
+    ``inv_freq``); ``from_pretrained(dtype=bf16)`` keeps it fp32, and so does the engine: in bf16 it is off by up to
+    2**-9 relative, which at position 4095 moves the rotary angles by up to 0.73 radian here."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16)
+    model.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+    model.register_buffer("table", torch.randn(3))
+    halfprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    assert model.inv_freq.dtype == torch.float32 and torch.equal(model.inv_freq, inv_freq)
+    assert model.table.dtype == torch.bfloat16  # the state's buffers follow the params
+    angle = 4095 * inv_freq
+    assert (angle - 4095 * inv_freq.bfloat16().float()).abs().max() > 0.7  # what the cast would have cost
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_accumulation_equals_the_plain_wrapper_loop(precision):
     engine = build(precision, gas=3)

@@ -13,8 +13,10 @@ from .optim.checks import world_size
 from .optim.mesh import is_dtensor, local
 
 __all__ = [
+    "cast_module",
     "cast_rest",
     "cast_shards",
+    "derived_buffers",
     "fp32_rows",
     "check_shards",
     "fully_shard_model",
@@ -25,14 +27,40 @@ __all__ = [
 
 
 def cast_rest(module: torch.nn.Module, dtype: torch.dtype, handled: set) -> None:
-    """Cast the floating params the optimizer does not train, and floating buffers, to ``dtype``."""
+    """Cast the floating params the optimizer does not train, and the floating buffers of the module's state, to
+    ``dtype`` (``derived_buffers`` keep theirs)."""
     for p in module.parameters():
         if p not in handled and p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
+    derived = {id(buf) for _, _, buf in derived_buffers(module)}
     for mod in module.modules():
         for name, buf in mod.named_buffers(recurse=False):
-            if buf.is_floating_point() and buf.dtype != dtype:
+            if buf.is_floating_point() and buf.dtype != dtype and id(buf) not in derived:
                 setattr(mod, name, buf.to(dtype))
+
+
+def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``module.to(dtype)`` (FSDP2's modules lay their shards out again), the ``derived_buffers`` kept as they
+    were."""
+    kept = derived_buffers(module)
+    module.to(dtype)
+    for mod, name, buf in kept:
+        setattr(mod, name, buf)
+    return module
+
+
+def derived_buffers(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """The floating buffers outside the module's state dict (registered ``persistent=False``), as (owner, name,
+    tensor): constants the model derives at construction in the precision its author chose, such as HF's rotary
+    ``inv_freq``, which ``from_pretrained(dtype=torch.bfloat16)`` keeps fp32 too. In bf16 it is off by up to 2**-9
+    relative: at position 4095 a rotary angle can be off by radians (0.73 for a head of 16 dims)."""
+    saved = {id(t) for t in module.state_dict(keep_vars=True).values()}
+    return [
+        (mod, name, buf)
+        for mod in module.modules()
+        for name, buf in mod.named_buffers(recurse=False)
+        if buf.is_floating_point() and id(buf) not in saved
+    ]
 
 
 def fully_shard_model(
@@ -125,11 +153,11 @@ def fp32_rows(module: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
 
 def cast_shards(model: torch.nn.Module, dtype: torch.dtype) -> dict[torch.Tensor, torch.Tensor]:
     """An FSDP2-sharded model with fp32 shards trained in ``dtype``: keep their fp32 rows (``fp32_rows``), then
-    ``model.to(dtype)``, which FSDP2's modules handle (they lay their shards out again; the Parameters stay, so
-    the optimizer built over them still holds them). Returns the rows."""
+    ``cast_module``, whose ``model.to(dtype)`` FSDP2's modules handle (they lay their shards out again; the
+    Parameters stay, so the optimizer built over them still holds them). Returns the rows."""
     rows = fp32_rows(model)
     if rows and dtype != torch.float32:
-        model.to(dtype)
+        cast_module(model, dtype)
     return rows if dtype != torch.float32 else {}
 
 

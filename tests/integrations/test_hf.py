@@ -507,3 +507,28 @@ def test_unscaled_backward_before_a_step_is_an_error(tmp_path):
     ):
         trainer.train()
     assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_engine_casts_a_llama_as_from_pretrained_does(tmp_path):
+    """``halfprec.initialize(fp32 Llama, precision="bf16")`` holds the model HF's own
+    ``from_pretrained(dtype=torch.bfloat16)`` loads from the same weights: bf16 params, the rotary ``inv_freq``
+    (a persistent=False buffer) fp32, the same logits to the bit at positions where a bf16 ``inv_freq`` is off."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=4096,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    halfprec.initialize(model, torch.optim.AdamW(model.parameters()), precision="bf16")
+    ours, theirs = dict(model.named_buffers()), dict(loaded.named_buffers())
+    assert {n: b.dtype for n, b in ours.items()} == {n: b.dtype for n, b in theirs.items()}
+    assert ours["model.rotary_emb.inv_freq"].dtype == torch.float32
+    positions = torch.arange(4000, 4016)[None]
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=positions).logits
+        assert torch.equal(logits, loaded(input_ids=ids, position_ids=positions).logits)

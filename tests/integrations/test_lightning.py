@@ -171,6 +171,17 @@ def test_grad_accum_dtype_default_is_auto():
         HalfprecPrecision("bf16", grad_accum_dtype=torch.float32)
 
 
+def test_convert_module_keeps_buffers_outside_the_state_dict():
+    """As the engine (tests/test_engine.py): a persistent=False buffer such as a rotary ``inv_freq`` keeps its fp32
+    values; the state's buffers and the params are cast."""
+    module = torch.nn.BatchNorm1d(4)
+    module.register_buffer("inv_freq", torch.rand(4) / 3, persistent=False)
+    inv_freq = module.inv_freq.clone()
+    HalfprecPrecision("bf16").convert_module(module)
+    assert module.inv_freq.dtype == torch.float32 and torch.equal(module.inv_freq, inv_freq)
+    assert module.running_mean.dtype == module.weight.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 def test_overflow_skip_holds_schedule(name, recwarn):
     dtype, batches = DTYPES[name], make_batches(6)

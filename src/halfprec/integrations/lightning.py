@@ -1,13 +1,14 @@
 """halfprec as a Lightning precision plugin: ``Trainer(plugins=[HalfprecPrecision("bf16")])`` and Fabric.
 
 The model is built in fp32. ``convert_module`` casts it to the 16-bit dtype (params in place, as Lightning's
-``"bf16-true"`` does) and keeps each param's fp32 tensor; ``connect`` (Trainer) or :func:`setup_fabric`
+``"bf16-true"`` does; buffers outside the state dict keep their dtype, ``prepare.derived_buffers``) and keeps each
+param's fp32 tensor; ``connect`` (Trainer) or :func:`setup_fabric`
 (Fabric, which has no ``connect``) swaps the fp32 tensors back in just long enough for
 ``MixedPrecisionOptimizer(optimizer, param_dtype=...)`` to wrap the plain optimizer, so the masters start from
 the fp32 weights, not from their 16-bit roundings.
 
 Under ``HalfprecModelParallelStrategy`` (FSDP2, ``lightning_strategy.py``) ``convert_module`` recasts the shards
-with ``module.to()`` and keeps this rank's fp32 rows of each, which the masters start from.
+with ``prepare.cast_module`` and keeps this rank's fp32 rows of each, which the masters start from.
 
 Lightning calls ``lr_scheduler_step`` on every step and gives the plugin no hook there, so ``connect``
 replaces each ``interval="step"`` scheduler with a proxy that does not step after a skipped optimizer step.
@@ -31,7 +32,7 @@ import torch
 
 from ..optim.base import MixedPrecisionOptimizer
 from ..precision import DTYPES
-from ..prepare import fp32_rows, start_masters_from
+from ..prepare import cast_module, fp32_rows, start_masters_from
 from ..scaler import LossScaler
 from . import check_strategy, require, resolve_grad_accum_dtype
 from .fsdp import trains_shards
@@ -101,7 +102,7 @@ class _Common:
                 if p.dtype == torch.float32 and p not in self._rows:
                     self._fp32[p] = p.data
                     p.data = p.data.to(self.dtype)
-        return module.to(dtype=self.dtype)  # the floating buffers, and the shards
+        return cast_module(module, self.dtype)  # the state's floating buffers, and the shards
 
     def convert_input(self, data: Any) -> Any:
         return apply_to_collection(data, function=_to_dtype, dtype=torch.Tensor, dst_type=self.dtype)
