@@ -354,12 +354,14 @@ def fsdp2_halfprec_runner(model, dtype, *, impl: str, masters: str, device: str,
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import halfprec
+    from halfprec.prepare import cast_module
 
     info = {"impl": impl, "masters": masters}
     if device == "cpu" and impl == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         impl = "torch"  # the fused kernels take CPU params only under the interpreter
         info = {"impl": impl, "masters": masters, "note": "impl='torch': CPU without TRITON_INTERPRET=1"}
-    model.to(dtype)  # FSDP2 fixes the shards' dtype at fully_shard()
+    # FSDP2 fixes the shards' dtype at fully_shard(); the rotary inv_freq stays fp32, as under FSDP2's own recipe
+    cast_module(model, dtype)
     shard(model, MixedPrecisionPolicy(reduce_dtype=torch.float32), device=device, compiled=compiled)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     mp = halfprec.MixedPrecisionOptimizer(opt, impl=impl, masters=masters, max_grad_norm=CLIP)
