@@ -109,7 +109,7 @@ def test_cycle_finder_finds_a_cycle():
 
 
 def test_cycle_finder_counts_a_planted_function_local_import():
-    # optim/base.py importing the factory inside a method (the way the factory once closed a cycle) is found
+    # optim/base.py importing the factory inside a method (base -> select -> base) is found
     planted = "import torch\n\nclass A:\n    def f(self):\n        from .select import build\n        return build\n"
     base = MODULES["halfprec.optim.base"]
     found = _imports("halfprec.optim.base", base, planted)

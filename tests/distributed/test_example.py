@@ -43,5 +43,5 @@ def test_train_ddp_zero2_then_resume_at_zero1_saves_under_the_step_reached(tmp_p
     out = _torchrun("--zero", "1", "--steps", "2", "--width", "32", "--ckpt", str(ckpt))
     assert f"resumed from {ckpt / 'step-3'} (step 3)" in out and "step    4" in out
     assert f"saved {ckpt / 'step-5'}" in out
-    # the loaded checkpoint still holds the 3 steps it was named after (it used to be overwritten)
+    # the loaded checkpoint still holds the 3 steps it was named after (a resumed run must not overwrite it)
     assert sorted(os.listdir(ckpt)) == ["step-3", "step-5"] and _files(ckpt / "step-3") == first

@@ -261,8 +261,8 @@ def test_fused_optimizer_matches_plain_loop(name):
 
 @pytest.mark.parametrize(("device", "impl"), _oracle.FUSED_PATHS)
 def test_prepare_allocates_no_optimizer_state(device, impl):
-    # prepare() round-trips the optimizer's state dict (device placement) before any step; the fused optimizer
-    # used to allocate its AdamW moments there (8 B/param): state only at the first update (construction is inert)
+    # prepare() round-trips the optimizer's state dict (device placement) before any step; a load that allocated
+    # the AdamW moments there would cost 8 B/param: state only at the first update (construction is inert)
     accelerator = Accelerator(cpu=device == "cpu", mixed_precision="no")
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).to(device)
     mp = make_optimizer(model, torch.bfloat16, impl=impl)

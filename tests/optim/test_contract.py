@@ -129,8 +129,12 @@ def test_a_skipped_step_changes_nothing_but_the_scaler_and_the_count(strategy):
     model = _model()
     mp = _build(strategy, model)
     _train(model, mp, 1)
-    before, state = _weights(model), mp.state_dict()["optimizer"]["state"]
-    scale = mp.loss_scale
+    # cloned: a state dict's tensors are the live state on some strategies
+    state = {
+        k: {n: torch.as_tensor(v).clone() for n, v in e.items()}
+        for k, e in mp.state_dict()["optimizer"]["state"].items()
+    }
+    before, scale = _weights(model), mp.loss_scale
     x = torch.randn(2, 5).to(device=DEVICE, dtype=torch.float16)
     mp.backward(model(x).float().sum() * float("inf"))
     mp.step()
@@ -227,6 +231,54 @@ def test_a_plain_torch_state_dict(strategy):
         with pytest.raises(expected, match="plain torch optimizer state dict"):
             mp.load_state_dict(plain.state_dict())
         assert mp.param_groups[0]["lr"] == 1e-2
+
+
+def _trained_plain(optimizer_class, **settings):
+    model = _model().float()
+    plain = optimizer_class(model.parameters(), **settings)
+    model(torch.randn(2, 5, device=DEVICE)).sum().backward()
+    plain.step()
+    return plain.state_dict()
+
+
+def _unchanged(mp, model, before, lr=1e-2):
+    assert mp.param_groups[0]["lr"] == lr and mp.state_dict()["optimizer"]["state"] == {}
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    _train(model, mp, 1)  # and it still trains
+
+
+def test_another_optimizers_plain_torch_state_dict_is_refused_the_same_way_and_changes_nothing(strategy):
+    model = _model()
+    mp, before = _build(strategy, model), _weights(model)
+    plain = _trained_plain(torch.optim.SGD, lr=0.1, momentum=0.9)
+    match = {None: r"saved by an optimizer without \['amsgrad', 'betas', 'eps'\], this optimizer is AdamW"}
+    with pytest.raises(
+        ValueError, match=match.get(DIFFERS["torch_state_dict"][strategy], "plain torch optimizer")
+    ):
+        mp.load_state_dict(plain)
+    _unchanged(mp, model, before)
+
+
+def test_a_plain_torch_state_dict_with_state_of_the_wrong_size_is_refused_at_load(strategy):
+    model = _model()
+    mp, before = _build(strategy, model), _weights(model)
+    plain = _trained_plain(torch.optim.AdamW, lr=0.25)
+    plain["state"][0]["exp_avg"] = torch.zeros(3)
+    match = {None: r"state dict's exp_avg of param 0 has 3 elements and the param 35"}
+    with pytest.raises(
+        ValueError, match=match.get(DIFFERS["torch_state_dict"][strategy], "plain torch optimizer")
+    ):
+        mp.load_state_dict(plain)
+    _unchanged(mp, model, before)
+
+
+def test_the_format_error_offers_a_plain_torch_state_dict_only_where_one_loads(strategy):
+    mp = _build(strategy, _model())
+    with pytest.raises(ValueError, match="not a") as refused:
+        mp.load_state_dict({"format": "other/1"})
+    assert ("plain torch optimizer state dict" in str(refused.value)) == (
+        DIFFERS["torch_state_dict"][strategy] is None
+    )
 
 
 def test_add_param_group(strategy):

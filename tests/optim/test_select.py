@@ -136,3 +136,23 @@ def test_mixed_precision_optimizer_factory_takes_the_fused_path_on_cuda():
     assert isinstance(opt, halfprec.MixedPrecisionOptimizer)  # every strategy is the public class
     split = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(_p(torch.bfloat16, "cuda")), masters="split")
     assert isinstance(split, FusedAdamW) and split.masters == "split"
+
+
+def test_split_masters_with_an_optimizer_without_kernels_name_the_fix_that_works():
+    # impl='torch' would be refused with split masters: the fix named is the masters', not the impl's
+    with pytest.raises(ValueError, match=r"RMSprop has no fused kernel .*; use masters='fp32'") as refused:
+        build(torch.optim.RMSprop(_p()), masters="split", impl="triton")
+    assert "impl='torch'" not in str(refused.value)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_process_group_that_is_not_one_is_refused_at_every_stage(stage, tmp_path):
+    with world_of_one(tmp_path / "store"):
+        model = torch.nn.Linear(3, 2).bfloat16()
+        sharded = dict(named_parameters=model) if stage else {}
+        with pytest.raises(
+            ValueError, match=r"process_group must be a torch.distributed.ProcessGroup .*got str"
+        ):
+            build(
+                torch.optim.AdamW(model.parameters()), stage=stage, process_group="x", impl="torch", **sharded
+            )

@@ -46,9 +46,9 @@ from .results import Delivered, ScaleGuard, StepState, refuse_backward_after_uns
 __all__ = ["GradAccumulator", "all_reduce_master_grads", "all_reduce_mean", "check_process_group"]
 
 
-def check_process_group(group: Any, grad_accum_dtype: Any) -> None:
-    """Raise ValueError unless ``group`` is None, or a process group of an initialised ``torch.distributed`` given
-    with ``grad_accum_dtype="fp32"`` (what the ZeRO-0 all-reduce sums)."""
+def check_process_group(group: Any, grad_accum_dtype: Any, *, stage: int = 0) -> None:
+    """Raise ValueError unless ``group`` is None, or a process group of an initialised ``torch.distributed``; at
+    stage 0 given with ``grad_accum_dtype="fp32"`` (what the ZeRO-0 all-reduce sums)."""
     if group is None:
         return
     if not (dist.is_available() and dist.is_initialized()):
@@ -61,7 +61,7 @@ def check_process_group(group: Any, grad_accum_dtype: Any) -> None:
             f"process_group must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD), got "
             f"{type(group).__name__}"
         )
-    if grad_accum_dtype != "fp32":
+    if stage == 0 and grad_accum_dtype != "fp32":
         raise ValueError(
             f"process_group= all-reduces the fp32 grad sums, which needs grad_accum_dtype='fp32', got "
             f"{grad_accum_dtype!r}; for 16-bit accumulation wrap the model in DDP and pass no process_group"

@@ -24,7 +24,8 @@ import torch
 from .._checks import is_int
 from ..precision import LOW_PRECISION
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
-from .checks import check_options, check_torch_optimizer
+from .checks import ELEMENTWISE, check_options, check_torch_optimizer
+from .mesh import local
 from .results import ScaleGuard, SkipLog, StepState, refuse_backward_after_unscale, warn_caller
 
 __all__ = ["FORMAT", "MixedPrecisionOptimizer", "check_wrappable", "register_factory"]
@@ -311,6 +312,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
         groups; the masters stay as they are: ``refresh_masters()`` takes them from the model's weights)."""
         state_dict = self._run_hooks("_optimizer_load_state_dict_pre_hooks", state_dict)
         if _is_torch_state_dict(state_dict):
+            self.check_torch_state_dict(state_dict)
             self._load_torch_state(state_dict)
         else:
             self.check_state_dict(state_dict)
@@ -324,9 +326,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
         """Raise ValueError unless ``state_dict`` is this optimizer's kind and of this model (changes nothing)."""
         if not isinstance(state_dict, dict) or state_dict.get("format") != self._FORMAT:
             found = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
+            plain = " (a plain torch optimizer state dict, with 'state' and 'param_groups', loads too)"
             raise ValueError(
-                f"not a {type(self).__name__} state dict: format {found!r}, expected {self._FORMAT!r} (a plain torch "
-                "optimizer state dict, with 'state' and 'param_groups', loads too)"
+                f"not a {type(self).__name__} state dict: format {found!r}, expected {self._FORMAT!r}"
+                f"{plain if self._TORCH_STATE_REFUSED is None else ''}"
             )
         inner = state_dict.get("optimizer")
         if not (isinstance(inner, dict) and isinstance(inner.get("param_groups"), list) and "state" in inner):
@@ -354,8 +357,54 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
         raise NotImplementedError
 
     def _load_torch_state(self, state_dict: dict[str, Any]) -> None:
-        """Load a plain torch optimizer state dict (groups and state; masters untouched)."""
+        """Load a checked plain torch optimizer state dict (groups and state; masters untouched)."""
         raise NotImplementedError
+
+    # why a strategy refuses every plain torch optimizer state dict (None: it loads one that fits)
+    _TORCH_STATE_REFUSED: str | None = None
+
+    def check_torch_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise ValueError, changing nothing, unless a plain torch optimizer state dict fits this optimizer: as
+        many groups and params per group, this algorithm's hyper-parameters, state of the params' sizes."""
+        if self._TORCH_STATE_REFUSED is not None:
+            raise ValueError(self._TORCH_STATE_REFUSED)
+        groups, state = state_dict["param_groups"], state_dict["state"]
+        if not (
+            isinstance(state, dict) and isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
+        ):
+            raise ValueError(
+                "a torch optimizer state dict has a dict 'state' and a list of dicts 'param_groups', got "
+                f"{type(state).__name__} and {type(groups).__name__}: the file is damaged or was not written by torch"
+            )
+        saved = [len(g.get("params", ())) for g in groups]
+        if saved != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(
+                f"the torch optimizer state dict has param groups of {saved} params and this optimizer "
+                f"{[len(g['params']) for g in self.param_groups]}: load the state of an optimizer over the same "
+                "params, grouped the same way"
+            )
+        self.check_algorithm(None, groups, where="torch optimizer state dict")
+        self._check_state_sizes(state)
+
+    def _check_state_sizes(self, state: dict) -> None:
+        """ValueError for a state tensor whose size is not its param's (this rank's rows of an FSDP2 shard): for
+        the elementwise algorithms (``checks.ELEMENTWISE``, the fused ones), whose state is one value per element
+        or a scalar; another algorithm's state (factored moments) is its own to check."""
+        if self.optimizer is not None and not isinstance(self.optimizer, ELEMENTWISE):
+            return
+        for k, p in enumerate(self._model_params):
+            entry = state.get(k, state.get(str(k)))
+            for name, value in (entry or {}).items():
+                if not torch.is_tensor(value) or value.numel() == 1:
+                    continue  # counters, flags and scalar state
+                want, held = local(p).numel(), local(value).numel()
+                if held != want:
+                    rows = " (this rank's rows of an FSDP2 shard)" if want != p.numel() else ""
+                    raise ValueError(
+                        f"state dict's {name} of param {k} has {held} elements and the param {want}{rows}, shape "
+                        f"{tuple(p.shape)}: load a state dict of this model and layout, or use "
+                        "halfprec.distributed.checkpoint, which reshards"
+                    )
 
     def _check_payload(self, state_dict: dict[str, Any]) -> None:
         """The model-space payload's checks (exact and fused): the params, groups and masters fit this model."""
@@ -382,6 +431,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
                 raise ValueError(
                     f"state dict's master of param {k} is {shape}, expected a floating tensor of shape {expected}"
                 )
+        self._check_state_sizes(state_dict["optimizer"]["state"])
 
     def _param_entries(self) -> list[dict[str, Any]]:
         """Per model param, in group order: shape, model dtype and whether it has an fp32 master."""

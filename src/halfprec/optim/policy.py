@@ -21,12 +21,12 @@ __all__ = ["IMPLS", "fused_class", "fused_unsupported_reason", "select_impl", "u
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
-def unsupported_flag(groups: list[dict]) -> str | None:
-    """The first group flag the fused kernels lack, as a reason, or None."""
+def unsupported_flag(groups: list[dict], instead: str = "impl='torch'") -> str | None:
+    """The first group flag the fused kernels lack, as a reason that ends in ``instead``, the fix; or None."""
     for i, group in enumerate(groups):
         for flag in _UNSUPPORTED_FLAGS:
             if group.get(flag, False):
-                return f"param group {i} has {flag}=True, which the fused kernels do not implement; use impl='torch'"
+                return f"param group {i} has {flag}=True, which the fused kernels do not implement; use {instead}"
     return None
 
 
@@ -45,32 +45,34 @@ def fused_class(optimizer: torch.optim.Optimizer):
 
 
 def fused_unsupported_reason(
-    optimizer: torch.optim.Optimizer, *, explicit: bool, tool_flags: bool = False
+    optimizer: torch.optim.Optimizer,
+    *,
+    explicit: bool,
+    tool_flags: bool = False,
+    instead: str = "impl='torch'",
 ) -> str | None:
-    """Why the fused path cannot take ``optimizer`` (None when it can). ``explicit``: impl='triton' was asked;
-    ``tool_flags``: a tool, not the user, set the groups' ``foreach``/``fused`` flags, which then select nothing."""
+    """Why the fused path cannot take ``optimizer`` (None when it can), naming ``instead`` as the way out.
+    ``explicit``: impl='triton' was asked; ``tool_flags``: a tool, not the user, set the groups'
+    ``foreach``/``fused`` flags, which then select nothing."""
     if fused_class(optimizer) is None:
-        return (
-            f"{type(optimizer).__name__} has no fused kernel (torch Adam, AdamW, SGD and Adagrad do); use "
-            "impl='torch'"
-        )
+        return f"{type(optimizer).__name__} has no fused kernel (torch Adam, AdamW, SGD and Adagrad do); use {instead}"
     for i, group in enumerate(optimizer.param_groups):
         for flag in ("foreach", "fused"):
             if group.get(flag) is not None and not (explicit or tool_flags):
                 return f"param group {i} sets {flag}={group[flag]!r} explicitly, which selects a torch kernel"
-    flag = unsupported_flag(optimizer.param_groups)
+    flag = unsupported_flag(optimizer.param_groups, instead)
     if flag is not None:
         return flag
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     off_cuda = sorted({str(p.device) for p in params if p.device.type != "cuda"})
     interpreted = explicit and os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests of the kernels
     if off_cuda and not interpreted:
-        return f"params on {off_cuda}; the fused kernels need CUDA params: move the model to CUDA or use impl='torch'"
+        return f"params on {off_cuda}; the fused kernels need CUDA params: move the model to CUDA or use {instead}"
     odd = sorted(
         {str(p.dtype) for p in params if p.dtype not in (torch.float16, torch.bfloat16, torch.float32)}
     )
     if odd:
-        return f"params of dtype {odd}; the fused kernels train fp16, bf16 and fp32 params: use impl='torch'"
+        return f"params of dtype {odd}; the fused kernels train fp16, bf16 and fp32 params: use {instead}"
     from ..kernels import triton_status
 
     return triton_status()[1] or None  # the reason Triton cannot run here, "" when it can

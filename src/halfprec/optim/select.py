@@ -89,6 +89,7 @@ def build(
         param_dtype=param_dtype, grad_accum_dtype=grad_accum_dtype, process_group=process_group,
     )  # fmt: skip
     sharded_only = dict(named_parameters=named_parameters, reduce_dtype=reduce_dtype, bucket_size=bucket_size)
+    check_process_group(process_group, grad_accum_dtype, stage=stage)
     if stage:
         if named_parameters is None:
             raise ValueError(
@@ -101,7 +102,6 @@ def build(
         return ShardedMixedPrecisionOptimizer(
             optimizer, stage=stage, impl=impl, masters=masters, **given, **options
         )
-    check_process_group(process_group, grad_accum_dtype)
     for name, value in sharded_only.items():
         if value is not None:
             raise ValueError(
@@ -114,11 +114,15 @@ def build(
                 "masters='split' is kept by the fused kernels, and impl='torch' asks for the exact strategy: use "
                 "impl='auto' or 'triton' (CUDA params, Triton installed), or masters='fp32'"
             )
-        reason = fused_unsupported_reason(optimizer, explicit=impl == "triton", tool_flags=tool_flags)
+        reason = fused_unsupported_reason(
+            optimizer,
+            explicit=impl == "triton",
+            tool_flags=tool_flags,
+            instead="masters='fp32' (every strategy)",
+        )
         if reason is not None:
             raise ValueError(
-                f"masters='split' runs on the fused kernels, which cannot take this optimizer ({reason}); "
-                "masters='fp32' runs on every strategy"
+                f"masters='split' runs on the fused kernels, which cannot take this optimizer: {reason}"
             )
         return fused_from_torch(optimizer, masters="split", **options)
     # over FSDP2 shards only when asked for: the fused kernels over shards have run under the interpreter only

@@ -267,7 +267,7 @@ def test_a_stepped_torch_optimizers_dtensor_state_moves_onto_the_fused_buffers(m
     bad = mp.state_dict()
     bad["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
     bad["optimizer"]["param_groups"][0]["lr"] = 0.5
-    with pytest.raises(ValueError, match=r"exp_avg of param 0 has 3 elements here and the param 35"):
+    with pytest.raises(ValueError, match=r"exp_avg of param 0 has 3 elements and the param 35"):
         mp.load_state_dict(bad)
     assert mp.param_groups[0]["lr"] == 1e-2  # a refused load changes nothing
     after = mp.state_dict()["optimizer"]["state"]

@@ -286,25 +286,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         )
         return step
 
-    def _check_state_sizes(self, state: dict) -> None:
-        """ValueError, before anything changes, for a state tensor whose size is not its param's (an FSDP2
-        shard's: its local rows; a whole tensor saved unsharded does not fit one rank's rows)."""
-        for k, p in enumerate(self._model_params):
-            i = self._index.get(p)
-            entry = state.get(k, state.get(str(k)))
-            if i is None or not entry:
-                continue
-            chunk, pos = self._where[i]
-            want = chunk.layout.numels[pos]
-            for name in self.STATE_NAMES:
-                value = entry.get(name)
-                if torch.is_tensor(value) and local(value).numel() != want:
-                    raise ValueError(
-                        f"state dict's {name} of param {k} has {local(value).numel()} elements here and the param "
-                        f"{want} (this rank's rows of a shard of shape {tuple(p.shape)}): load a state dict of "
-                        "this layout, or use halfprec.distributed.checkpoint, which reshards"
-                    )
-
     # --- grads ---------------------------------------------------------------------------------------
     def _backward_params(self) -> list[torch.Tensor]:
         """The params whose ``.grad`` a backward fills; with fp32 accumulation the fp32 masters too (``grads.py``)."""
@@ -507,14 +488,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
 
     def _load_torch_state(self, inner: dict[str, Any]) -> None:
         saved_groups = inner["param_groups"]
-        if [len(s["params"]) for s in saved_groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError(
-                "state dict has a different number of param groups or params per group than this optimizer"
-            )
         updates = [{key: v for key, v in saved.items() if key != "params"} for saved in saved_groups]
         for gi, (group, new) in enumerate(zip(self.param_groups, updates, strict=True)):
             self._validate_group(group | new, gi)  # on a copy: a refused load changes nothing
-        self._check_state_sizes(inner["state"])
         for group, new in zip(self.param_groups, updates, strict=True):
             group.update(new)
         steps = [0.0] * len(self._trainable)

@@ -443,12 +443,11 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._masters.restore()
         self._publish()
 
-    def _load_torch_state(self, state_dict: dict[str, Any]) -> None:
-        raise ValueError(
-            "a plain torch optimizer state dict holds whole params, and this optimizer holds pieces of them on "
-            "each rank: load model-space checkpoints with halfprec.distributed.checkpoint.load(...), or this "
-            "optimizer's own state_dict() at the same world size"
-        )
+    _TORCH_STATE_REFUSED = (
+        "a plain torch optimizer state dict holds whole params, and this optimizer holds pieces of them on "
+        "each rank: load model-space checkpoints with halfprec.distributed.checkpoint.load(...), or this "
+        "optimizer's own state_dict() at the same world size"
+    )
 
     def restore_counters(self, scaler_state: dict[str, Any], skipped_steps: int) -> None:
         """After a model-space checkpoint load put masters, state and groups in place: the scaler and counters,
