@@ -460,3 +460,17 @@ def test_auto_beside_an_explicit_precision_is_reported():
     with pytest.warns(DeepSpeedConfigWarning, match=r"bf16.enabled=.auto. with fp16.enabled=true"):
         config = Config.from_deepspeed({"fp16": {"enabled": True}, "bf16": {"enabled": "auto"}})
     assert config.precision == "fp16"
+
+
+@pytest.mark.parametrize(
+    ("where", "regex"),
+    [
+        ("missing.json", r"DeepSpeed config '.*missing\.json' is not a file: pass the path of the JSON file"),
+        (".", r"DeepSpeed config '.*' is not a file \(it is a directory\): pass the path"),
+        ('{"fp16": {"enabled": true}}', r"is not a file: it looks like JSON text; pass json\.loads\(text\)"),
+    ],
+)
+def test_a_config_path_that_is_not_a_file_names_the_fix(tmp_path, monkeypatch, where, regex):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=regex):
+        Config.from_deepspeed(where)

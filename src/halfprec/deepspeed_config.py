@@ -218,6 +218,17 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
     defaults = cls()  # halfprec's defaults, named in the notes about 'auto'
     if isinstance(cfg, (str, os.PathLike)):
         path = os.fspath(cfg)
+        if not os.path.isfile(path):
+            text = isinstance(cfg, str) and cfg.lstrip().startswith("{")
+            raise ValueError(
+                f"DeepSpeed config {path!r} is not a file"
+                + (
+                    ": it looks like JSON text; pass json.loads(text), a dict, or the path of the JSON file"
+                    if text
+                    else f"{' (it is a directory)' if os.path.isdir(path) else ''}: pass the path of the JSON "
+                    "file, or the config as a dict"
+                )
+            )
         with open(path, encoding="utf-8") as f:
             try:
                 cfg = json.load(f)
