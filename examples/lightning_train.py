@@ -1,6 +1,6 @@
 """Train a small MLP with halfprec through Lightning: the Trainer plugin, or Fabric with --fabric.
 
-python examples/lightning_train.py --dtype fp16                     # Trainer(plugins=[HalfprecPrecision])
+python examples/lightning_train.py --dtype fp16                     # Trainer(plugins=[HalfprecPrecision(...)])
 python examples/lightning_train.py --dtype fp16 --ckpt /tmp/l.ckpt  # ... and save a .ckpt at the end
 python examples/lightning_train.py --dtype bf16 --fabric            # Fabric + setup_fabric
 """
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from halfprec.integrations.lightning import HalfprecFabricPrecision, HalfprecPrecision, setup_fabric
+from halfprec.precision import DTYPES  # --dtype's names: the plugins take the torch dtype
 
 
 def data(n: int = 512) -> torch.utils.data.DataLoader:
@@ -43,7 +44,7 @@ class Regression(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def train_with_trainer(dtype: str, ckpt: str | None) -> float:
+def train_with_trainer(dtype: torch.dtype, ckpt: str | None) -> float:
     trainer = L.Trainer(
         accelerator="auto",
         devices=1,
@@ -67,7 +68,7 @@ def train_with_trainer(dtype: str, ckpt: str | None) -> float:
     return loss
 
 
-def train_with_fabric(dtype: str) -> float:
+def train_with_fabric(dtype: torch.dtype) -> float:
     fabric = L.Fabric(accelerator="auto", devices=1, plugins=[HalfprecFabricPrecision(dtype)])
     model = net()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -105,9 +106,9 @@ def main() -> None:
     # ends at another loss.
     L.seed_everything(args.seed)
     if args.fabric:
-        train_with_fabric(args.dtype)
+        train_with_fabric(DTYPES[args.dtype])
     else:
-        train_with_trainer(args.dtype, args.ckpt)
+        train_with_trainer(DTYPES[args.dtype], args.ckpt)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def _lightning_fit(name: str, batches, *, epochs: int = 1, seed: int = 0, ckpt_p
         accelerator="cpu",
         devices=WORLD,
         strategy=HalfprecModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1),
-        plugins=[HalfprecPrecision(name, loss_scaler=make_scaler(DTYPES[name]), impl="torch")],
+        plugins=[HalfprecPrecision(DTYPES[name], loss_scaler=make_scaler(DTYPES[name]), impl="torch")],
         max_epochs=epochs,
         gradient_clip_val=CLIP,
         accumulate_grad_batches=2,

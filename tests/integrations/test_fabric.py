@@ -37,7 +37,7 @@ def _setup(name, *, seed=0, device="cpu", impl="auto"):
     fabric = Fabric(
         accelerator=device,
         devices=1,
-        plugins=[HalfprecFabricPrecision(name, loss_scaler=make_scaler(DTYPES[name]), impl=impl)],
+        plugins=[HalfprecFabricPrecision(DTYPES[name], loss_scaler=make_scaler(DTYPES[name]), impl=impl)],
     )
     model = make_model(seed)  # fp32; the optimizer is built over it before setup, as Fabric users do
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -113,7 +113,7 @@ def test_fabric_save_load_bit_exact(name, tmp_path):
 
 def test_fabric_clip_gradients_sees_unscaled_masters():
     # fabric.clip_gradients unscales through the plugin and clips main_params (the masters).
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[HalfprecFabricPrecision("fp16")])
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[HalfprecFabricPrecision(torch.float16)])
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = setup_fabric(fabric, model, opt)
@@ -151,9 +151,18 @@ def test_fused_path_clips_in_the_kernel(name, device, impl):
 def test_setup_fabric_errors():
     fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-true")
     model = make_model()
-    with pytest.raises(ValueError, match=r"HalfprecFabricPrecision\('bf16' \| 'fp16'\)"):
+    with pytest.raises(ValueError, match=r"HalfprecFabricPrecision\(torch.bfloat16 \| torch.float16\)"):
         setup_fabric(fabric, model, torch.optim.SGD(model.parameters(), lr=0.1))
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[HalfprecFabricPrecision("fp16")])
+    # param_dtype= with a torch dtype, as HalfprecPrecision: a precision string names the dtype to pass
+    with pytest.raises(
+        ValueError,
+        match=r"^HalfprecFabricPrecision param_dtype .*, got 'fp16'; use param_dtype=torch.float16$",
+    ):
+        HalfprecFabricPrecision("fp16")
+    fabric = Fabric(
+        accelerator="cpu", devices=1, plugins=[HalfprecFabricPrecision(param_dtype=torch.float16)]
+    )
+    assert fabric.strategy.precision.precision == "16-true"
     with pytest.raises(ValueError, match=r"at least one optimizer"):
         setup_fabric(fabric, model)
     # fabric.setup with the plain optimizer skips the wrapping: the plugin refuses to step it.
@@ -166,7 +175,7 @@ def test_setup_fabric_errors():
 @pytest.mark.parametrize(("kwargs", "expected"), [({}, "param"), ({"grad_accum_dtype": "fp32"}, "fp32")])
 def test_grad_accum_dtype_is_16_bit_unless_told(kwargs, expected):
     # Fabric has no accumulation setting: "auto" cannot know that the loop accumulates
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[HalfprecFabricPrecision("bf16", **kwargs)])
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[HalfprecFabricPrecision(torch.bfloat16, **kwargs)])
     model = make_model()
     _, opt = setup_fabric(fabric, model, torch.optim.AdamW(model.parameters(), lr=LR))
     assert opt.optimizer.grad_accum_dtype == expected

@@ -92,7 +92,7 @@ def _fit(
 ):
     model = LitRegression(seed, inf_at) if model is None else model
     plugin = HalfprecPrecision(
-        name, loss_scaler=make_scaler(DTYPES[name]), impl=impl, grad_accum_dtype=grad_accum_dtype
+        DTYPES[name], loss_scaler=make_scaler(DTYPES[name]), impl=impl, grad_accum_dtype=grad_accum_dtype
     )
     trainer = L.Trainer(
         accelerator=device,
@@ -161,14 +161,14 @@ def test_grad_accum_dtype_auto_and_explicit(name, accum, grad_accum_dtype, expec
 
 
 def test_grad_accum_dtype_default_is_auto():
-    assert HalfprecPrecision("bf16").grad_accum_dtype == "auto"
-    assert HalfprecPrecision("bf16", grad_accum_dtype="fp32").grad_accum_dtype == "fp32"
+    assert HalfprecPrecision(torch.bfloat16).grad_accum_dtype == "auto"
+    assert HalfprecPrecision(torch.bfloat16, grad_accum_dtype="fp32").grad_accum_dtype == "fp32"
     # the one vocabulary of Config and the optimizers: a dtype is refused with the name to write
     with pytest.raises(
         ValueError,
         match=r"grad_accum_dtype must be one of \('auto', 'param', 'fp32'\), got torch.float32; use 'fp32'",
     ):
-        HalfprecPrecision("bf16", grad_accum_dtype=torch.float32)
+        HalfprecPrecision(torch.bfloat16, grad_accum_dtype=torch.float32)
 
 
 def test_convert_module_keeps_buffers_outside_the_state_dict():
@@ -177,7 +177,7 @@ def test_convert_module_keeps_buffers_outside_the_state_dict():
     module = torch.nn.BatchNorm1d(4)
     module.register_buffer("inv_freq", torch.rand(4) / 3, persistent=False)
     inv_freq = module.inv_freq.clone()
-    HalfprecPrecision("bf16").convert_module(module)
+    HalfprecPrecision(torch.bfloat16).convert_module(module)
     assert module.inv_freq.dtype == torch.float32 and torch.equal(module.inv_freq, inv_freq)
     assert module.running_mean.dtype == module.weight.dtype == torch.bfloat16
 
@@ -287,7 +287,7 @@ def test_manual_optimization_fp16():
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=1,
-        plugins=[HalfprecPrecision("fp16", loss_scaler=make_scaler(dtype))],
+        plugins=[HalfprecPrecision(dtype, loss_scaler=make_scaler(dtype))],
         **_QUIET,
     )
     trainer.fit(model, make_loader(batches))
@@ -299,9 +299,29 @@ def test_manual_optimization_fp16():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"precision": "bf16-mixed"}, r"'bf16' or 'fp16', got 'bf16-mixed'"),
-        ({"precision": "fp32"}, r"'bf16' or 'fp16', got 'fp32'"),
-        ({"precision": "fp16", "loss_scaler": 2.0}, r"loss_scaler must be a halfprec loss scaler, got float"),
+        # the one spelling of the 16-bit dtype (as the optimizers' and HalfprecTrainer's): a precision string
+        # names the dtype to pass
+        (
+            {"param_dtype": "bf16"},
+            r"^HalfprecPrecision param_dtype must be torch.bfloat16 or torch.float16, got "
+            r"'bf16'; use param_dtype=torch.bfloat16$",
+        ),
+        ({"param_dtype": "fp16"}, r"got 'fp16'; use param_dtype=torch.float16$"),
+        ({"param_dtype": "bf16-true"}, r"got 'bf16-true'; use param_dtype=torch.bfloat16$"),
+        # Lightning's own autocast and fp32 need no plugin
+        (
+            {"param_dtype": "16-mixed"},
+            r"got '16-mixed'; .*autocast.*pass precision='16-mixed' to the Trainer"
+            r".*param_dtype=torch.float16",
+        ),
+        ({"param_dtype": "fp32"}, r"got 'fp32'; fp32 weights need no plugin"),
+        ({"param_dtype": torch.float32}, r"got torch.float32; fp32 weights need no plugin"),
+        ({"param_dtype": torch.float64}, r"torch.bfloat16 or torch.float16, got torch.float64$"),
+        ({"param_dtype": None}, r"torch.bfloat16 or torch.float16, got None$"),
+        (
+            {"param_dtype": torch.float16, "loss_scaler": 2.0},
+            r"loss_scaler must be a halfprec loss scaler, got float",
+        ),
     ],
 )
 def test_plugin_argument_errors(kwargs, match):
@@ -309,12 +329,19 @@ def test_plugin_argument_errors(kwargs, match):
         HalfprecPrecision(**kwargs)
 
 
+def test_plugin_takes_param_dtype_positionally_or_by_keyword():
+    for plugin in (HalfprecPrecision(torch.bfloat16), HalfprecPrecision(param_dtype=torch.bfloat16)):
+        assert (plugin.dtype, plugin.precision) == (torch.bfloat16, "bf16-true")
+    plugin = HalfprecPrecision(param_dtype=torch.float16)
+    assert (plugin.dtype, plugin.precision) == (torch.float16, "16-true")
+
+
 def test_clip_set_twice_is_an_error():
     model = LitRegression(halfprec_optimizer=0.5)
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=1,
-        plugins=[HalfprecPrecision("bf16")],
+        plugins=[HalfprecPrecision(torch.bfloat16)],
         gradient_clip_val=CLIP,
         **_QUIET,
     )
@@ -331,7 +358,7 @@ def test_optimizer_wrapped_in_configure_optimizers_warns_that_masters_are_rounde
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=1,
-        plugins=[HalfprecPrecision("bf16")],
+        plugins=[HalfprecPrecision(torch.bfloat16)],
         **_QUIET,
     )
     with pytest.warns(
@@ -342,7 +369,12 @@ def test_optimizer_wrapped_in_configure_optimizers_warns_that_masters_are_rounde
 
 def test_precision_flag_with_plugin_is_refused_by_lightning():
     with pytest.raises(Exception, match=r"precision"):
-        L.Trainer(accelerator="cpu", precision="bf16-true", plugins=[HalfprecPrecision("bf16")], logger=False)
+        L.Trainer(
+            accelerator="cpu",
+            precision="bf16-true",
+            plugins=[HalfprecPrecision(torch.bfloat16)],
+            logger=False,
+        )
 
 
 def test_second_fit_on_the_same_trainer_uses_only_its_own_optimizer():
@@ -350,7 +382,7 @@ def test_second_fit_on_the_same_trainer_uses_only_its_own_optimizer():
     backward must still find exactly one optimizer's loss scale."""
     batches = make_batches(4)
     model = LitManual(inf_at=())
-    plugin = HalfprecPrecision("fp16", loss_scaler=make_scaler(torch.float16))
+    plugin = HalfprecPrecision(torch.float16, loss_scaler=make_scaler(torch.float16))
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=1,

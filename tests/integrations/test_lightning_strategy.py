@@ -170,7 +170,7 @@ def test_fabric_strategies_that_shard_in_setup_are_refused(world_of_one):
         lambda module, mesh: shard(module, mesh["data_parallel"])
     )
     fabric = Fabric(
-        accelerator="cpu", devices=1, strategy=strategy, plugins=[HalfprecFabricPrecision("bf16")]
+        accelerator="cpu", devices=1, strategy=strategy, plugins=[HalfprecFabricPrecision(torch.bfloat16)]
     )
     fabric.launch()
     model = make_model()

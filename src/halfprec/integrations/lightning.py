@@ -1,4 +1,7 @@
-"""halfprec as a Lightning precision plugin: ``Trainer(plugins=[HalfprecPrecision("bf16")])`` and Fabric.
+"""halfprec as a Lightning precision plugin: ``Trainer(plugins=[HalfprecPrecision(torch.bfloat16)])`` and Fabric.
+
+The plugin takes ``param_dtype=`` with a torch dtype, as the optimizers and ``HalfprecTrainer`` do; a precision
+string (``"bf16"``, Lightning's ``"bf16-true"``/``"16-mixed"``) is refused, naming the dtype to pass.
 
 The model is built in fp32. ``convert_module`` casts it to the 16-bit dtype (params in place, as Lightning's
 ``"bf16-true"`` does; buffers outside the state dict keep their dtype, ``prepare.derived_buffers``) and keeps each
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 
 from ..optim.base import MixedPrecisionOptimizer
-from ..precision import DTYPES
+from ..precision import DTYPES, LOW_PRECISION
 from ..prepare import cast_module, fp32_rows, start_masters_from
 from ..scaler import LossScaler
 from . import check_strategy, require, resolve_grad_accum_dtype
@@ -51,7 +54,38 @@ __all__ = [
     "setup_fabric",
 ]
 
-_LIGHTNING_NAME = {"bf16": "bf16-true", "fp16": "16-true"}
+# self.precision: Lightning's own name for 16-bit weights
+_LIGHTNING_NAME = {torch.bfloat16: "bf16-true", torch.float16: "16-true"}
+
+# the strings users pass from habit (halfprec's names, torch's, Lightning's), for the refusal's fix
+_SPELLINGS = {
+    **DTYPES, "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+    "bf16-true": torch.bfloat16, "16-true": torch.float16, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
+    "32-true": torch.float32, "float32": torch.float32,
+}  # fmt: skip
+# Lightning's autocast over fp32 weights: its own precision=, no plugin
+_AUTOCAST = ("bf16-mixed", "16-mixed")
+
+
+def _check_param_dtype(value: object, owner: str) -> torch.dtype:
+    """``value`` when it is a 16-bit dtype halfprec keeps masters for (``precision.LOW_PRECISION``); else a
+    ValueError naming it and the fix."""
+    if isinstance(value, torch.dtype) and value in LOW_PRECISION:
+        return value
+    name = value if isinstance(value, str) else None
+    dtype = _SPELLINGS.get(name) if name else value if isinstance(value, torch.dtype) else None
+    if name in _AUTOCAST:
+        fix = (
+            f"; Lightning's own {value!r} is autocast over fp32 weights: pass precision={value!r} to the Trainer "
+            f"instead of this plugin, or param_dtype={dtype} for 16-bit weights"
+        )
+    elif dtype == torch.float32:
+        fix = "; fp32 weights need no plugin: leave it out (Lightning's precision='32-true')"
+    elif dtype in LOW_PRECISION:
+        fix = f"; use param_dtype={dtype}"
+    else:
+        fix = ""
+    raise ValueError(f"{owner} param_dtype must be torch.bfloat16 or torch.float16, got {value!r}{fix}")
 
 
 def _unwrap(optimizer: Any) -> Any:
@@ -66,25 +100,21 @@ class _Common:
 
     def __init__(
         self,
-        precision: str,
+        param_dtype: torch.dtype,
         *,
         loss_scaler: LossScaler | None = None,
         skip_nonfinite: bool = True,
         impl: str = "auto",
         grad_accum_dtype: str = "auto",
     ) -> None:
-        if precision not in _LIGHTNING_NAME:  # the 16-bit ones: fp32 weights need no plugin
-            raise ValueError(
-                f"HalfprecPrecision precision must be 'bf16' or 'fp16', got {precision!r} (Lightning's own "
-                "'bf16-mixed'/'16-mixed' are autocast over fp32 weights: pass precision= to the Trainer instead)"
-            )
+        dtype = _check_param_dtype(param_dtype, type(self).__name__)  # the 16-bit ones: fp32 needs no plugin
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise ValueError(f"loss_scaler must be a halfprec loss scaler, got {type(loss_scaler).__name__}")
         check_strategy(impl, grad_accum_dtype)
         self.impl = impl
         self.grad_accum_dtype = grad_accum_dtype
-        self.precision = _LIGHTNING_NAME[precision]
-        self.dtype = DTYPES[precision]
+        self.precision = _LIGHTNING_NAME[dtype]
+        self.dtype = dtype
         self.loss_scaler = loss_scaler
         self.skip_nonfinite = skip_nonfinite
         self._fp32: dict[torch.Tensor, torch.Tensor] = {}  # param -> its fp32 tensor, until connect/setup
@@ -271,10 +301,12 @@ def _check_value_clipping(mp: MixedPrecisionOptimizer) -> None:
 
 
 class HalfprecPrecision(_Common, _TrainerPrecision):
-    """``lightning.pytorch.Trainer(plugins=[HalfprecPrecision("bf16" | "fp16")])``: 16-bit weights, fp32 masters.
+    """``lightning.pytorch.Trainer(plugins=[HalfprecPrecision(torch.bfloat16 | torch.float16)])``: 16-bit weights,
+    fp32 masters.
 
     Args:
-        precision: ``"bf16"`` or ``"fp16"``, the dtype of the model's weights.
+        param_dtype: ``torch.bfloat16`` or ``torch.float16``, the dtype of the model's weights (positional or
+            keyword); a precision string such as ``"bf16"`` is refused, naming the dtype.
         loss_scaler: a halfprec loss scaler (copied per optimizer); ``None`` = ``DynamicLossScaler()`` for
             fp16, no scaling for bf16.
         skip_nonfinite: skip steps with non-finite bf16 grads too (fp16 is always checked).
@@ -354,7 +386,8 @@ class HalfprecPrecision(_Common, _TrainerPrecision):
 
 
 class HalfprecFabricPrecision(_Common, _FabricPrecision):
-    """``Fabric(plugins=[HalfprecFabricPrecision("bf16" | "fp16")])``; set up with :func:`setup_fabric`.
+    """``Fabric(plugins=[HalfprecFabricPrecision(torch.bfloat16 | torch.float16)])``; set up with
+    :func:`setup_fabric`.
 
     Args are those of :class:`HalfprecPrecision`.
     """
@@ -390,7 +423,7 @@ def setup_fabric(
     if not isinstance(plugin, HalfprecFabricPrecision):
         raise ValueError(
             f"fabric has the precision plugin {type(plugin).__name__}; build it with "
-            "Fabric(plugins=[HalfprecFabricPrecision('bf16' | 'fp16')]) and no precision= argument"
+            "Fabric(plugins=[HalfprecFabricPrecision(torch.bfloat16 | torch.float16)]) and no precision= argument"
         )
     if setup_kwargs.get("move_to_device", True):
         # Masters are made where the params are when the optimizer is wrapped: on the device, not on the host
