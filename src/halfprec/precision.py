@@ -13,7 +13,7 @@ from ._checks import choice
 
 __all__ = [
     "DTYPES", "GRAD_ACCUM", "GradAccum", "LOW_PRECISION", "PRECISIONS", "Precision", "check_grad_accum",
-    "check_low_precision", "check_precision",
+    "check_low_precision", "check_precision", "spelled_dtype",
 ]  # fmt: skip
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -69,13 +69,29 @@ def check_grad_accum(value: object, name: str = "grad_accum_dtype", *, auto: boo
     raise ValueError(f"{name} must be one of {allowed}, got {value!r}{hint}")
 
 
+# the strings users pass for a dtype from habit (halfprec's names, torch's, Lightning's precision flags)
+_SPELLED = {
+    **DTYPES, "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "float32": torch.float32,
+    "float": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16, "bf16-mixed": torch.bfloat16,
+    "16-mixed": torch.float16, "32-true": torch.float32,
+}  # fmt: skip
+
+
+def spelled_dtype(value: object) -> torch.dtype | None:
+    """The dtype a string names in halfprec's, torch's or Lightning's spelling (``"bf16"``, ``"bfloat16"``,
+    ``"bf16-true"``), else None."""
+    return _SPELLED.get(value) if isinstance(value, str) else None
+
+
 def check_low_precision(
-    value: object, name: str = "param_dtype", *, allow_fp32: bool = False
+    value: object, name: str = "param_dtype", *, allow_fp32: bool = False, allow_none: bool = True
 ) -> torch.dtype | None:
-    """``value`` when it is a 16-bit dtype halfprec keeps masters for (or fp32 when allowed), or None; else
-    ValueError naming it."""
+    """``value`` when it is a 16-bit dtype halfprec keeps masters for (or fp32 when allowed, None when allowed);
+    else ValueError naming it and, for a dtype's name, the ``param_dtype=`` to write."""
     allowed = (*LOW_PRECISION, torch.float32) if allow_fp32 else LOW_PRECISION
-    if value is None or value in allowed:
+    if (value is None and allow_none) or (isinstance(value, torch.dtype) and value in allowed):
         return value  # type: ignore[return-value]
-    names = ", ".join(map(str, allowed))
-    raise ValueError(f"{name} must be {names} or None, got {value!r}")
+    names = " or ".join(map(str, allowed)) + (" (or None)" if allow_none else "")
+    dtype = spelled_dtype(value)
+    hint = f"; use param_dtype={dtype}" if dtype in allowed else ""
+    raise ValueError(f"{name} must be {names}, got {value!r}{hint}")

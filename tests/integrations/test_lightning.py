@@ -303,7 +303,7 @@ def test_manual_optimization_fp16():
         # names the dtype to pass
         (
             {"param_dtype": "bf16"},
-            r"^HalfprecPrecision param_dtype must be torch.bfloat16 or torch.float16, got "
+            r"^HalfprecPrecision param_dtype must be torch.float16 or torch.bfloat16, got "
             r"'bf16'; use param_dtype=torch.bfloat16$",
         ),
         ({"param_dtype": "fp16"}, r"got 'fp16'; use param_dtype=torch.float16$"),
@@ -316,8 +316,8 @@ def test_manual_optimization_fp16():
         ),
         ({"param_dtype": "fp32"}, r"got 'fp32'; fp32 weights need no plugin"),
         ({"param_dtype": torch.float32}, r"got torch.float32; fp32 weights need no plugin"),
-        ({"param_dtype": torch.float64}, r"torch.bfloat16 or torch.float16, got torch.float64$"),
-        ({"param_dtype": None}, r"torch.bfloat16 or torch.float16, got None$"),
+        ({"param_dtype": torch.float64}, r"torch.float16 or torch.bfloat16, got torch.float64$"),
+        ({"param_dtype": None}, r"torch.float16 or torch.bfloat16, got None$"),
         (
             {"param_dtype": torch.float16, "loss_scaler": 2.0},
             r"loss_scaler must be a halfprec loss scaler, got float",

@@ -199,6 +199,6 @@ def test_16bit_model_does_not_warn():
 @pytest.mark.parametrize("bad", [torch.float64, torch.int8, "bf16"])
 def test_param_dtype_error_names_the_choices(bad):
     with pytest.raises(
-        ValueError, match=r"param_dtype must be torch.float16, torch.bfloat16, torch.float32 or None"
+        ValueError, match=r"param_dtype must be torch.float16 or torch.bfloat16 or torch.float32 \(or None\)"
     ):
         _exact(_model(), param_dtype=bad)

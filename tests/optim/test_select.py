@@ -46,6 +46,9 @@ BAD_OPTIONS = [
         r"loss_scaler must be a halfprec StaticLossScaler or DynamicLossScaler, got float",
     ),
     (dict(process_group="world"), r"process_group='world' but torch.distributed is not initialised"),
+    # one spelling of the 16-bit dtype: a name is refused with the dtype to pass
+    (dict(param_dtype="bf16"), r"param_dtype must be .*, got 'bf16'; use param_dtype=torch.bfloat16$"),
+    (dict(param_dtype="half"), r"got 'half'; use param_dtype=torch.float16$"),
 ]
 
 

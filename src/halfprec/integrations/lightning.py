@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..optim.base import MixedPrecisionOptimizer
-from ..precision import DTYPES, LOW_PRECISION
+from ..precision import check_low_precision, spelled_dtype
 from ..prepare import cast_module, fp32_rows, start_masters_from
 from ..scaler import LossScaler
 from . import check_strategy, require, resolve_grad_accum_dtype
@@ -57,35 +57,26 @@ __all__ = [
 # self.precision: Lightning's own name for 16-bit weights
 _LIGHTNING_NAME = {torch.bfloat16: "bf16-true", torch.float16: "16-true"}
 
-# the strings users pass from habit (halfprec's names, torch's, Lightning's), for the refusal's fix
-_SPELLINGS = {
-    **DTYPES, "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
-    "bf16-true": torch.bfloat16, "16-true": torch.float16, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
-    "32-true": torch.float32, "float32": torch.float32,
-}  # fmt: skip
 # Lightning's autocast over fp32 weights: its own precision=, no plugin
 _AUTOCAST = ("bf16-mixed", "16-mixed")
 
 
 def _check_param_dtype(value: object, owner: str) -> torch.dtype:
-    """``value`` when it is a 16-bit dtype halfprec keeps masters for (``precision.LOW_PRECISION``); else a
-    ValueError naming it and the fix."""
-    if isinstance(value, torch.dtype) and value in LOW_PRECISION:
-        return value
-    name = value if isinstance(value, str) else None
-    dtype = _SPELLINGS.get(name) if name else value if isinstance(value, torch.dtype) else None
-    if name in _AUTOCAST:
-        fix = (
-            f"; Lightning's own {value!r} is autocast over fp32 weights: pass precision={value!r} to the Trainer "
-            f"instead of this plugin, or param_dtype={dtype} for 16-bit weights"
+    """``value`` when it is a 16-bit dtype halfprec keeps masters for; else a ValueError naming it and the fix
+    (``precision.check_low_precision``), which for Lightning's autocast and fp32 is no plugin at all."""
+    name = f"{owner} param_dtype"
+    if value in _AUTOCAST:
+        raise ValueError(
+            f"{name} must be torch.float16 or torch.bfloat16, got {value!r}; Lightning's own {value!r} is autocast "
+            f"over fp32 weights: pass precision={value!r} to the Trainer instead of this plugin, or "
+            f"param_dtype={spelled_dtype(value)} for 16-bit weights"
         )
-    elif dtype == torch.float32:
-        fix = "; fp32 weights need no plugin: leave it out (Lightning's precision='32-true')"
-    elif dtype in LOW_PRECISION:
-        fix = f"; use param_dtype={dtype}"
-    else:
-        fix = ""
-    raise ValueError(f"{owner} param_dtype must be torch.bfloat16 or torch.float16, got {value!r}{fix}")
+    if value is torch.float32 or spelled_dtype(value) is torch.float32:
+        raise ValueError(
+            f"{name} must be torch.float16 or torch.bfloat16, got {value!r}; fp32 weights need no plugin, leave "
+            "it out (Lightning's precision='32-true')"
+        )
+    return check_low_precision(value, name, allow_none=False)  # type: ignore[return-value]
 
 
 def _unwrap(optimizer: Any) -> Any:
