@@ -159,3 +159,21 @@ def test_a_process_group_that_is_not_one_is_refused_at_every_stage(stage, tmp_pa
             build(
                 torch.optim.AdamW(model.parameters()), stage=stage, process_group="x", impl="torch", **sharded
             )
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_split_masters_are_checked_the_same_way_at_every_stage(stage, tmp_path):
+    # off CUDA with impl='auto': the reason and the fix the user can act on, not the impl the strategy resolved
+    with world_of_one(tmp_path / "store"):
+        model = torch.nn.Linear(3, 2).bfloat16()
+        sharded = dict(named_parameters=model) if stage else {}
+        with pytest.raises(
+            ValueError, match=r"masters='split' runs on the fused kernels.*CUDA.*masters='fp32'"
+        ):
+            build(torch.optim.AdamW(model.parameters()), stage=stage, masters="split", **sharded)
+        with pytest.raises(
+            ValueError, match=r"masters='split' is kept by the fused kernels, and impl='torch'"
+        ):
+            build(
+                torch.optim.AdamW(model.parameters()), stage=stage, masters="split", impl="torch", **sharded
+            )

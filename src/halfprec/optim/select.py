@@ -90,6 +90,22 @@ def build(
     )  # fmt: skip
     sharded_only = dict(named_parameters=named_parameters, reduce_dtype=reduce_dtype, bucket_size=bucket_size)
     check_process_group(process_group, grad_accum_dtype, stage=stage)
+    if masters == "split":  # the fused kernels keep them, at every stage
+        if impl == "torch":
+            raise ValueError(
+                "masters='split' is kept by the fused kernels, and impl='torch' asks for the torch update: use "
+                "impl='auto' or 'triton' (CUDA params, Triton installed), or masters='fp32'"
+            )
+        reason = fused_unsupported_reason(
+            optimizer,
+            explicit=impl == "triton",
+            tool_flags=tool_flags,
+            instead="masters='fp32' (every strategy)",
+        )
+        if reason is not None:
+            raise ValueError(
+                f"masters='split' runs on the fused kernels, which cannot take this optimizer: {reason}"
+            )
     if stage:
         if named_parameters is None:
             raise ValueError(
@@ -109,21 +125,6 @@ def build(
                 f"or 2, or leave {name} out"
             )
     if masters == "split":
-        if impl == "torch":
-            raise ValueError(
-                "masters='split' is kept by the fused kernels, and impl='torch' asks for the exact strategy: use "
-                "impl='auto' or 'triton' (CUDA params, Triton installed), or masters='fp32'"
-            )
-        reason = fused_unsupported_reason(
-            optimizer,
-            explicit=impl == "triton",
-            tool_flags=tool_flags,
-            instead="masters='fp32' (every strategy)",
-        )
-        if reason is not None:
-            raise ValueError(
-                f"masters='split' runs on the fused kernels, which cannot take this optimizer: {reason}"
-            )
         return fused_from_torch(optimizer, masters="split", **options)
     # over FSDP2 shards only when asked for: the fused kernels over shards have run under the interpreter only
     if (mesh is None or impl == "triton") and select_impl(optimizer, impl, tool_flags=tool_flags) == "triton":
