@@ -381,6 +381,54 @@ def test_a_step_updates_the_params_marked_since_the_last_one(case, accum):
     assert steps() == [1.0 if k in updated else 0.0 for k in range(6)]
 
 
+def _grads_at_step(model, mp) -> list[torch.Tensor]:
+    """Per param, in fp64, the grad the step reads: its ``.grad``, which with fp32 sums a step adds to the sum the
+    hooks moved into its master's ``.grad`` (fp32 params are their own masters)."""
+    grads = []
+    for p, m in zip(model.parameters(), mp.master_params(), strict=True):
+        held = [g.double() for g in {id(t): t.grad for t in (p, m) if t.grad is not None}.values()]
+        if held:
+            grads.append(sum(held))
+    return grads
+
+
+def _edit_in_place(model, name: str) -> None:
+    model.get_parameter(name).grad.mul_(3.0)
+
+
+# edits after a backward that ran to its end, and the norm passes step() launches: one, at once, when no grad or
+# mark changes (an in-place edit is read by it: the edit came first), a second after adopt() changed one
+EDITS = {
+    "none": (lambda m: None, 1),
+    "edited in place": (lambda m: _edit_in_place(m, "b.weight"), 1),  # fp32: its own .grad in both modes
+    ".grad = None": (lambda m: _set_to_none(m, "b.bias"), 2),
+    "a grad assigned by hand": (lambda m: set_by_hand(m, ["a.bias"], 0, 50.0), 2),
+    "a grad assigned where none came": (lambda m: set_by_hand(m, ["unused.weight"], 0, 50.0), 2),
+}
+
+
+@pytest.mark.parametrize("accum", ["param", FP32])
+@pytest.mark.parametrize("edit", EDITS)
+def test_the_norm_pass_starts_at_the_step_and_reruns_after_grads_change(edit, accum, monkeypatch):
+    from halfprec.kernels import norm
+
+    (model, mp), _ = build(FusedAdamW, accum)
+    launches = []
+    sumsq = norm.sumsq
+    monkeypatch.setattr(norm, "sumsq", lambda *a, **k: launches.append(1) or sumsq(*a, **k))
+    _backward(model, mp)
+    change, passes = EDITS[edit]
+    change(model)
+    want = (
+        torch.linalg.vector_norm(torch.stack([g.norm() for g in _grads_at_step(model, mp)])) / mp.loss_scale
+    )
+    mp.step()
+    assert (
+        len(launches) == passes * 2
+    )  # a pass launches one kernel per chunk: Net has an fp16 and an fp32 one
+    assert mp.grad_norm == pytest.approx(float(want), rel=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_a_create_graph_backward_leaves_the_grad_buffers_out_of_autograd():
     # the hooks run with grad mode on in a create_graph=True backward: their copies must not be recorded (the

@@ -187,7 +187,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._update_tables = [chunk.table(idx, cfg.update_block) for chunk, idx in placed]
         where = {i: (chunk, local) for chunk, idx in placed for local, i in enumerate(idx)}
         self._where: list[tuple[Chunk, int]] = [where[i] for i in range(len(trainable))]
-        n_partials = max(sum(t.shape[0] for t in self._norm_tables), 1)  # one per norm program
+        self._n_partials = sum(t.shape[0] for t in self._norm_tables)  # one per norm program
+        n_partials = max(self._n_partials, 1)
         n = max(len(trainable), 1)
         self._sq = torch.zeros(n_partials, dtype=torch.float32, device=dev)
         self._bad = torch.zeros(n_partials, dtype=torch.float32, device=dev)
@@ -330,6 +331,16 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     def _upload_hyper(self, capturing: bool) -> None:
         self._hyper.upload([self.hp_row(g) for g in self.param_groups], capturing)
 
+    def _launch_norm_pass(self) -> None:
+        """Pass 1's first kernel: each chunk's partial sums of squares and non-finite counts."""
+        from ...kernels import norm
+
+        off, scale, flags = 0, self.loss_scaler.scale, self._grads.flags
+        for chunk, table in zip(self._chunks, self._norm_tables, strict=True):
+            n = table.shape[0]
+            norm.sumsq(chunk.grad, table, flags, scale, self._sq[off : off + n], self._bad[off : off + n])
+            off += n
+
     @torch.no_grad()
     def _step(self) -> None:
         from ...kernels import norm
@@ -347,6 +358,17 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 f"{type(self).__name__} allocates its state at the first step, which cannot happen during CUDA "
                 "graph capture: run one eager step before capturing"
             )
+        # After a backward that ran to its end the norm pass can start at once, and the host's checks below run
+        # while the device reads the grads; it runs again if they change a grad or a mark (adopt, ready).
+        early = (
+            not capturing
+            and self._mesh is None
+            and self.process_group is None
+            and self._grads.settled(self._chunks)
+        )
+        version = self._grads.version
+        if early:
+            self._launch_norm_pass()
         if not capturing:
             check_unfrozen(self._frozen)
             check_dtypes(self._trainable, self._dtypes)
@@ -364,13 +386,10 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 )
             self._grads.all_reduce(self._chunks, self.process_group)
         self._upload_hyper(capturing)
-        scale = self.loss_scaler.scale
-        flags = self._grads.flags
-        off = 0
-        for chunk, table in zip(self._chunks, self._norm_tables, strict=True):
-            n = table.shape[0]
-            norm.sumsq(chunk.grad, table, flags, scale, self._sq[off : off + n], self._bad[off : off + n])
-            off += n
+        if not early or self._grads.version != version:
+            self._launch_norm_pass()
+        off = self._n_partials
+        scale, flags = self.loss_scaler.scale, self._grads.flags
         if (
             self._mesh is not None
         ):  # every rank's norm and skip are the whole grads' (on every rank of the mesh)
