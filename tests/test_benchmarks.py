@@ -1,10 +1,11 @@
 """``benchmarks/bench_train.py --smoke`` on the CPU: every system the device runs that a CPU can (the fused kernels
-and split masters under the Triton interpreter, FSDP2 on a one-rank gloo mesh, torch.compile), so that a broken
+and split masters under the Triton interpreter, FSDP2 on a one-rank gloo mesh, torch.compile, torchao's float8), so that a broken
 system fails here and not in the device's scarce minutes; after the same steps on the same batches, every
 system's loss is autocast's to within bf16's rounding."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,12 +20,15 @@ SYSTEMS = [
     "autocast", "halfprec", "halfprec-keep", "fsdp2", "fsdp2-halfprec", "fsdp2-halfprec-split",
     "fsdp2-halfprec-exact", "autocast-compiled", "halfprec-compiled", "fsdp2-halfprec-compiled",
 ]  # fmt: skip
+# torchao's float8 recipe and halfprec over it: with the [float8] extra (CI installs it)
+FLOAT8 = ["torchao-float8", "halfprec-float8", "halfprec-float8-compiled"]
 
 
 def test_bench_train_smoke_runs_every_cpu_system(tmp_path):
+    systems = SYSTEMS + (FLOAT8 if importlib.util.find_spec("torchao") else [])
     out = tmp_path / "runs.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "2"}
-    command = [sys.executable, "benchmarks/bench_train.py", "--smoke", "--systems", ",".join(SYSTEMS)]
+    command = [sys.executable, "benchmarks/bench_train.py", "--smoke", "--systems", ",".join(systems)]
     done = subprocess.run(
         [*command, "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
@@ -32,6 +36,6 @@ def test_bench_train_smoke_runs_every_cpu_system(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["failures"] == []
     losses = {run["system"]: run["final_loss"] for run in saved["runs"]}
-    assert sorted(losses) == sorted(SYSTEMS)
+    assert sorted(losses) == sorted(systems)
     reference = losses["autocast"]
     assert all(abs(loss - reference) < 0.02 for loss in losses.values()), losses
