@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .optim.base import MixedPrecisionOptimizer
-from .optim.checks import world_size
+from .optim.checks import set_data, world_size
 from .optim.mesh import is_dtensor, local
 
 __all__ = [
@@ -31,7 +31,7 @@ def cast_rest(module: torch.nn.Module, dtype: torch.dtype, handled: set) -> None
     ``dtype`` (``derived_buffers`` keep theirs)."""
     for p in module.parameters():
         if p not in handled and p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
+            set_data(p, p.data.to(dtype))
     derived = {id(buf) for _, _, buf in derived_buffers(module)}
     for mod in module.modules():
         for name, buf in mod.named_buffers(recurse=False):

@@ -156,3 +156,78 @@ def test_engine_over_a_float8_model(device, options):
     """``halfprec.initialize`` over a converted fp32 model: the Float8Linear weights become bf16 params with their
     fp32 values as masters, the modules stay, and training goes as without float8."""
     _assert_trains_as_without_float8(_engine_run, device, torch.bfloat16, options)
+
+
+# FSDP2's float8 all-gather: torchao makes each Float8Linear weight a tensor subclass that wraps the real tensor
+ALL_GATHER = dict(enable_fsdp_float8_all_gather=True)
+
+
+def _inner(weight: torch.Tensor) -> torch.Tensor:
+    """The tensor a wrapping subclass computes with (``__tensor_flatten__``, the subclass protocol)."""
+    names, _ = weight.__tensor_flatten__()
+    return getattr(weight, names[0])
+
+
+def _all_gather_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+    config = torchao_float8.Float8LinearConfig(**ALL_GATHER)
+    torchao_float8.convert_to_float8_training(model, config=config)
+    assert all(type(m.weight).__name__ == "WeightWithDynamicFloat8CastTensor" for m in _float8_modules(model))
+    return model
+
+
+@pytest.mark.parametrize("entry", ["optimizer", "engine"])
+def test_weights_that_wrap_a_tensor_are_cast_whole_and_their_updates_reach_it(entry):
+    """``.data =`` on such a weight leaves the wrapped tensor fp32 (the forward computes with it, the updates miss
+    it); halfprec swaps the cast weight in whole, as ``nn.Module.to()`` does, and keeps it the same object."""
+    model = _all_gather_model()
+    weights = [m.weight for m in _float8_modules(model)]
+    fp32 = [w.detach().clone() for w in weights]
+    opt = torch.optim.AdamW(model.parameters(), **HP)
+    if entry == "engine":
+        mp = halfprec.initialize(model, opt, precision="bf16").optimizer
+    else:
+        mp = halfprec.MixedPrecisionOptimizer(opt, param_dtype=torch.bfloat16)
+    assert type(mp).__name__ == "ExactMixedPrecisionOptimizer"  # the fused layout cannot hold them (below)
+    assert [m.weight for m in _float8_modules(model)] == weights  # the same objects: the optimizer's
+    for w, w32 in zip(weights, fp32, strict=True):
+        assert w.dtype == _inner(w).dtype == torch.bfloat16
+        assert torch.equal(_inner(w), w32.bfloat16())
+    masters = dict(zip(mp.model_params(), mp.master_params(), strict=True))
+    assert all(torch.equal(masters[w], w32.float()) for w, w32 in zip(weights, fp32, strict=True))
+    for x, y in _batches("cpu")[:3]:
+        mp.backward(torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y))
+        mp.step()
+        mp.zero_grad()
+    for w, w32 in zip(weights, fp32, strict=True):
+        assert torch.equal(_inner(w), masters[w].bfloat16()) and not torch.equal(_inner(w), w32.bfloat16())
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (
+            dict(impl="triton"),
+            r"impl='triton' cannot be honoured: params of type \['WeightWithDynamicFloat8CastTensor'\]",
+        ),
+        (
+            dict(impl="triton", masters="split"),
+            r"masters='split' runs on the fused kernels.*use masters='fp32'",
+        ),
+    ],
+)
+def test_the_fused_layout_refuses_weights_that_wrap_a_tensor(options, match):
+    model = _all_gather_model().bfloat16()
+    with pytest.raises(ValueError, match=match):
+        halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), **options)
+
+
+def test_the_sharded_strategy_refuses_weights_that_wrap_a_tensor(tmp_path):
+    from .helpers import world_of_one
+
+    model = _all_gather_model().bfloat16()
+    with world_of_one(tmp_path / "store"), pytest.raises(ValueError, match=r"stage=1 makes the params views"):
+        halfprec.MixedPrecisionOptimizer(
+            torch.optim.AdamW(model.parameters()), stage=1, named_parameters=model
+        )

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..optim.base import MixedPrecisionOptimizer
+from ..optim.checks import set_data
 from ..precision import check_low_precision, spelled_dtype
 from ..prepare import cast_module, fp32_rows, start_masters_from
 from ..scaler import LossScaler
@@ -122,7 +123,7 @@ class _Common:
             for p in module.parameters():
                 if p.dtype == torch.float32 and p not in self._rows:
                     self._fp32[p] = p.data
-                    p.data = p.data.to(self.dtype)
+                    set_data(p, p.data.to(self.dtype))
         return cast_module(module, self.dtype)  # the state's floating buffers, and the shards
 
     def convert_input(self, data: Any) -> Any:
@@ -161,7 +162,7 @@ class _Common:
                 for p in (p for group in optimizer.param_groups for p in group["params"] if p in self._fp32):
                     # back to fp32 so that param_dtype keeps it as the master; on the param's device now (the
                     # Trainer moves the module after convert_module, the fp32 copy stayed)
-                    p.data = self._fp32[p].to(p.device)
+                    set_data(p, self._fp32[p].to(p.device))
             # FSDP2 reduce-scatters every micro-batch under the Trainer (it has no no_sync for fully_shard)
             shards = trains_shards(p for group in optimizer.param_groups for p in group["params"])
             accum = resolve_grad_accum_dtype(

@@ -24,7 +24,7 @@ import torch
 from .._checks import is_int
 from ..precision import LOW_PRECISION
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
-from .checks import ELEMENTWISE, check_options, check_torch_optimizer
+from .checks import ELEMENTWISE, check_options, check_torch_optimizer, set_data
 from .mesh import local
 from .results import ScaleGuard, SkipLog, StepState, refuse_backward_after_unscale, warn_caller
 
@@ -164,7 +164,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
             )
         if self.param_dtype in LOW_PRECISION and p.dtype == torch.float32:
             originals[p] = p.data
-            p.data = p.data.to(self.param_dtype)
+            set_data(p, p.data.to(self.param_dtype))
 
     @property
     def collective(self) -> bool:

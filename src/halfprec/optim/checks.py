@@ -4,10 +4,12 @@ they share (zero_grad's grad clearing, telling LR schedulers that a step ran).""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .._checks import check_max_grad_norm
 from ..precision import check_grad_accum, check_low_precision
@@ -15,7 +17,7 @@ from ..scaler import LossScaler
 
 __all__ = [
     "ELEMENTWISE", "check_elementwise", "check_dtypes", "check_grad_accum_dtype", "check_options", "check_params", "check_torch_optimizer",
-    "check_unfrozen", "clear_grads", "tell_schedulers", "world_size",
+    "check_unfrozen", "clear_grads", "set_data", "tell_schedulers", "world_size", "wrapped_types",
 ]  # fmt: skip
 
 
@@ -103,6 +105,30 @@ def check_dtypes(params: Iterable[torch.Tensor], dtypes: Iterable[torch.dtype]) 
                 "was wrapped: its masters, loss scaling and state were set up for that dtype. Cast the model "
                 "(model.to(dtype)) before wrapping the optimizer, and do not change its dtype afterwards"
             )
+
+
+def set_data(p: torch.Tensor, value: torch.Tensor) -> None:
+    """``p.data = value``, ``p`` staying the same object. A tensor subclass that wraps another tensor (torchao's
+    float8 weights under FSDP2's float8 all-gather) keeps it in an attribute that ``.data =`` does not reach, so it
+    would compute with the old tensor: it is swapped in whole, as ``nn.Module.to()`` does."""
+    if is_traceable_wrapper_subclass(p) or is_traceable_wrapper_subclass(value):
+        torch.utils.swap_tensors(p, torch.nn.Parameter(value, requires_grad=p.requires_grad))
+    else:
+        p.data = value
+
+
+def wrapped_types(params: Iterable[torch.Tensor]) -> list[str]:
+    """The names of the tensor subclasses among ``params`` that wrap another tensor, DTensors (FSDP2's shards)
+    aside: they cannot be views of a flat buffer (the fused kernels' and the sharded strategy's layout)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return sorted(
+        {
+            type(p).__name__
+            for p in params
+            if is_traceable_wrapper_subclass(p)
+            and not (dtensor is not None and isinstance(p, dtensor.DTensor))
+        }
+    )
 
 
 def clear_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:

@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from .checks import wrapped_types
+
 __all__ = ["IMPLS", "fused_class", "fused_unsupported_reason", "select_impl", "unsupported_flag"]
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -64,6 +66,12 @@ def fused_unsupported_reason(
     if flag is not None:
         return flag
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    wrapped = wrapped_types(params)
+    if wrapped:
+        return (
+            f"params of type {wrapped} wrap another tensor, and the fused kernels make the params views of one flat "
+            f"buffer, which such a subclass cannot be (torchao's float8 all-gather weights); use {instead}"
+        )
     off_cuda = sorted({str(p.device) for p in params if p.device.type != "cuda"})
     interpreted = explicit and os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests of the kernels
     if off_cuda and not interpreted:
