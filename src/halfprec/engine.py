@@ -31,6 +31,7 @@ from .prepare import (
     cast_rest,
     cast_shards,
     check_shards,
+    float8_scale_precompute,
     fully_shard_model,
     laid_out_like,
     start_masters_from,
@@ -233,6 +234,8 @@ class Engine:
         self.last_record: StepRecord | None = None
         self._stepped_micro = 0
         self._sharded = config.zero_stage in (1, 2)
+        # FSDP2's float8 all-gather: the weights' scales, recomputed whenever the weights change
+        self._after_update = float8_scale_precompute(module)
 
     # --- the loop --------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -299,6 +302,8 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             return None
         self.optimizer.step()
+        if self._after_update is not None:
+            self._after_update()
         self._stepped_micro = self.micro_step
         self.global_step += 1
         # read only for a scheduler, which must not advance on a skipped step (on CUDA: a wait for the norm pass)
@@ -474,6 +479,8 @@ class Engine:
             keep_scaler_settings(path, self.optimizer.loss_scaler, configured)
         else:
             self.optimizer.refresh_masters()
+        if self._after_update is not None:
+            self._after_update()
         self.global_step, self.micro_step = counters
         self._stepped_micro = self.micro_step
         scheduler_state = engine_state["lr_scheduler"]

@@ -4,9 +4,13 @@ again on load. The optimizer's masters of the shards are ``optim/mesh.py``'s."""
 
 from __future__ import annotations
 
+import functools
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .optim.base import MixedPrecisionOptimizer
 from .optim.checks import set_data, world_size
@@ -17,6 +21,7 @@ __all__ = [
     "cast_rest",
     "cast_shards",
     "derived_buffers",
+    "float8_scale_precompute",
     "fp32_rows",
     "check_shards",
     "fully_shard_model",
@@ -61,6 +66,23 @@ def derived_buffers(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str,
         for name, buf in mod.named_buffers(recurse=False)
         if buf.is_floating_point() and id(buf) not in saved
     ]
+
+
+def float8_scale_precompute(module: torch.nn.Module) -> Callable[[], None] | None:
+    """What the engine runs after each step and load when ``module`` uses FSDP2's float8 all-gather (torchao's
+    ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``: each Float8Linear weight's shard wraps its tensor in
+    torchao's ``WeightWithDynamicFloat8CastTensor``): torchao's ``precompute_float8_dynamic_scale_for_fsdp``, one
+    all-reduce of every weight's amax for the scales the next all-gather casts with, as torchao asks after each
+    optimizer step. None for any other module."""
+    if "torchao.float8" not in sys.modules:  # torchao not imported: no float8 weight
+        return None
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # noqa: PLC0415 - the [float8] extra
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: PLC0415
+
+    shards = (local(p) for p in module.parameters() if is_dtensor(p))
+    if not any(isinstance(t, WeightWithDynamicFloat8CastTensor) for t in shards):
+        return None
+    return functools.partial(precompute_float8_dynamic_scale_for_fsdp, module)
 
 
 def fully_shard_model(
@@ -187,6 +209,20 @@ def check_shards(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     return True
 
 
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind a tensor subclass that wraps one (torchao's float8 weights), for a file to hold;
+    any other tensor as it is."""
+    while is_traceable_wrapper_subclass(t) and not is_dtensor(t):
+        names, _ = t.__tensor_flatten__()
+        if len(names) != 1:
+            raise ValueError(
+                f"a weight is a {type(t).__name__} of {len(names)} tensors ({names}), which a checkpoint cannot "
+                "hold as one: convert the model back to plain tensors before saving"
+            )
+        t = getattr(t, names[0])
+    return t
+
+
 def whole_state(module: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor] | None:
     """``module.state_dict()`` with each DTensor (an FSDP2 shard) gathered whole into host memory, for rank 0 to
     write as safetensors: one all-gather per tensor, which every rank of the mesh must call. Only where ``keep``
@@ -195,7 +231,7 @@ def whole_state(module: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tenso
     model's save holds it."""
     state = module.state_dict()
     if not any(is_dtensor(v) for v in state.values()):
-        return state if keep else None
+        return {name: plain(v) for name, v in state.items()} if keep else None
     # a tied param is gathered once on every rank (the same collectives everywhere), and stored once
     first: dict[int, str] = {}
     alias = {n: first.setdefault(id(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
@@ -204,7 +240,7 @@ def whole_state(module: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tenso
         source = alias.get(name, name)
         if source not in out:
             whole = value.full_tensor() if is_dtensor(value) else value
-            out[source] = whole.cpu() if keep else None
+            out[source] = plain(whole).cpu() if keep else None
         out[name] = out[source]
     return out if keep else None
 

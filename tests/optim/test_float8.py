@@ -231,3 +231,52 @@ def test_the_sharded_strategy_refuses_weights_that_wrap_a_tensor(tmp_path):
         halfprec.MixedPrecisionOptimizer(
             torch.optim.AdamW(model.parameters()), stage=1, named_parameters=model
         )
+
+
+def _scales(model) -> list[torch.Tensor | None]:
+    """The scales torchao keeps for each weight's next float8 all-gather (on its local shard)."""
+    return [getattr(_inner(m.weight), "_precomputed_scale", None) for m in _float8_modules(model)]
+
+
+def test_the_engine_precomputes_the_float8_all_gather_scales_after_each_step_and_load(tmp_path):
+    """zero_stage=3 over the fp32 model converted for FSDP2's float8 all-gather: after each step (and a checkpoint
+    load) every weight's scale is the one torchao's precompute gives for the current weights, as torchao asks."""
+    from .helpers import world_of_one
+
+    with world_of_one(tmp_path / "store"):
+        model = _all_gather_model()
+        engine = halfprec.initialize(
+            model, torch.optim.AdamW(model.parameters(), **HP), precision="bf16", zero_stage=3
+        )
+        assert _scales(model) == [None, None]
+        seen = []
+        for x, y in _batches("cpu")[:3]:
+            engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y))
+            engine.step()
+            seen.append([s.clone() for s in _scales(model)])
+            torchao_float8.precompute_float8_dynamic_scale_for_fsdp(model)  # the oracle: torchao's own, again
+            assert all(torch.equal(a, b) for a, b in zip(seen[-1], _scales(model), strict=True))
+        assert not torch.equal(seen[0][0], seen[-1][0])  # the weights moved, and their scales with them
+        engine.save_checkpoint(tmp_path / "ckpt")
+        engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y))
+        engine.step()
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert all(torch.equal(a, b) for a, b in zip(seen[-1], _scales(model), strict=True))
+
+
+def test_a_checkpoint_of_weights_that_wrap_a_tensor_holds_their_values_and_resumes(tmp_path):
+    """The file holds the plain tensor each float8 weight wraps; a load puts it back into the same weights."""
+    model = _all_gather_model()
+    engine = halfprec.initialize(model, torch.optim.AdamW(model.parameters(), **HP), precision="bf16")
+    batches = _batches("cpu")[:4]
+    for x, y in batches[:2]:
+        engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y))
+        engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
+    saved = [_inner(m.weight).clone() for m in _float8_modules(model)]
+    for x, y in batches[2:]:
+        engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y))
+        engine.step()
+    engine.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(_inner(m.weight), w) for m, w in zip(_float8_modules(model), saved, strict=True))
+    assert all(type(m.weight).__name__ == "WeightWithDynamicFloat8CastTensor" for m in _float8_modules(model))
