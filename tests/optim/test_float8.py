@@ -179,8 +179,9 @@ def _all_gather_model() -> torch.nn.Sequential:
 
 @pytest.mark.parametrize("entry", ["optimizer", "engine"])
 def test_weights_that_wrap_a_tensor_are_cast_whole_and_their_updates_reach_it(entry):
-    """``.data =`` on such a weight leaves the wrapped tensor fp32 (the forward computes with it, the updates miss
-    it); halfprec swaps the cast weight in whole, as ``nn.Module.to()`` does, and keeps it the same object."""
+    """``.data =`` on such a weight leaves the wrapped tensor fp32 while the weight says bf16 (the forward, the
+    updates and FSDP2's shards all use the fp32 one); halfprec swaps the cast weight in whole, as
+    ``nn.Module.to()`` does, and keeps it the same object."""
     model = _all_gather_model()
     weights = [m.weight for m in _float8_modules(model)]
     fp32 = [w.detach().clone() for w in weights]
