@@ -465,9 +465,12 @@ def test_auto_beside_an_explicit_precision_is_reported():
 @pytest.mark.parametrize(
     ("where", "regex"),
     [
-        ("missing.json", r"DeepSpeed config '.*missing\.json' is not a file: pass the path of the JSON file"),
+        (
+            "missing.json",
+            r"DeepSpeed config '.*missing\.json' does not exist: pass the path of the JSON file",
+        ),
         (".", r"DeepSpeed config '.*' is not a file \(it is a directory\): pass the path"),
-        ('{"fp16": {"enabled": true}}', r"is not a file: it looks like JSON text; pass json\.loads\(text\)"),
+        ('{"fp16": {"enabled": true}}', r"does not exist: it looks like JSON text; pass json\.loads\(text\)"),
     ],
 )
 def test_a_config_path_that_is_not_a_file_names_the_fix(tmp_path, monkeypatch, where, regex):

@@ -221,7 +221,7 @@ def read_deepspeed(cls: type[_C], cfg: Mapping[str, Any] | str | os.PathLike) ->
         if not os.path.isfile(path):
             text = isinstance(cfg, str) and cfg.lstrip().startswith("{")
             raise ValueError(
-                f"DeepSpeed config {path!r} is not a file"
+                f"DeepSpeed config {path!r} {'is not a file' if os.path.exists(path) else 'does not exist'}"
                 + (
                     ": it looks like JSON text; pass json.loads(text), a dict, or the path of the JSON file"
                     if text

@@ -259,12 +259,13 @@ def test_another_optimizers_plain_torch_state_dict_is_refused_the_same_way_and_c
     _unchanged(mp, model, before)
 
 
-def test_a_plain_torch_state_dict_with_state_of_the_wrong_size_is_refused_at_load(strategy):
+@pytest.mark.parametrize("size", [3, 1])  # one element is no scalar: only 0-d state is
+def test_a_plain_torch_state_dict_with_state_of_the_wrong_size_is_refused_at_load(strategy, size):
     model = _model()
     mp, before = _build(strategy, model), _weights(model)
     plain = _trained_plain(torch.optim.AdamW, lr=0.25)
-    plain["state"][0]["exp_avg"] = torch.zeros(3)
-    match = {None: r"state dict's exp_avg of param 0 has 3 elements and the param 35"}
+    plain["state"][0]["exp_avg"] = torch.zeros(size)
+    match = {None: rf"state dict's exp_avg of param 0 has {size} elements? and the param 35"}
     with pytest.raises(
         ValueError, match=match.get(DIFFERS["torch_state_dict"][strategy], "plain torch optimizer")
     ):

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import halfprec
+from halfprec.optim import FusedAdamW
 
 # torchao logs a warning for each CUDA kernel library it cannot load (all of them on a CPU build of torch)
 logging.getLogger("torchao").setLevel(logging.ERROR)
@@ -222,6 +223,25 @@ def test_the_fused_layout_refuses_weights_that_wrap_a_tensor(options, match):
     model = _all_gather_model().bfloat16()
     with pytest.raises(ValueError, match=match):
         halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), **options)
+
+
+def test_a_fused_optimizer_built_directly_refuses_weights_that_wrap_a_tensor():
+    model = _all_gather_model().bfloat16()
+    before = [_inner(m.weight).clone() for m in _float8_modules(model)]
+    with pytest.raises(
+        ValueError, match=r"FusedAdamW makes the params views of one flat buffer.*impl='torch'"
+    ):
+        FusedAdamW(model.parameters(), lr=1e-3)
+    assert all(torch.equal(_inner(m.weight), w) for m, w in zip(_float8_modules(model), before, strict=True))
+
+
+def test_casting_a_weight_that_wraps_a_tensor_refuses_to_drop_its_grad():
+    model = _all_gather_model()
+    model(torch.randn(32, 64)).sum().backward()
+    with pytest.raises(
+        ValueError, match=r"WeightWithDynamicFloat8CastTensor param of shape \(128, 64\) has a grad"
+    ):
+        halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), param_dtype=torch.bfloat16)
 
 
 def test_the_sharded_strategy_refuses_weights_that_wrap_a_tensor(tmp_path):

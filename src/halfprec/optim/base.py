@@ -395,7 +395,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
         for k, p in enumerate(self._model_params):
             entry = state.get(k, state.get(str(k)))
             for name, value in (entry or {}).items():
-                if not torch.is_tensor(value) or value.numel() == 1:
+                if not torch.is_tensor(value) or value.dim() == 0:
                     continue  # counters, flags and scalar state
                 want, held = local(p).numel(), local(value).numel()
                 if held != want:

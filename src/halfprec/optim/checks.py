@@ -17,7 +17,7 @@ from ..scaler import LossScaler
 
 __all__ = [
     "ELEMENTWISE", "check_elementwise", "check_dtypes", "check_grad_accum_dtype", "check_options", "check_params", "check_torch_optimizer",
-    "check_unfrozen", "clear_grads", "set_data", "tell_schedulers", "world_size", "wrapped_types",
+    "check_unfrozen", "check_unwrapped", "clear_grads", "set_data", "tell_schedulers", "world_size", "wrapped_types",
 ]  # fmt: skip
 
 
@@ -110,11 +110,24 @@ def check_dtypes(params: Iterable[torch.Tensor], dtypes: Iterable[torch.dtype]) 
 def set_data(p: torch.Tensor, value: torch.Tensor) -> None:
     """``p.data = value``, ``p`` staying the same object. A tensor subclass that wraps another tensor (torchao's
     float8 weights under FSDP2's float8 all-gather) keeps it in an attribute that ``.data =`` does not reach, so it
-    would compute with the old tensor: it is swapped in whole, as ``nn.Module.to()`` does."""
-    if is_traceable_wrapper_subclass(p) or is_traceable_wrapper_subclass(value):
-        torch.utils.swap_tensors(p, torch.nn.Parameter(value, requires_grad=p.requires_grad))
-    else:
+    would compute with the old tensor: it is swapped in whole, as ``nn.Module.to()`` does (hooks registered on
+    the param are not carried over, as there; a grad is refused: it would be dropped)."""
+    if not (is_traceable_wrapper_subclass(p) or is_traceable_wrapper_subclass(value)):
         p.data = value
+        return
+    what = f"a {type(p).__name__} param of shape {tuple(p.shape)}"
+    if p.grad is not None:
+        raise ValueError(
+            f"{what} has a grad, which casting it (a swap, as nn.Module.to() does) would drop: cast the model "
+            "(model.to(dtype)) or call zero_grad() before wrapping the optimizer"
+        )
+    try:
+        torch.utils.swap_tensors(p, torch.nn.Parameter(value, requires_grad=p.requires_grad))
+    except RuntimeError as e:
+        raise ValueError(
+            f"{what} cannot be cast in place ({e}): cast the model (model.to(dtype)) before anything holds a "
+            "reference to its params (torch.compile, an optimizer), then wrap the optimizer"
+        ) from None
 
 
 def wrapped_types(params: Iterable[torch.Tensor]) -> list[str]:
@@ -129,6 +142,17 @@ def wrapped_types(params: Iterable[torch.Tensor]) -> list[str]:
             and not (dtensor is not None and isinstance(p, dtensor.DTensor))
         }
     )
+
+
+def check_unwrapped(params: Iterable[torch.Tensor], owner: str, instead: str) -> None:
+    """ValueError, before anything changes, when ``owner`` (which makes the params views of one flat buffer) is
+    given params that wrap another tensor (``wrapped_types``): the view would replace what they compute with."""
+    wrapped = wrapped_types(params)
+    if wrapped:
+        raise ValueError(
+            f"{owner} makes the params views of one flat buffer, and params of type {wrapped} wrap another tensor, "
+            f"which such a view cannot be (torchao's float8 weights with FSDP2's float8 all-gather): {instead}"
+        )
 
 
 def clear_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:

@@ -23,7 +23,7 @@ import torch
 from ..scaler import LossScaler
 from .accumulate import check_process_group
 from .base import MixedPrecisionOptimizer, check_wrappable, register_factory
-from .checks import check_elementwise, check_grad_accum_dtype, check_options, wrapped_types
+from .checks import check_elementwise, check_grad_accum_dtype, check_options
 from .exact import ExactMixedPrecisionOptimizer
 from .masters import check_masters
 from .mesh import Mesh, check_sharded_options
@@ -90,13 +90,6 @@ def build(
     )  # fmt: skip
     sharded_only = dict(named_parameters=named_parameters, reduce_dtype=reduce_dtype, bucket_size=bucket_size)
     check_process_group(process_group, grad_accum_dtype, stage=stage)
-    wrapped = wrapped_types(trained)
-    if stage and wrapped:
-        raise ValueError(
-            f"stage={stage} makes the params views of one flat buffer, and params of type {wrapped} wrap another "
-            "tensor, which such a view cannot be (torchao's float8 all-gather weights): use stage 0 with "
-            "torch.distributed's DDP, or FSDP2 (fully_shard) for sharded state"
-        )
     if masters == "split":  # the fused kernels keep them, at every stage
         if impl == "torch":
             raise ValueError(

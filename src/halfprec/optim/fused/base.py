@@ -33,7 +33,7 @@ from ...precision import GRAD_ACCUM
 from ...scaler import LossScaler
 from ..accumulate import check_process_group
 from ..base import MixedPrecisionOptimizer
-from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, tell_schedulers
+from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, check_unwrapped, tell_schedulers
 from ..chunk import Chunk, chunk_params
 from ..masters import check_masters
 from ..mesh import Mesh, check_sharded_options, is_dtensor, local
@@ -148,6 +148,11 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                     "shards (DTensors): use an elementwise optimizer (FusedAdamW, FusedAdam, FusedSGD, "
                     "FusedAdagrad) over them"
                 )
+        check_unwrapped(
+            self._model_params,
+            type(self).__name__,
+            "use MixedPrecisionOptimizer(torch optimizer, impl='torch')",
+        )
         trainable, group_of, originals = [], [], {}
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:

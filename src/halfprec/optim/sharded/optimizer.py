@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ...scaler import LossScaler
 from ..base import MixedPrecisionOptimizer
-from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, clear_grads
+from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, check_unwrapped, clear_grads
 from ..clip import clip_coefficient
 from ..layout import Layout
 from ..masters import Masters, check_masters
@@ -179,6 +179,11 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     def _init_flat(self) -> dict[int, torch.Tensor]:
         """Cast to ``param_dtype``, check one dtype and device; return the fp32 originals by layout index."""
+        check_unwrapped(
+            self._params,
+            f"stage={self.stage}",
+            "use stage 0 with torch.distributed's DDP, or FSDP2 (fully_shard)",
+        )
         originals: dict[torch.Tensor, torch.Tensor] = {}
         for p in self._params:
             self._cast_to_param_dtype(p, originals)
