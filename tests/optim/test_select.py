@@ -148,32 +148,23 @@ def test_split_masters_with_an_optimizer_without_kernels_name_the_fix_that_works
     assert "impl='torch'" not in str(refused.value)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_a_process_group_that_is_not_one_is_refused_at_every_stage(stage, tmp_path):
-    with world_of_one(tmp_path / "store"):
-        model = torch.nn.Linear(3, 2).bfloat16()
-        sharded = dict(named_parameters=model) if stage else {}
-        with pytest.raises(
-            ValueError, match=r"process_group must be a torch.distributed.ProcessGroup .*got str"
-        ):
-            build(
-                torch.optim.AdamW(model.parameters()), stage=stage, process_group="x", impl="torch", **sharded
-            )
+# refused the same way whichever stage is asked for: (options, error), off CUDA on a one-rank gloo world
+AT_EVERY_STAGE = [
+    (
+        dict(process_group="x", impl="torch"),
+        r"process_group must be a torch.distributed.ProcessGroup .*got str",
+    ),
+    # impl='auto': the reason and the fix the user can act on, not the impl the strategy resolved
+    (dict(masters="split"), r"masters='split' runs on the fused kernels.*CUDA.*masters='fp32'"),
+    (dict(masters="split", impl="torch"), r"masters='split' is kept by the fused kernels, and impl='torch'"),
+]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_split_masters_are_checked_the_same_way_at_every_stage(stage, tmp_path):
-    # off CUDA with impl='auto': the reason and the fix the user can act on, not the impl the strategy resolved
+@pytest.mark.parametrize(("options", "match"), AT_EVERY_STAGE)
+def test_options_are_refused_the_same_way_at_every_stage(stage, options, match, tmp_path):
     with world_of_one(tmp_path / "store"):
         model = torch.nn.Linear(3, 2).bfloat16()
         sharded = dict(named_parameters=model) if stage else {}
-        with pytest.raises(
-            ValueError, match=r"masters='split' runs on the fused kernels.*CUDA.*masters='fp32'"
-        ):
-            build(torch.optim.AdamW(model.parameters()), stage=stage, masters="split", **sharded)
-        with pytest.raises(
-            ValueError, match=r"masters='split' is kept by the fused kernels, and impl='torch'"
-        ):
-            build(
-                torch.optim.AdamW(model.parameters()), stage=stage, masters="split", impl="torch", **sharded
-            )
+        with pytest.raises(ValueError, match=match):
+            build(torch.optim.AdamW(model.parameters()), stage=stage, **options, **sharded)
