@@ -10,10 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .optim.base import MixedPrecisionOptimizer
-from .optim.checks import set_data, world_size
+from .optim.checks import set_data, world_size, wraps_tensor
 from .optim.mesh import is_dtensor, local
 
 __all__ = [
@@ -212,7 +211,7 @@ def check_shards(model: torch.nn.Module, dtype: torch.dtype) -> bool:
 def plain(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor behind a tensor subclass that wraps one (torchao's float8 weights), for a file to hold;
     any other tensor as it is."""
-    while is_traceable_wrapper_subclass(t) and not is_dtensor(t):
+    while wraps_tensor(t):
         names, _ = t.__tensor_flatten__()
         if len(names) != 1:
             raise ValueError(

@@ -376,13 +376,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
                 "a torch optimizer state dict has a dict 'state' and a list of dicts 'param_groups', got "
                 f"{type(state).__name__} and {type(groups).__name__}: the file is damaged or was not written by torch"
             )
-        saved = [len(g.get("params", ())) for g in groups]
-        if saved != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError(
-                f"the torch optimizer state dict has param groups of {saved} params and this optimizer "
-                f"{[len(g['params']) for g in self.param_groups]}: load the state of an optimizer over the same "
-                "params, grouped the same way"
-            )
+        self._check_group_sizes(groups, "the torch optimizer state dict")
         self.check_algorithm(None, groups, where="torch optimizer state dict")
         self._check_state_sizes(state)
 
@@ -406,16 +400,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
                         "halfprec.distributed.checkpoint, which reshards"
                     )
 
+    def _check_group_sizes(self, saved: list[dict[str, Any]], where: str) -> None:
+        sizes, mine = [len(g.get("params", ())) for g in saved], [len(g["params"]) for g in self.param_groups]
+        if sizes != mine:
+            raise ValueError(
+                f"{where} has param groups of sizes {sizes}, this optimizer {mine}: build the optimizer with the "
+                "same param groups as the one that was saved"
+            )
+
     def _check_payload(self, state_dict: dict[str, Any]) -> None:
         """The model-space payload's checks (exact and fused): the params, groups and masters fit this model."""
         self._check_compatible(state_dict.get("params"))
-        saved_groups = [len(g["params"]) for g in state_dict["optimizer"]["param_groups"]]
-        groups = [len(g["params"]) for g in self.param_groups]
-        if saved_groups != groups:
-            raise ValueError(
-                f"state dict has param groups of sizes {saved_groups}, this optimizer {groups}: build the "
-                "optimizer with the same param groups as the one that was saved"
-            )
+        self._check_group_sizes(state_dict["optimizer"]["param_groups"], "state dict")
         entries = self._param_entries()
         want = [i for i, entry in enumerate(entries) if entry["master"]]
         masters = state_dict.get("masters")

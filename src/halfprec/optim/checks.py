@@ -4,7 +4,6 @@ they share (zero_grad's grad clearing, telling LR schedulers that a step ran).""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,10 +13,11 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from .._checks import check_max_grad_norm
 from ..precision import check_grad_accum, check_low_precision
 from ..scaler import LossScaler
+from .mesh import is_dtensor
 
 __all__ = [
     "ELEMENTWISE", "check_elementwise", "check_dtypes", "check_grad_accum_dtype", "check_options", "check_params", "check_torch_optimizer",
-    "check_unfrozen", "check_unwrapped", "clear_grads", "set_data", "tell_schedulers", "world_size", "wrapped_types",
+    "check_unfrozen", "check_unwrapped", "clear_grads", "set_data", "tell_schedulers", "world_size", "wrapped_types", "wraps_tensor",
 ]  # fmt: skip
 
 
@@ -130,18 +130,16 @@ def set_data(p: torch.Tensor, value: torch.Tensor) -> None:
         ) from None
 
 
+def wraps_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor subclass that wraps another tensor (torchao's float8 weights), DTensors (FSDP2's
+    shards, ``mesh.is_dtensor``) aside."""
+    return is_traceable_wrapper_subclass(t) and not is_dtensor(t)
+
+
 def wrapped_types(params: Iterable[torch.Tensor]) -> list[str]:
-    """The names of the tensor subclasses among ``params`` that wrap another tensor, DTensors (FSDP2's shards)
-    aside: they cannot be views of a flat buffer (the fused kernels' and the sharded strategy's layout)."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return sorted(
-        {
-            type(p).__name__
-            for p in params
-            if is_traceable_wrapper_subclass(p)
-            and not (dtensor is not None and isinstance(p, dtensor.DTensor))
-        }
-    )
+    """The names of the ``wraps_tensor`` subclasses among ``params``: they cannot be views of a flat buffer (the
+    fused kernels' and the sharded strategy's layout)."""
+    return sorted({type(p).__name__ for p in params if wraps_tensor(p)})
 
 
 def check_unwrapped(params: Iterable[torch.Tensor], owner: str, instead: str) -> None:
