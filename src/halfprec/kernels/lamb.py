@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .settings import NO_FMA, settings
 from .slots import ADAM_PSCAL
 from .update import _adam_moments, _grad_and_master, _load_master, _pscal_row, _row, _store, param_arg
@@ -115,14 +116,15 @@ def lamb_update(
         return
     cfg = settings()
     p, code = param_arg(param, master)
-    _lamb_stage_kernel[(n,)](
-        p, grad, master, exp_avg, exp_avg_sq, table, pscal, scalars, partials,
+    launch(
+        _lamb_stage_kernel, (n,), p, grad, master, exp_avg, exp_avg_sq, table, pscal, scalars, partials,
         S=ADAM_PSCAL, PARAM=code, BLOCK=cfg.update_block, num_warps=cfg.update_warps, **NO_FMA,
     )  # fmt: skip
-    _lamb_trust_kernel[(trust_rows.shape[0],)](
-        partials, trust_rows, pscal, S=ADAM_PSCAL, BLOCK=cfg.final_block, num_warps=cfg.final_warps
-    )
-    _lamb_apply_kernel[(n,)](
-        p, master, exp_avg, exp_avg_sq, table, pscal,
+    launch(
+        _lamb_trust_kernel, (trust_rows.shape[0],), partials, trust_rows, pscal,
+        S=ADAM_PSCAL, BLOCK=cfg.final_block, num_warps=cfg.final_warps,
+    )  # fmt: skip
+    launch(
+        _lamb_apply_kernel, (n,), p, master, exp_avg, exp_avg_sq, table, pscal,
         S=ADAM_PSCAL, PARAM=code, BLOCK=cfg.update_block, num_warps=cfg.update_warps, **NO_FMA,
     )  # fmt: skip

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..scaler import DynamicLossScaler
+from .launch import launch
 from .scaler import _dynamic_step, scaler_args
 from .settings import settings
 from .slots import HP_SLOTS, HP_WIDTH, PSCAL_SLOTS, Kind
@@ -165,7 +166,8 @@ def sumsq(
     if n == 0:
         return
     cfg = settings()
-    _sumsq_kernel[(n,)](grad, table, flags, scale, sq, bad, BLOCK=cfg.norm_block, num_warps=cfg.norm_warps)
+    block, warps = cfg.norm_block, cfg.norm_warps
+    launch(_sumsq_kernel, (n,), grad, table, flags, scale, sq, bad, BLOCK=block, num_warps=warps)
 
 
 def finalize(
@@ -184,8 +186,8 @@ def finalize(
     # without a scaler: placeholders the kernel does not read
     sargs = (scale, scale, 1.0, 0.5, 1, 1, 1.0) if scaler is None else scaler_args(scaler)
     cfg = settings()
-    _finalize_kernel[(1,)](
-        sq, bad, sq.numel(), scale, scalars, 0.0 if max_norm is None else float(max_norm),
+    launch(
+        _finalize_kernel, (1,), sq, bad, sq.numel(), scale, scalars, 0.0 if max_norm is None else float(max_norm),
         flags, steps, pgroup, hp, pscal, steps.numel(), *sargs,
         CHECK=bool(check), CLIP=max_norm is not None, KIND=int(kind), H=HP_SLOTS[kind], S=PSCAL_SLOTS[kind],
         SCALER=scaler is not None,

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..scaler import DynamicLossScaler, LossScaler
+from .launch import launch
 
 __all__ = ["fusable", "scaler_args", "dynamic_update"]
 
@@ -120,4 +121,4 @@ def dynamic_update(scaler: DynamicLossScaler, found_inf: torch.Tensor) -> None:
             f"found_inf must be a one-element tensor on {scale.device}, got shape {tuple(found_inf.shape)} "
             f"on {found_inf.device}"
         )
-    _dynamic_update_kernel[(1,)](found_inf, scale, *scaler_args(scaler), num_warps=1)
+    launch(_dynamic_update_kernel, (1,), found_inf, scale, *scaler_args(scaler), num_warps=1)

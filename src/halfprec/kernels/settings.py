@@ -34,6 +34,7 @@ class LaunchSettings:
     norm_warps: int
     final_block: int
     final_warps: int
+    replay: int = 1  # 1: a launch that ran before replays from a CUDA graph (launch.py); 0: Triton launches
 
 
 _GPU = LaunchSettings(

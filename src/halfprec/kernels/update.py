@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .settings import NO_FMA, settings
 from .slots import ALIGN, PSCAL_SLOTS, PSCAL_WIDTH, Kind
 from .split import join, split
@@ -225,8 +226,8 @@ def update(
     cfg = settings()
     p, code = param_arg(param, master)
     a, b = (*state, master, master)[:2]  # pointers the algorithm does not read
-    _update_kernel[(n,)](
-        p, grad, master, a, b, table, pscal, scalars, table if shift is None else shift,
+    launch(
+        _update_kernel, (n,), p, grad, master, a, b, table, pscal, scalars, table if shift is None else shift,
         S=PSCAL_SLOTS[kind], KIND=int(kind), PARAM=code, ALIGNED=aligned, SHIFTED=shift is not None,
         BLOCK=cfg.update_block, num_warps=cfg.update_warps, **NO_FMA,
     )  # fmt: skip

@@ -1,0 +1,106 @@
+"""Every launch of the fused step's Triton kernels, replayed from a one-kernel CUDA graph once it has run.
+
+A Triton launch costs the host tens of microseconds in Triton's Python launcher (binding and specializing the
+arguments, the cache key, the driver call); a CUDA graph replay costs a few. A fused step is three launches per
+chunk, and when the host calls ``step()`` on an idle device (after a synchronize, a logging read, a data-loader
+wait) the device waits for each of them. So ``launch`` keys each launch on everything the host passes to the
+kernel: the kernel, the grid, each tensor's address and dtype, each scalar's value and every meta-parameter. The
+first time a key is seen the kernel is launched as usual (compiling it if needed); the second time the launch is
+captured in a CUDA graph, which is replayed from then on. Whatever the kernel reads from device memory (the loss
+scale, the hyper-parameters, the grad marks) is read at replay time, so a replay is the launch, bit for bit.
+
+A key changes when a buffer moves (``zero_grad(set_to_none=True)`` frees the flat grad buffer; the caching
+allocator mostly hands the same address back at the next backward) or a host scalar changes (``max_grad_norm``):
+the new key runs eagerly once and is captured at its second sighting. Each launch site keeps its ``_KEPT`` most
+recent keys; dropping a captured graph waits for the device first (the graph may still be running). Launches run
+as they are (no replay) in the interpreter, on the CPU, while a stream is being captured (the caller's graph
+records the launch itself), under ``torch.compile`` and with ``HALFPREC_LAUNCH="replay=0"``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .settings import settings
+
+__all__ = ["launch", "replay_stats"]
+
+_KEPT = 8  # keys kept per launch site: a few grad-buffer addresses and host scalars in turn
+_WARM = object()  # launched once eagerly (compiled), not captured yet
+
+_sites: dict[Any, OrderedDict[tuple, Any]] = {}
+_side_streams: dict[int, torch.cuda.Stream] = {}
+_stats = {"eager": 0, "captured": 0, "replayed": 0}
+
+
+def replay_stats() -> dict[str, int]:
+    """Counts of launches run eagerly, captured and replayed since the process started (for tests and benchmarks)."""
+    return dict(_stats)
+
+
+def _arg_key(args: tuple) -> tuple:
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.data_ptr(), a.dtype))
+        else:
+            key.append(a)
+    return tuple(key)
+
+
+def _replayable(device: torch.device) -> bool:
+    return (
+        device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and settings().replay
+        and not torch.cuda.is_current_stream_capturing()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _capture(device: torch.device, run: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    side = _side_streams.get(index)
+    if side is None:
+        side = _side_streams[index] = torch.cuda.Stream(device=index)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.device(index), torch.cuda.stream(side):
+        # thread_local: another thread's CUDA calls (a data loader's pinned copies) do not break the capture
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            run()
+        finally:
+            graph.capture_end()
+    return graph
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    """``kernel[grid](*args, **meta)``, replayed from a CUDA graph when this exact launch ran before (module
+    docstring). ``args``' first tensor decides the device."""
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    if not _replayable(device):
+        kernel[grid](*args, **meta)
+        return
+    key = (grid, _arg_key(args), tuple(meta.items()))
+    site = _sites.setdefault(kernel, OrderedDict())
+    entry = site.get(key)
+    if entry is None:
+        kernel[grid](*args, **meta)
+        _stats["eager"] += 1
+        site[key] = _WARM
+        while len(site) > _KEPT:
+            _, dropped = site.popitem(last=False)
+            if dropped is not _WARM:
+                torch.cuda.synchronize(device)  # it may still be running
+        return
+    if entry is _WARM:
+        entry = site[key] = _capture(device, lambda: kernel[grid](*args, **meta))
+        _stats["captured"] += 1
+    site.move_to_end(key)
+    entry.replay()
+    _stats["replayed"] += 1
