@@ -118,7 +118,8 @@ def _train(opt_cls, dtype, steps, *, move_grads, **kw):
         opt.step()
     torch.cuda.synchronize()
     state = opt.state_dict()
-    return [p.detach().clone() for p in model.parameters()], state
+    kept = {"state": state["optimizer"]["state"], "masters": state["masters"], "scale": opt.loss_scale}
+    return [p.detach().clone() for p in model.parameters()], kept
 
 
 @pytest.mark.gpu
