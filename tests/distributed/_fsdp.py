@@ -168,6 +168,8 @@ def run_case(cfg: dict, mesh) -> dict:
         }
     return {
         "fused_oracle": fused_oracle if fopt is not None else None,
+        # the fused strategy writes the 16-bit shards in place: its chunks hold no flat param copy
+        "in_place": [chunk.param is None and chunk.in_place for chunk, _ in mp._where] if fused else None,
         "steps": steps,
         "rows": rows,
         "placements": str(params[0].placements),

@@ -8,7 +8,10 @@ import torch
 
 from halfprec.optim.chunk import Chunk, MasterStore, chunk_params
 from halfprec.optim.layout import ALIGN, Layout, aligned
-from halfprec.optim.split import join_master
+from halfprec.optim.mesh import local
+from halfprec.optim.split import join_master, split_master
+
+from .helpers import mesh_of_one
 
 SHAPES = [(3, 5), (17,), (0,), (2, 2, 9)]  # odd sizes and an empty param
 
@@ -69,6 +72,46 @@ def test_fp32_params_are_their_own_masters():
     assert chunk.param is None and chunk.low is None
     for k, p in enumerate(params):
         assert p.data_ptr() == chunk.master_views[k].data_ptr() and torch.equal(p, fp32[k])
+
+
+@pytest.mark.parametrize("masters", ["fp32", "split"])
+def test_fsdp2_shards_are_written_in_place_by_rows_that_stop_at_their_ends(tmp_path, masters):
+    """16-bit DTensor params: no flat param; every update row lies inside one shard (never in the padding, which
+    is not the shard's), aligned rows only where start, end and shift are multiples of ALIGN, and each row's
+    shift from ``anchor`` addresses its shard; the rows cover every element once."""
+    from torch.distributed.fsdp import fully_shard
+
+    fp32, _ = _params()
+    with mesh_of_one(tmp_path / "store") as mesh:
+        module = torch.nn.Module()
+        for k, v in enumerate(fp32):
+            module.register_parameter(f"p{k}", torch.nn.Parameter(v.bfloat16()))
+        fully_shard(module, mesh=mesh)
+        params = list(module.parameters())
+        chunk = Chunk(params, fp32, flat_params=True, masters=masters)
+        chunk.plan_updates(list(range(len(params))), block=32)
+        assert chunk.in_place and not chunk.staged and chunk.param is None
+        seen = [torch.zeros(p.numel(), dtype=torch.int64) for p in params]
+        for rows in chunk.update_rows:
+            for (start, end, k), shift in zip(rows.table.tolist(), rows.shift.tolist(), strict=True):
+                off = chunk.offsets[k]
+                assert off <= start < end <= off + params[k].numel()
+                address = chunk.anchor.data_ptr() + (start + shift) * 2
+                assert address == local(params[k]).data_ptr() + (start - off) * 2
+                assert not rows.aligned or start % ALIGN == end % ALIGN == shift % ALIGN == 0
+                seen[k][start - off : end - off] += 1
+        assert all(bool((s == 1).all()) for s in seen)
+        assert chunk.kernel_buffers()[0] is chunk.anchor
+        for k, (p, src) in enumerate(zip(params, fp32, strict=True)):
+            assert torch.equal(chunk.master(k), src)
+            if masters == "split":  # the shard is the master's high half
+                assert torch.equal(local(p), split_master(src)[0])
+        chunk.round_params()
+        assert masters == "split" or all(
+            torch.equal(local(p), s.bfloat16()) for p, s in zip(params, fp32, strict=True)
+        )
+        chunk.reset_masters()
+        assert all(torch.equal(chunk.master(k), local(p).float()) for k, p in enumerate(params))
 
 
 def test_chunk_params_groups_by_device_and_dtype_in_first_seen_order():

@@ -7,15 +7,24 @@ optimizer keeps its rank's shards of the same layout model at world size N.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
-from .layout import Layout, aligned, build_table
+from .layout import ALIGN, Layout, aligned, build_table
 from .masters import Masters
 from .mesh import is_dtensor, local
 from .split import join_master, store_split
 
-__all__ = ["Chunk", "MasterStore", "chunk_params"]
+__all__ = ["Chunk", "MasterStore", "UpdateRows", "chunk_params"]
+
+
+class UpdateRows(NamedTuple):
+    """One launch of the update kernel over a chunk whose params are written in place (``Chunk.update_rows``)."""
+
+    table: torch.Tensor  # int64 [rows, 3]: start, end, param index (layout.build_table's rows)
+    aligned: bool  # every row's start, end and shift are multiples of ALIGN
+    shift: torch.Tensor  # int64 per row: elements from the row's offset in the chunk to its param's address
 
 
 class Chunk:
@@ -29,6 +38,14 @@ class Chunk:
     ``masters="split"`` (bf16 params with ``flat_params``; ``optim/split.py``): no ``data``; the master is ``param``
     (its value rounded to nearest, ties away) plus ``low``, its low 16 bits (int16): 2 bytes per param instead of 4.
     ``master``/``load_master``/``reset_masters`` read and write either storage.
+
+    FSDP2's shards (DTensors) live in storage FSDP2 owns and all-gathers from, so they cannot become views of a
+    flat buffer. 16-bit shards are written ``in_place``: no ``param``; the update kernel takes ``anchor`` as its
+    param buffer and each row of ``update_rows`` carries the shift from its offset in the chunk to its shard's
+    address (a flat address space: CUDA's, or the CPU's for Triton's interpreter, which reads CPU tensors where
+    they are), and split masters keep their high halves in the shards. The addresses are taken at construction
+    and by ``point_params``; ``moved`` tells when FSDP2 or the user gave a shard new storage since. fp32 shards,
+    their own masters, are ``staged``: ``data`` is a copy, which ``copy_out()`` writes back after an update.
     """
 
     def __init__(
@@ -56,36 +73,101 @@ class Chunk:
         self.grad: torch.Tensor | None = None
         self.grad_views: list[torch.Tensor] = []
         self.state: dict[str, torch.Tensor] = {}
-        # FSDP2's shards (DTensors) live in storage FSDP2 owns and all-gathers from: the flat buffers are a copy,
-        # which copy_out() writes back after an update (4 B/param of traffic per step on the local shards)
-        self.staged = flat_params and is_dtensor(self.params[0])
+        shards = flat_params and is_dtensor(self.params[0])  # FSDP2's (see the class docstring)
+        self.in_place = shards and self.dtype != torch.float32
+        self.staged = shards and not self.in_place
+        # in place: the kernel's param base pointer, and the shards' addresses the shifts were taken from
+        self.anchor: torch.Tensor | None = None
+        self.param_ptrs: list[int | None] = []
+        self.update_rows: list[UpdateRows] = []  # in place: the update kernel's launches (plan_updates)
+        self._plan: tuple[Sequence[int], int] | None = None
         with torch.no_grad():
-            if flat_params and self.dtype != torch.float32:
+            if flat_params and self.dtype != torch.float32 and not self.in_place:
                 self.param = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
                 for p, view in zip(self.params, self.views(self.param), strict=True):
                     view.copy_(local(p))
             # split: the param becomes its master rounded ties away
             values = {k: local(src) for k, src in enumerate(sources)}
-            self.masters = Masters(self.layout, values, param=self.param, split=split, device=self.device)
+            own = [local(p) for p in self.params] if self.in_place else None
+            self.masters = Masters(
+                self.layout, values, param=self.param, params=own, split=split, device=self.device
+            )
             self.master_views = [] if self.data is None else self.views(self.data)
-            if flat_params and not self.staged:
+            if flat_params and not shards:
                 for p, view in zip(self.params, self.views(self.weights), strict=True):
                     p.data = view
+        if self.in_place:
+            self.anchor = torch.zeros(1, dtype=self.dtype, device=self.device)
+            self.param_ptrs = self._shard_ptrs()
 
     @property
     def weights(self) -> torch.Tensor:
         """The flat buffer of the params' values: the 16-bit ``param``, or for fp32 params ``data``."""
         return self.data if self.param is None else self.param
 
+    def _shard_ptrs(self) -> list[int | None]:
+        # an empty shard (a rank that holds no rows) is never written: its address is not checked
+        return [(t.data_ptr() if t.numel() else None) for t in map(local, self.params)]
+
+    def moved(self) -> int | None:
+        """In place: the index of the first param whose shard no longer lives where the kernel writes it."""
+        for k, (p, ptr) in enumerate(zip(self.params, self.param_ptrs, strict=True)):
+            if ptr is not None and local(p).data_ptr() != ptr:
+                return k
+        return None
+
+    def point_params(self) -> bool:
+        """In place: write the shards where they live now (FSDP2 gives a shard new storage on
+        ``model.to_empty()``), and their values are the 16-bit params from now on (split masters: the high
+        halves). True when one had moved."""
+        if not self.in_place or self.moved() is None:
+            return False
+        self.masters.point_params([local(p) for p in self.params])
+        self.param_ptrs = self._shard_ptrs()
+        if self._plan is not None:
+            self.plan_updates(*self._plan)
+        return True
+
+    def plan_updates(self, indices: Sequence[int], block: int) -> None:
+        """In place: ``update_rows`` for ``indices`` (as in ``table``). Each param's rows stop at its end, not at
+        the padded one (the padding is not the shard's); they are ``aligned`` up to its last multiple of ``ALIGN``
+        when its shift is one too, and the rest (a tail, or every row of a shard at an odd address) run unaligned."""
+        if not self.in_place:
+            return
+        self._plan = (indices, block)
+        base, size = self.anchor.data_ptr(), self.anchor.element_size()
+        rows: tuple[list, list] = ([], [])
+        shifts: tuple[list, list] = ([], [])
+        for off, n, gi, ptr in zip(self.offsets, self.layout.numels, indices, self.param_ptrs, strict=True):
+            if ptr is None:
+                continue
+            assert (ptr - base) % size == 0, (ptr, base)
+            shift = (ptr - base) // size - off
+            cut = off + (n // ALIGN * ALIGN if shift % ALIGN == 0 else 0)
+            for which, lo, hi in ((0, off, cut), (1, cut, off + n)):
+                starts = range(lo, hi, block)
+                rows[which].extend((s, min(s + block, hi), gi) for s in starts)
+                shifts[which].extend(shift for _ in starts)
+        self.update_rows = [
+            UpdateRows(
+                torch.tensor(r, dtype=torch.int64).reshape(-1, 3).to(self.device),
+                which == 0,
+                torch.tensor(s, dtype=torch.int64).to(self.device),
+            )
+            for which, (r, s) in enumerate(zip(rows, shifts, strict=True))
+            if r
+        ]
+
     @torch.no_grad()
     def copy_out(self) -> None:
-        """Staged chunks (FSDP2 shards): write the flat params into the shards (else they are views already)."""
+        """Staged chunks (fp32 FSDP2 shards): write the masters into the shards (else the params are views of the
+        flat buffers, or written in place)."""
         if self.staged:
             torch._foreach_copy_([local(p) for p in self.params], self.views(self.weights))
 
     @torch.no_grad()
     def copy_in(self) -> None:
-        """Staged chunks: take the shards' current values into the flat params (after a weights-only load)."""
+        """Staged chunks: take the shards' current values into the masters (after a weights-only load)."""
         if self.staged:
             torch._foreach_copy_(self.views(self.weights), [local(p) for p in self.params])
 
@@ -106,9 +188,12 @@ class Chunk:
         return self.masters.low
 
     def kernel_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(param, master) as the update kernels take them: fp32 chunks are their own params; split chunks pass
-        ``low`` as the master (``kernels.update.param_arg`` reads the storage from its dtype)."""
+        """(param, master) as the update kernels take them: fp32 chunks are their own params; in place, the param
+        is ``anchor`` (with ``update_rows``' shifts); split chunks pass ``low`` as the master
+        (``kernels.update.param_arg`` reads the storage from its dtype)."""
         master = self.masters.kernel_buffer
+        if self.in_place:
+            return self.anchor, master
         return (master if self.param is None else self.param), master
 
     def master(self, k: int) -> torch.Tensor:
@@ -116,7 +201,7 @@ class Chunk:
         changes nothing: use ``load_master``)."""
         if self.low is None:
             return self.master_views[k]
-        return join_master(self.view(self.param, k), self.view(self.low, k))
+        return join_master(self._param_view(k), self.view(self.low, k))
 
     def load_master(self, k: int, value: torch.Tensor) -> None:
         """Set param ``k``'s master to ``value`` exactly (split: its param and low half; else ``data`` only, the
@@ -124,7 +209,7 @@ class Chunk:
         if self.low is None:
             self.master_views[k].copy_(value)
         else:
-            store_split(value, self.view(self.param, k), self.view(self.low, k))
+            store_split(value, self._param_view(k), self.view(self.low, k))
 
     def round_params(self) -> None:
         """Round the fp32 masters into the 16-bit params (to nearest even); split params already are theirs."""
@@ -133,6 +218,10 @@ class Chunk:
     def reset_masters(self) -> None:
         """The masters become the current 16-bit params exactly (after an external weights-only load)."""
         self.masters.reset()
+
+    def _param_view(self, k: int) -> torch.Tensor:
+        # param k's 16-bit values: its view of the flat param, or in place its shard
+        return local(self.params[k]) if self.in_place else self.view(self.param, k)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         base = flat.storage_offset()

@@ -1,6 +1,6 @@
 """The fused optimizers over FSDP2 shards (``fully_shard``: DTensor params) in one process (a gloo world of one,
-Triton's interpreter): the local shards staged in the flat buffers (``chunk.py``), the norm and skip reduced over
-the mesh (``mesh.py``), DTensor grads taken into the flat grad buffer (``fused/grads.py``).
+Triton's interpreter): 16-bit local shards written in place by the update kernel (``chunk.py``), the norm and skip
+reduced over the mesh (``mesh.py``), DTensor grads taken into the flat grad buffer (``fused/grads.py``).
 
 The oracle is the same fused optimizer over the same model unsharded: at world size 1 FSDP2's reduce-scatter of a
 grad is the grad, and the update is elementwise, so masters, state and params agree bit for bit, fp32 or split
@@ -55,7 +55,7 @@ def _model(mesh=None, dtype=torch.bfloat16) -> torch.nn.Module:
 
 def _loss(model, step: int, micro: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + micro)
-    x, y = torch.randn(4, 5, generator=g).to(torch.bfloat16), torch.randn(4, 1, generator=g)
+    x, y = torch.randn(4, 5, generator=g).to(next(model.parameters()).dtype), torch.randn(4, 1, generator=g)
     return torch.nn.functional.mse_loss(model(x).float(), y)
 
 
@@ -103,6 +103,66 @@ def test_steps_over_shards_equal_the_same_optimizer_on_the_unsharded_model(mesh,
     # the params are still FSDP2's DTensors, in its own storage, and the model computes with the new values
     assert all(is_dtensor(p) and p.dtype == torch.bfloat16 for p in sharded.parameters())
     assert torch.equal(_loss(sharded, 9), _loss(plain, 9))
+
+
+def _held_bytes(opt) -> int:
+    """What the optimizer's chunks hold: params, masters, grads and state buffers."""
+    chunks = {id(chunk): chunk for chunk, _ in opt._where}.values()
+    held = [t for c in chunks for t in (c.param, c.data, c.low, c.grad, *c.state.values()) if t is not None]
+    return sum(t.numel() * t.element_size() for t in held)
+
+
+IN_PLACE = [
+    (FusedAdamW, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1), 8),
+    (FusedSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01), 4),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "masters"), [(torch.bfloat16, "fp32"), (torch.bfloat16, "split"), (torch.float16, "fp32")]
+)
+@pytest.mark.parametrize(("cls", "hp", "state_bytes"), IN_PLACE, ids=[c.__name__ for c, _, _ in IN_PLACE])
+def test_the_update_writes_the_16_bit_shards_in_place(mesh, cls, hp, state_bytes, dtype, masters):
+    """The kernel writes FSDP2's own storage (no flat 16-bit copy of the shards, no copy after the step), and the
+    results are the unsharded run's, bit for bit: 2 bytes per param less than that run holds."""
+    sharded, plain = _model(mesh, dtype), _model(dtype=dtype)
+    ptrs = [local(p).data_ptr() for p in sharded.parameters()]
+    a = cls(sharded.parameters(), **hp, masters=masters)
+    b = cls(plain.parameters(), **hp, masters=masters)
+    assert _train(a, sharded, 4, inf_at=2) == _train(b, plain, 4, inf_at=2)
+    _assert_same(a, b, sharded, plain)
+    assert [local(p).data_ptr() for p in sharded.parameters()] == ptrs
+    assert all(chunk.param is None and chunk.in_place for chunk, _ in a._where)
+    numel = a._where[0][0].numel  # padded: the same layout as the unsharded run's
+    master_bytes = 2 if masters == "split" else 4
+    assert _held_bytes(a) == (master_bytes + state_bytes) * numel  # grads freed by zero_grad
+    assert _held_bytes(b) == _held_bytes(a) + 2 * numel  # the unsharded params' flat buffer
+
+
+@pytest.mark.parametrize("masters", ["fp32", "split"])
+def test_a_shard_given_new_storage_is_refused_until_a_load_takes_it(mesh, masters):
+    """``model.to_empty()`` gives the shards new storage, which the kernel would not write: the step refuses;
+    ``load_state_dict`` (like ``refresh_masters``) takes the shards where they are now and writes them, and
+    training resumes as if nothing had happened."""
+    sharded, again = _model(mesh), _model(mesh)
+    a = FusedAdamW(sharded.parameters(), lr=1e-2, weight_decay=0.1, masters=masters)
+    b = FusedAdamW(again.parameters(), lr=1e-2, weight_decay=0.1, masters=masters)
+    _train(a, sharded, 2)
+    _train(b, again, 1)
+    saved = b.state_dict()
+    again.to_empty(device="cpu")
+    b.backward(_loss(again, 1))
+    with pytest.raises(
+        RuntimeError,
+        match=r"FSDP2 shard of the param of shape \(7, 5\) no longer lives where FusedAdamW writes it.*refresh_masters",
+    ):
+        b.step()
+    b.zero_grad()
+    b.load_state_dict(saved)
+    b.backward(_loss(again, 1))
+    b.step()
+    b.zero_grad()
+    _assert_same(a, b, sharded, again)
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])

@@ -187,9 +187,18 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         sources = [originals.get(p, p.data) for p in trainable]
         placed = chunk_params(trainable, sources, flat_params=True, masters=self.masters)
         self._chunks: list[Chunk] = [chunk for chunk, _ in placed]
-        # per chunk: the rows of the norm and update kernels (layout.build_table)
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if interpreted and dev.type != "cpu" and any(c.in_place for c in self._chunks):
+            raise ValueError(
+                f"the fused kernels write FSDP2's 16-bit shards in place, and Triton's interpreter copies {dev} "
+                "tensors to the host, where the shards are not: unset TRITON_INTERPRET (or train on the CPU)"
+            )
+        # per chunk: the rows of the norm and update kernels (layout.build_table; shards written in place: their
+        # own update rows, chunk.plan_updates)
         self._norm_tables = [chunk.table(idx, cfg.norm_block) for chunk, idx in placed]
         self._update_tables = [chunk.table(idx, cfg.update_block) for chunk, idx in placed]
+        for chunk, idx in placed:
+            chunk.plan_updates(idx, cfg.update_block)
         where = {i: (chunk, local) for chunk, idx in placed for local, i in enumerate(idx)}
         self._where: list[tuple[Chunk, int]] = [where[i] for i in range(len(trainable))]
         self._n_partials = sum(t.shape[0] for t in self._norm_tables)  # one per norm program
@@ -267,7 +276,11 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         chunk, table = self._chunks[k], self._update_tables[k]
         state = [chunk.state[name] for name in self.STATE_NAMES if name in chunk.state]
         param, master = chunk.kernel_buffers()
-        update(self.KIND, param, chunk.grad, master, state, table, self._pscal, self._scalars)
+        for rows, aligned, shift in chunk.update_rows or [(table, True, None)]:
+            update(
+                self.KIND, param, chunk.grad, master, state, rows, self._pscal, self._scalars, aligned=aligned,
+                shift=shift,
+            )  # fmt: skip
 
     def _state_view(self, name: str, i: int) -> torch.Tensor:
         chunk, local = self._where[i]
@@ -444,8 +457,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def refresh_masters(self) -> None:
         """Copy the model's current weights into the masters (after an external weights-only load; split
-        masters: the low halves become zero)."""
+        masters: the low halves become zero). FSDP2's shards are taken where they live now."""
         for chunk in self._chunks:
+            chunk.point_params()
             chunk.copy_in()
             chunk.reset_masters()
 
@@ -502,6 +516,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._load_torch_state(state_dict["optimizer"])
         with torch.no_grad():
             for chunk in self._chunks:
+                chunk.point_params()  # FSDP2's shards, where they live now: the load writes them
                 chunk.take_own_masters()
             for k, value in state_dict["masters"].items():
                 chunk, local = self._where[self._index[self._model_params[int(k)]]]

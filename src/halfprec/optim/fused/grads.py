@@ -98,10 +98,13 @@ class GradViews:
         # where each param's grad view starts, once its chunk's grad buffer is made: one int compare per param in
         # adopt(), which is host time on a skipped step
         self._view_ptrs: list[int | None] = [None] * len(self.params)
-        # the params are views of the flat buffers (staged FSDP2 shards are not: copied at the step)
+        # the params are views of the flat buffers; FSDP2's shards are not: the chunk knows where it writes them
+        # (in place) or copies into them at the step (staged)
         self._param_ptrs = [
-            None if chunk.staged else p.data_ptr() for p, (chunk, _) in zip(self.params, where, strict=True)
+            None if chunk.staged or chunk.in_place else p.data_ptr()
+            for p, (chunk, _) in zip(self.params, where, strict=True)
         ]
+        self._in_place = list({id(chunk): chunk for chunk, _ in where if chunk.in_place}.values())
         self.pinned = False  # a CUDA graph holds the grad buffers' addresses: zero_grad no longer frees them
         # bumped where the grads a step reads are written (mark, flush, a new buffer, zero_grad) or the device's
         # marks are (write_marks): a step's early norm pass (``settled``) reruns when it moved
@@ -236,6 +239,15 @@ class GradViews:
         """Mark grads assigned by hand and unmark params whose ``.grad`` was set to None (``owner``: the
         optimizer's name, for the error when a param no longer lives in the flat buffer)."""
         self.flush()  # of a backward that raised before its end
+        for chunk in self._in_place:
+            if (k := chunk.moved()) is not None:
+                raise RuntimeError(
+                    f"the FSDP2 shard of the param of shape {tuple(chunk.params[k].shape)} no longer lives where "
+                    f"{owner} writes it (given new storage by model.to_empty() or a .data assignment after the "
+                    "optimizer was built), so its updates would not reach the model; call refresh_masters() to "
+                    "take the shards' current values as the masters, or load_state_dict(), or build the "
+                    "optimizer after the model is on its final device"
+                )
         for i, p in enumerate(self.params):
             if self._param_ptrs[i] is not None and p.data_ptr() != self._param_ptrs[i]:
                 raise RuntimeError(
