@@ -94,3 +94,38 @@ def test_without_a_flat_param_buffer_every_piece_needs_a_source_and_split_is_ref
     assert torch.equal(masters.join()[layout.offsets[1] : layout.offsets[1] + NUMELS[1]], sources[1])
     with pytest.raises(ValueError, match="flat param buffer"):
         Masters(layout, sources, param=None, split=True, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_params_of_their_own_hold_what_the_flat_buffer_would(rank, split):
+    """``params=``: each param's own 16-bit tensor (FSDP2's shards, written in place) instead of a flat buffer:
+    the same masters, and loads, rounding and resets write the rank's pieces of those tensors."""
+    layout, flat, reference, sources = _build(rank, split=split, ties=True)
+    own = [torch.zeros(n, dtype=torch.bfloat16) for n in NUMELS]
+    if not split:  # a param without a source takes its 16-bit weight from its tensor
+        for i, t in enumerate(own):
+            t.copy_(sources[i])
+    masters = Masters(layout, sources, param=None, params=own, split=split, device=flat.device)
+    masters.make_pieces()
+    assert torch.equal(masters.join(), reference.join())
+    for i, t in enumerate(own):
+        assert not split or torch.equal(t, flat[layout.offsets[i] : layout.offsets[i] + NUMELS[i]])
+    new = torch.randn(layout.local_numel, generator=torch.Generator().manual_seed(1))
+    masters.load(new)
+    masters.round_into_params()
+    for i, pc in layout.piece_of.items():
+        value = new[pc.local : pc.local + pc.numel]
+        high = split_master(value)[0] if split else value.bfloat16()
+        assert torch.equal(own[i][pc.lo : pc.hi], high)
+    masters.reset()
+    for i, pc in layout.piece_of.items():
+        assert torch.equal(masters.join()[pc.local : pc.local + pc.numel], own[i][pc.lo : pc.hi].float())
+    moved = [t.clone() for t in own]
+    masters.point_params(moved)
+    moved[0].fill_(1.0)
+    masters.reset()
+    pc = layout.piece_of.get(0)
+    assert pc is None or bool((masters.join()[pc.local : pc.local + pc.numel] == 1.0).all())
+    with pytest.raises(ValueError, match="not both"):
+        Masters(layout, sources, param=flat, params=own, split=split, device=flat.device)
