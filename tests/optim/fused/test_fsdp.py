@@ -119,7 +119,9 @@ IN_PLACE = [
 
 
 @pytest.mark.parametrize(
-    ("dtype", "masters"), [(torch.bfloat16, "fp32"), (torch.bfloat16, "split"), (torch.float16, "fp32")]
+    ("dtype", "masters"),
+    [(torch.bfloat16, "fp32"), (torch.bfloat16, "split"), (torch.float16, "fp32")],
+    ids=["bf16-fp32", "bf16-split", "fp16-fp32"],
 )
 @pytest.mark.parametrize(("cls", "hp", "state_bytes"), IN_PLACE, ids=[c.__name__ for c, _, _ in IN_PLACE])
 def test_the_update_writes_the_16_bit_shards_in_place(mesh, cls, hp, state_bytes, dtype, masters):
