@@ -93,6 +93,32 @@ def test_on_the_cpu_every_launch_runs_as_it_is(monkeypatch):
     assert len(kernel.runs) == 3 and launch_mod._sites == {}
 
 
+def test_launches_together_are_one_key_one_capture_one_replay(staged):
+    a, b, x = _Kernel(), _Kernel(), torch.zeros(4)
+    for i in range(3):
+        with launch_mod.together():
+            launch_mod.launch(a, (1,), x, 1.0)
+            assert len(a.runs) == i  # collected: nothing runs inside the block
+            launch_mod.launch(b, (2,), x)
+    assert len(staged) == 1  # both launches in one graph, captured at the second block
+    assert a.runs == [((1,), (x, 1.0), {})] * 3 and b.runs == [((2,), (x,), {})] * 3
+
+
+def test_a_block_that_raises_launches_nothing(staged):
+    kernel = _Kernel()
+    with pytest.raises(ValueError), launch_mod.together():
+        launch_mod.launch(kernel, (1,), torch.zeros(2))
+        raise ValueError("a check inside the block")
+    assert kernel.runs == []
+    launch_mod.launch(kernel, (1,), torch.zeros(2))  # launches run alone again after the block
+    assert len(kernel.runs) == 1
+
+
+def test_together_blocks_do_not_nest():
+    with launch_mod.together(), pytest.raises(RuntimeError, match="do not nest"), launch_mod.together():
+        pass
+
+
 # --- on the GPU -----------------------------------------------------------------------------------------------
 
 

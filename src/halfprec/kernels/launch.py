@@ -15,20 +15,26 @@ the new key runs eagerly once and is captured at its second sighting. Each launc
 recent keys; dropping a captured graph waits for the device first (the graph may still be running). Launches run
 as they are (no replay) in the interpreter, on the CPU, while a stream is being captured (the caller's graph
 records the launch itself), under ``torch.compile`` and with ``HALFPREC_LAUNCH="replay=0"``.
+
+``together()`` collects the launches made inside it and runs them as one: one key (every launch's), one graph, one
+replay, so the device runs them back to back and the host pays one replay. ``wait``/``record`` put event waits and
+records between them (events made with ``external=True``, which a capture keeps as graph nodes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from .settings import settings
 
-__all__ = ["launch", "replay_stats"]
+__all__ = ["Together", "launch", "replay_stats", "together"]
 
 _KEPT = 8  # keys kept per launch site: a few grad-buffer addresses and host scalars in turn
 _WARM = object()  # launched once eagerly (compiled), not captured yet
@@ -36,6 +42,8 @@ _WARM = object()  # launched once eagerly (compiled), not captured yet
 _sites: dict[Any, OrderedDict[tuple, Any]] = {}
 _side_streams: dict[int, torch.cuda.Stream] = {}
 _stats = {"eager": 0, "captured": 0, "replayed": 0}
+_collecting = threading.local()  # .group: the Together being filled on this thread, if any
+_TOGETHER = "together"  # the launch site of every Together
 
 
 def replay_stats() -> dict[str, int]:
@@ -79,18 +87,21 @@ def _capture(device: torch.device, run: Callable[[], None]) -> torch.cuda.CUDAGr
     return graph
 
 
-def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
-    """``kernel[grid](*args, **meta)``, replayed from a CUDA graph when this exact launch ran before (module
-    docstring). ``args``' first tensor decides the device."""
-    device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    if not _replayable(device):
-        kernel[grid](*args, **meta)
-        return
-    key = (grid, _arg_key(args), tuple(meta.items()))
-    site = _sites.setdefault(kernel, OrderedDict())
+def _run(items: list[tuple]) -> None:
+    for kernel, grid, args, meta in items:
+        if kernel is None:  # an event: (None, "wait" or "record", event, None)
+            stream = torch.cuda.current_stream()
+            stream.wait_event(args) if grid == "wait" else args.record(stream)
+        else:
+            kernel[grid](*args, **meta)
+
+
+def _replay(site_name: Any, device: torch.device, key: tuple, items: list[tuple]) -> None:
+    """Run ``items`` eagerly at the key's first sighting, capture them at its second, replay them after."""
+    site = _sites.setdefault(site_name, OrderedDict())
     entry = site.get(key)
     if entry is None:
-        kernel[grid](*args, **meta)
+        _run(items)
         _stats["eager"] += 1
         site[key] = _WARM
         while len(site) > _KEPT:
@@ -99,8 +110,67 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
                 torch.cuda.synchronize(device)  # it may still be running
         return
     if entry is _WARM:
-        entry = site[key] = _capture(device, lambda: kernel[grid](*args, **meta))
+        entry = site[key] = _capture(device, lambda: _run(items))
         _stats["captured"] += 1
     site.move_to_end(key)
     entry.replay()
     _stats["replayed"] += 1
+
+
+def _launch_key(item: tuple) -> tuple:
+    kernel, grid, args, meta = item
+    if kernel is None:
+        # the driver's event handle, which a graph node keeps (0: not made yet, nothing to wait on or captured)
+        return (grid, args.cuda_event)
+    return (kernel, grid, _arg_key(args), tuple(meta.items()))
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    """``kernel[grid](*args, **meta)``, replayed from a CUDA graph when this exact launch ran before (module
+    docstring); inside ``together()``, collected. The first arg is a tensor on the launch's device."""
+    item = (kernel, grid, args, meta)
+    group = getattr(_collecting, "group", None)
+    if group is not None:
+        group.items.append(item)
+        return
+    device = args[0].device
+    if not _replayable(device):
+        _run([item])
+        return
+    _replay(kernel, device, _launch_key(item)[1:], [item])
+
+
+class Together:
+    """The launches and event marks collected by ``together()``."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple] = []
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        """The launches after this wait for ``event`` (made with ``external=True``)."""
+        self.items.append((None, "wait", event, None))
+
+    def record(self, event: torch.cuda.Event) -> None:
+        """Record ``event`` (made with ``external=True``) after the launches so far."""
+        self.items.append((None, "record", event, None))
+
+
+@contextlib.contextmanager
+def together() -> Iterator[Together]:
+    """Collect the ``launch`` calls made inside and run them as one when the block ends (module docstring); a
+    block that raises runs none of them."""
+    if getattr(_collecting, "group", None) is not None:
+        raise RuntimeError("together() blocks do not nest")
+    group = _collecting.group = Together()
+    try:
+        yield group
+    finally:
+        _collecting.group = None
+    launches = [item for item in group.items if item[0] is not None]
+    if not launches:
+        return
+    device = launches[0][2][0].device
+    if not _replayable(device):
+        _run(group.items if device.type == "cuda" else launches)
+        return
+    _replay(_TOGETHER, device, tuple(_launch_key(item) for item in group.items), group.items)

@@ -363,6 +363,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     def _step(self) -> None:
         from ...kernels import norm
         from ...kernels import scaler as scaler_kernel
+        from ...kernels.launch import together
 
         capturing = stream_capturing()
         if capturing and self._mesh is not None:
@@ -414,19 +415,28 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             self._mesh.reduce_partials(self._sq, self._bad, off)
             off = max(off, 1)
         fused_scaler = self.loss_scaler if scaler_kernel.fusable(self.loss_scaler, self._device) else None
-        norm.finalize(
-            self._sq[:off], self._bad[:off], scale, self._scalars, self.max_grad_norm, flags, self._steps,
-            self._pgroup, self._hyper.table, self._pscal, check=self._checks_grads, kind=self.KIND, scaler=fused_scaler,
-        )  # fmt: skip
-        self._grads.consumed()
         scaler_after = fused_scaler is None and type(self.loss_scaler).update is not LossScaler.update
+        # the skip record is copied once the finalize program has run, while the update pass runs (results.py)
+        events = None if capturing or scaler_after else self._reporter.events(self._device)
+        with together() as launches:  # one launch (a graph replay) for the finalize program and the updates
+            if events is not None:
+                launches.wait(events[0])  # the last record's copy, before the slots are overwritten
+            norm.finalize(
+                self._sq[:off], self._bad[:off], scale, self._scalars, self.max_grad_norm, flags, self._steps,
+                self._pgroup, self._hyper.table, self._pscal, check=self._checks_grads, kind=self.KIND,
+                scaler=fused_scaler,
+            )  # fmt: skip
+            if events is not None:
+                launches.record(events[1])
+            for k in range(len(self._chunks)):
+                self._launch_update(k)
+        for chunk in self._chunks:
+            chunk.copy_out()
+        self._grads.consumed()
         if capturing:
             self._reporter.captured()
-        elif not scaler_after:  # staged before the update pass: reading the skip flag need not wait for it
-            self._reporter.record(self._scalars)
-        for k in range(len(self._chunks)):
-            self._launch_update(k)
-            self._chunks[k].copy_out()
+        elif not scaler_after:
+            self._reporter.record(self._scalars, after=None if events is None else events[1])
         if scaler_after:
             self.loss_scaler.update(self._scalars[0])
             self._scalars[5].copy_(self.loss_scaler.scale)

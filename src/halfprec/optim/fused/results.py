@@ -7,11 +7,12 @@ non-blocking copy per step and records an event; completed records are logged at
 reads a result, each skip once. Buffers and events are reused, so a step allocates nothing (a skipped step is
 mostly host time).
 
-The step stages its record right after the finalize program, before the update pass, when nothing after it
-writes those slots (with the built-in scalers; a scaler whose own ``update`` runs after the update pass is staged
-after it). Reading ``step_was_skipped``, ``grad_norm`` or ``step_loss_scale`` then waits for that record
-only: the update pass stays queued and runs while the host goes on (an LR scheduler that holds on skipped steps,
-the HF Trainer's loop, the next batch). Once a step was captured in a CUDA graph, a replay records nothing, so
+With the built-in scalers nothing after the finalize program writes those slots, so the record is copied on a
+side stream as soon as that program has run (``events``: the step records ``ready`` after it and waits for
+``copied`` before its next finalize, both in its launch group), while the update pass runs; a scaler whose own
+``update`` runs after the update pass is staged after it. Reading ``step_was_skipped``, ``grad_norm`` or
+``step_loss_scale`` then waits for that record only: the update pass stays queued and runs while the host goes on
+(an LR scheduler that holds on skipped steps, the HF Trainer's loop, the next batch). Once a step was captured in a CUDA graph, a replay records nothing, so
 every read goes to the device scalars and waits for the stream.
 """
 
@@ -39,9 +40,24 @@ class SkipReporter:
         self._min_scale = getattr(scaler, "min_scale", 1.0)
         self._last: tuple[torch.Tensor, torch.cuda.Event] | None = None  # the latest step's record
         self._graphed = False  # a step was captured: replays record nothing, so _last may be stale
+        self._side: torch.cuda.Stream | None = None  # where the records are copied (CUDA)
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # (copied, ready)
 
-    def record(self, scalars: torch.Tensor) -> None:
-        """Stage ``scalars[:6]`` for a later report (a CUDA-graph capture calls ``captured()`` instead)."""
+    def events(self, device: torch.device) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """``(copied, ready)`` on CUDA (None elsewhere): a step records ``ready`` after its finalize program and
+        ``record(..., after=ready)`` copies from there on the side stream, then records ``copied``, which the next
+        step waits for before its finalize overwrites the slots. Made with ``external=True`` so that a step captured
+        in a launch graph (``kernels/launch.py``) keeps the record and the wait as graph nodes."""
+        if device.type != "cuda":
+            return None
+        if self._events is None:
+            self._side = torch.cuda.Stream(device=device)
+            self._events = (torch.cuda.Event(external=True), torch.cuda.Event(external=True))
+        return self._events
+
+    def record(self, scalars: torch.Tensor, after: torch.cuda.Event | None = None) -> None:
+        """Stage ``scalars[:6]`` for a later report (a CUDA-graph capture calls ``captured()`` instead): on the
+        current stream, or with ``after`` (``events``' ready) on the side stream once ``after`` has run."""
         staged = scalars[:_WIDTH]
         if staged.device.type != "cuda":
             self._process(staged.cpu())
@@ -53,9 +69,17 @@ class SkipReporter:
         else:
             buf = torch.empty(_WIDTH, dtype=staged.dtype, pin_memory=True)
             event = torch.cuda.Event()
-        buf.copy_(staged, non_blocking=True)
-        # the copy's stream, whatever the current device
-        event.record(torch.cuda.current_stream(staged.device))
+        if after is None:
+            buf.copy_(staged, non_blocking=True)
+            # the copy's stream, whatever the current device
+            event.record(torch.cuda.current_stream(staged.device))
+        else:
+            side, (copied, _) = self._side, self._events
+            side.wait_event(after)
+            with torch.cuda.stream(side):
+                buf.copy_(staged, non_blocking=True)
+                event.record(side)
+                copied.record(side)
         self._pending.append((buf, event))
         self._last = (buf, event)
 
