@@ -105,8 +105,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._built = False
         self.process_group = process_group
         torch.optim.Optimizer.__init__(self, params, {**hyper, **_TORCH_FLAGS})  # owns its groups
-        # FSDP2's shards (DTensors, mesh.py): the local shards, staged in the flat buffers (chunk.py); FSDP2 reduces
-        # each grad before the fp32 sum, as ZeRO does
+        # FSDP2's shards (DTensors, mesh.py): the kernels write the 16-bit local shards in place (fp32 shards are
+        # staged in the flat masters: chunk.py); FSDP2 reduces each grad before the fp32 sum, as ZeRO does
         self._mesh = Mesh.of([p for g in self.param_groups for p in g["params"] if p.requires_grad])
         self.grad_accum_dtype = check_grad_accum_dtype(
             grad_accum_dtype,
