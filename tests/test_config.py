@@ -65,7 +65,10 @@ INVALID = [
     ({"zero_stage": 4}, r"zero_stage must be one of 0, 1, 2, 3, got 4"),
     ({"zero_stage": True}, r"zero_stage must be one of 0, 1, 2, 3, got True"),
     ({"reduce_dtype": "bf16"}, r"reduce_dtype must be one of 'fp32', 'param', got 'bf16'"),
-    ({"grad_accum_dtype": "bf16"}, r"grad_accum_dtype must be one of \('auto', 'param', 'fp32'\), got 'bf16'"),
+    (
+        {"grad_accum_dtype": "bf16"},
+        r"grad_accum_dtype must be one of \('auto', 'param', 'fp32'\), got 'bf16'",
+    ),
     ({"impl": "cuda"}, r"impl must be one of 'auto', 'torch', 'triton', got 'cuda'"),
     (
         {"grad_accum_dtype": "fp32", "zero_stage": 2, "reduce_dtype": "param"},
