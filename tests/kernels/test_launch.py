@@ -161,11 +161,10 @@ def test_replayed_steps_equal_triton_launched_ones_bit_for_bit(monkeypatch, dtyp
     monkeypatch.delenv("HALFPREC_LAUNCH")
     replayed, replayed_state = _train(opt_cls, dtype, 8, move_grads=move_grads, **kw)
     after = launch_mod.replay_stats()
-    if (
-        not move_grads
-    ):  # from the third step on, each of the step's three launches (norm, finalize, update) replays
-        assert after["replayed"] - before["replayed"] >= 3 * 6
-    assert after["replayed"] > before["replayed"]
+    if not move_grads:  # from the third step on, the step's one launch group (norm, finalize, update) replays
+        assert after["replayed"] - before["replayed"] >= 6
+    else:  # a moved grad buffer is a new key: launched as it is
+        assert after["eager"] - before["eager"] >= 3
     for a, b in zip(plain, replayed, strict=True):
         assert torch.equal(a, b)
     torch.testing.assert_close(replayed_state, plain_state, rtol=0, atol=0)

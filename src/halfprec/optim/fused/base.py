@@ -377,17 +377,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 f"{type(self).__name__} allocates its state at the first step, which cannot happen during CUDA "
                 "graph capture: run one eager step before capturing"
             )
-        # After a backward that ran to its end the norm pass can start at once, and the host's checks below run
-        # while the device reads the grads; it runs again if they change a grad or a mark (adopt, ready).
-        early = (
-            not capturing
-            and self._mesh is None
-            and self.process_group is None
-            and self._grads.settled(self._chunks)
-        )
-        version = self._grads.version
-        if early:
-            self._launch_norm_pass()
         if not capturing:
             check_unfrozen(self._frozen)
             check_dtypes(self._trainable, self._dtypes)
@@ -405,20 +394,22 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 )
             self._grads.all_reduce(self._chunks, self.process_group)
         self._upload_hyper(capturing)
-        if not early or self._grads.version != version:
-            self._launch_norm_pass()
         off = self._n_partials
         scale, flags = self.loss_scaler.scale, self._grads.flags
-        if (
-            self._mesh is not None
-        ):  # every rank's norm and skip are the whole grads' (on every rank of the mesh)
+        if self._mesh is not None:
+            # every rank's norm and skip are the whole grads' (on every rank of the mesh): the partials all-reduced
+            self._launch_norm_pass()
             self._mesh.reduce_partials(self._sq, self._bad, off)
             off = max(off, 1)
         fused_scaler = self.loss_scaler if scaler_kernel.fusable(self.loss_scaler, self._device) else None
         scaler_after = fused_scaler is None and type(self.loss_scaler).update is not LossScaler.update
         # the skip record is copied once the finalize program has run, while the update pass runs (results.py)
         events = None if capturing or scaler_after else self._reporter.events(self._device)
-        with together() as launches:  # one launch (a graph replay) for the finalize program and the updates
+        # the norm pass, the finalize program and the update pass: one launch (a graph replay) once the host's
+        # checks are done, so the device runs them back to back
+        with together() as launches:
+            if self._mesh is None:
+                self._launch_norm_pass()
             if events is not None:
                 launches.wait(events[0])  # the last record's copy, before the slots are overwritten
             norm.finalize(

@@ -106,9 +106,6 @@ class GradViews:
         ]
         self._in_place = list({id(chunk): chunk for chunk, _ in where if chunk.in_place}.values())
         self.pinned = False  # a CUDA graph holds the grad buffers' addresses: zero_grad no longer frees them
-        # bumped where the grads a step reads are written (mark, flush, a new buffer, zero_grad) or the device's
-        # marks are (write_marks): a step's early norm pass (``settled``) reruns when it moved
-        self.version = 0
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(weak_hook(self._hook, i))
 
@@ -121,7 +118,6 @@ class GradViews:
     def views(self, chunk: Chunk) -> list[torch.Tensor]:
         """The chunk's grad views, its flat grad buffer made at the first grad it gets in a step."""
         if chunk.grad is None:
-            self.version += 1
             chunk.make_grad(self.accum_dtype or chunk.dtype)
             for i, (c, local) in enumerate(self.where):
                 if c is chunk:
@@ -157,7 +153,6 @@ class GradViews:
         p, (chunk, local) = self.params[i], self.where[i]
         if p.dtype != chunk.dtype:
             return False  # cast after the optimizer was built: step() refuses it (checks.check_dtypes)
-        self.version += 1
         pinned = self._pin_if_capturing()  # before the buffer is made: a captured backward makes it
         view = (self.views(chunk) if chunk.grad is None else chunk.grad_views)[local]
         g = local_grad(p) if self._dtensor[i] else p.grad
@@ -193,7 +188,6 @@ class GradViews:
         param's ``.grad`` (unless ``.grad`` was replaced since: ``adopt`` sees to that one)."""
         if not self._held_back:
             return
-        self.version += 1
         groups: dict[tuple[int, Any], tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
         for i, (g, stream) in self._held_back.items():
             if self.params[i].grad is g:
@@ -222,7 +216,6 @@ class GradViews:
             # from pinned memory: a copy from pageable memory may wait for the stream; torch's host allocator
             # keeps the pinned block until the copy has run
             marks = torch.tensor(self._marked, dtype=torch.int32, pin_memory=self._cuda)
-            self.version += 1
             self.flags[:n].copy_(marks, non_blocking=True)
             self._on_device = list(self._marked)
 
@@ -263,15 +256,6 @@ class GradViews:
                 self.mark(i)
         if self.delivered is not None:
             self.delivered.check()
-
-    def settled(self, chunks: Sequence[Chunk]) -> bool:
-        """Whether every chunk has its grad buffer and the device holds the host's marks, with no grad held back:
-        what a backward that ran to its end leaves, and all the norm pass reads."""
-        return (
-            not self._held_back
-            and self._marked == self._on_device
-            and all(c.grad is not None for c in chunks)
-        )
 
     def ready(self, chunks: Sequence[Chunk], *, capturing: bool) -> None:
         """Before a step's kernels: every chunk has its grad buffer (zero where no grad came). A captured step
@@ -321,7 +305,6 @@ class GradViews:
         the buffers zeroed with ``.grad`` kept as views (None when the view is wider than the param: fp32
         accumulation)."""
         self._pin_if_capturing()  # a captured zero_grad(set_to_none=False) writes the buffers
-        self.version += 1
         self._held_back, self._held_bytes, self._held_storages = {}, 0, set()
         if set_to_none:
             for p in self.params:
