@@ -168,3 +168,30 @@ def test_replayed_steps_equal_triton_launched_ones_bit_for_bit(monkeypatch, dtyp
     for a, b in zip(plain, replayed, strict=True):
         assert torch.equal(a, b)
     torch.testing.assert_close(replayed_state, plain_state, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_skip_record_read_after_replayed_steps_is_each_steps_own(caplog):
+    """The record copied on the side stream (what ``grad_norm`` and ``step_was_skipped`` read) equals the device's
+    scalars of the same step, replay after replay, and each skip is logged once."""
+    torch.manual_seed(0)
+    model = (
+        torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.GELU(), torch.nn.Linear(65, 7)).cuda().half()
+    )
+    opt = FusedAdamW(
+        model.parameters(), lr=1e-2, max_grad_norm=0.5, loss_scaler=halfprec.DynamicLossScaler(2.0**8)
+    )
+    x = torch.randn(16, 33, device="cuda", dtype=torch.float16)
+    before = launch_mod.replay_stats()["replayed"]
+    for s in range(10):
+        opt.zero_grad()
+        loss = model(x * (s + 1)).float().square().mean()
+        opt.backward(loss * float("inf") if s in (4, 7) else loss)
+        opt.step()
+        on_device = opt.step_results()  # a device copy of this step's scalars
+        assert opt.step_was_skipped == on_device.step_was_skipped == (s in (4, 7))
+        assert opt.grad_norm == on_device.grad_norm or s in (4, 7)
+    assert launch_mod.replay_stats()["replayed"] - before >= 6
+    opt.flush_reports()
+    assert sum("step skipped" in r.getMessage() for r in caplog.records) == 2

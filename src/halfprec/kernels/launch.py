@@ -12,13 +12,15 @@ scale, the hyper-parameters, the grad marks) is read at replay time, so a replay
 A key changes when a buffer moves (``zero_grad(set_to_none=True)`` frees the flat grad buffer; the caching
 allocator mostly hands the same address back at the next backward) or a host scalar changes (``max_grad_norm``):
 the new key runs eagerly once and is captured at its second sighting. Each launch site keeps its ``_KEPT`` most
-recent keys; dropping a captured graph waits for the device first (the graph may still be running). Launches run
-as they are (no replay) in the interpreter, on the CPU, while a stream is being captured (the caller's graph
-records the launch itself), under ``torch.compile`` and with ``HALFPREC_LAUNCH="replay=0"``.
+recent keys (CUDA frees a dropped graph that is still running when it completes). Every launch runs on its
+tensors' device, and one lock serialises the shared cache between threads. Launches run as they are (no replay)
+in the interpreter, on the CPU, while a stream is being captured (the caller's graph records the launch itself),
+under ``torch.compile`` and with ``HALFPREC_LAUNCH="replay=0"``.
 
 ``together()`` collects the launches made inside it and runs them as one: one key (every launch's), one graph, one
 replay, so the device runs them back to back and the host pays one replay. ``wait``/``record`` put event waits and
-records between them (events made with ``external=True``, which a capture keeps as graph nodes).
+records between them (events made with ``external=True``, which a capture keeps as graph nodes; a graph keeps
+its events alive, since their driver handles key it).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,12 +38,13 @@ from .settings import settings
 
 __all__ = ["Together", "launch", "replay_stats", "together"]
 
-_KEPT = 8  # keys kept per launch site: a few grad-buffer addresses and host scalars in turn
+_KEPT = 32  # keys kept per launch site: grad-buffer addresses, host scalars, optimizers and chunks in turn
 _WARM = object()  # launched once eagerly (compiled), not captured yet
 
 _sites: dict[Any, OrderedDict[tuple, Any]] = {}
 _side_streams: dict[int, torch.cuda.Stream] = {}
 _stats = {"eager": 0, "captured": 0, "replayed": 0}
+_lock = threading.Lock()  # _sites, _side_streams and _stats are every thread's
 _collecting = threading.local()  # .group: the Together being filled on this thread, if any
 _TOGETHER = "together"  # the launch site of every Together
 
@@ -56,8 +59,8 @@ def _arg_key(args: tuple) -> tuple:
     for a in args:
         if isinstance(a, torch.Tensor):
             key.append((a.data_ptr(), a.dtype))
-        else:
-            key.append(a)
+        else:  # typed: 1, 1.0 and True are equal keys but specialize differently
+            key.append((type(a), a))
     return tuple(key)
 
 
@@ -96,25 +99,33 @@ def _run(items: list[tuple]) -> None:
             kernel[grid](*args, **meta)
 
 
+class _Captured(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    # its nodes' events, alive while it is: no driver handle in a key is reused while a graph holds it
+    events: tuple[torch.cuda.Event, ...]
+
+
 def _replay(site_name: Any, device: torch.device, key: tuple, items: list[tuple]) -> None:
-    """Run ``items`` eagerly at the key's first sighting, capture them at its second, replay them after."""
-    site = _sites.setdefault(site_name, OrderedDict())
-    entry = site.get(key)
-    if entry is None:
-        _run(items)
-        _stats["eager"] += 1
-        site[key] = _WARM
-        while len(site) > _KEPT:
-            _, dropped = site.popitem(last=False)
-            if dropped is not _WARM:
-                torch.cuda.synchronize(device)  # it may still be running
-        return
-    if entry is _WARM:
-        entry = site[key] = _capture(device, lambda: _run(items))
-        _stats["captured"] += 1
-    site.move_to_end(key)
-    entry.replay()
-    _stats["replayed"] += 1
+    """Run ``items`` eagerly at the key's first sighting, capture them at its second, replay them after (on the
+    current stream of ``device``, which is current)."""
+    with _lock:
+        site = _sites.setdefault(site_name, OrderedDict())
+        entry = site.get(key)
+        if entry is None:
+            _run(items)
+            _stats["eager"] += 1
+            site[key] = _WARM
+            while len(site) > _KEPT:
+                site.popitem(last=False)
+            return
+        if entry is _WARM:
+            graph = _capture(device, lambda: _run(items))
+            events = tuple(event for kernel, _, event, _ in items if kernel is None)
+            entry = site[key] = _Captured(graph, events)
+            _stats["captured"] += 1
+        site.move_to_end(key)
+        entry.graph.replay()
+        _stats["replayed"] += 1
 
 
 def _launch_key(item: tuple) -> tuple:
@@ -134,10 +145,11 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
         group.items.append(item)
         return
     device = args[0].device
-    if not _replayable(device):
-        _run([item])
-        return
-    _replay(kernel, device, _launch_key(item)[1:], [item])
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if not _replayable(device):
+            _run([item])
+            return
+        _replay(kernel, device, _launch_key(item)[1:], [item])
 
 
 class Together:
@@ -170,7 +182,8 @@ def together() -> Iterator[Together]:
     if not launches:
         return
     device = launches[0][2][0].device
-    if not _replayable(device):
-        _run(group.items if device.type == "cuda" else launches)
-        return
-    _replay(_TOGETHER, device, tuple(_launch_key(item) for item in group.items), group.items)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if not _replayable(device):
+            _run(group.items if device.type == "cuda" else launches)  # no events off CUDA
+            return
+        _replay(_TOGETHER, device, tuple(_launch_key(item) for item in group.items), group.items)

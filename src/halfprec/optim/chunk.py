@@ -122,6 +122,15 @@ class Chunk:
         halves). True when one had moved."""
         if not self.in_place or self.moved() is None:
             return False
+        for p, n in zip(self.params, self.layout.numels, strict=True):
+            t = local(p)
+            if t.device != self.device or t.dtype != self.dtype or t.numel() != n or not t.is_contiguous():
+                raise RuntimeError(
+                    f"the FSDP2 shard of the param of shape {tuple(p.shape)} is now {t.numel()} {t.dtype} elements "
+                    f"on {t.device}{'' if t.is_contiguous() else ', not contiguous'}; the optimizer writes {n} "
+                    f"contiguous {self.dtype} elements on {self.device} in place: keep the model's shards as they "
+                    "were when the optimizer was built, or build a new optimizer"
+                )
         self.masters.point_params([local(p) for p in self.params])
         self.param_ptrs = self._shard_ptrs()
         if self._plan is not None:

@@ -167,6 +167,18 @@ def test_a_shard_given_new_storage_is_refused_until_a_load_takes_it(mesh, master
     _assert_same(a, b, sharded, again)
 
 
+def test_a_shard_cast_to_another_dtype_is_refused_when_taken(mesh):
+    """``refresh_masters`` takes moved shards only as the kernel writes them: a cast shard is refused, naming it."""
+    sharded = _model(mesh)
+    opt = FusedAdamW(sharded.parameters(), lr=1e-2)
+    _train(opt, sharded, 1)
+    sharded.float()
+    with pytest.raises(
+        RuntimeError, match=r"shard of the param of shape \(7, 5\) is now 35 torch.float32 elements"
+    ):
+        opt.refresh_masters()
+
+
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_fp32_sums_and_clipping_over_shards(mesh, clip):
     """Three micro-batches summed in fp32 (FSDP2 delivers each reduced shard to the hooks); with clipping the

@@ -276,7 +276,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         chunk, table = self._chunks[k], self._update_tables[k]
         state = [chunk.state[name] for name in self.STATE_NAMES if name in chunk.state]
         param, master = chunk.kernel_buffers()
-        for rows, aligned, shift in chunk.update_rows or [(table, True, None)]:
+        for rows, aligned, shift in chunk.update_rows if chunk.in_place else [(table, True, None)]:
             update(
                 self.KIND, param, chunk.grad, master, state, rows, self._pscal, self._scalars, aligned=aligned,
                 shift=shift,
@@ -430,6 +430,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             self._reporter.record(self._scalars, after=None if events is None else events[1])
         if scaler_after:
             self.loss_scaler.update(self._scalars[0])
+            self._reporter.fence()  # a side-stream copy of an earlier record may still read the slots
             self._scalars[5].copy_(self.loss_scaler.scale)
             if not capturing:
                 self._reporter.record(self._scalars)

@@ -55,6 +55,11 @@ class SkipReporter:
             self._events = (torch.cuda.Event(external=True), torch.cuda.Event(external=True))
         return self._events
 
+    def fence(self) -> None:
+        """Make the current stream wait for the last record's copy (the host is about to write its slots)."""
+        if self._events is not None:
+            torch.cuda.current_stream(self._side.device).wait_event(self._events[0])
+
     def record(self, scalars: torch.Tensor, after: torch.cuda.Event | None = None) -> None:
         """Stage ``scalars[:6]`` for a later report (a CUDA-graph capture calls ``captured()`` instead): on the
         current stream, or with ``after`` (``events``' ready) on the side stream once ``after`` has run."""
@@ -158,6 +163,7 @@ class DeviceResults:
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
+        self.reporter.fence()
         self.scalars[3].fill_(float(value))
 
     def snapshot(self) -> DeviceResults:
