@@ -180,7 +180,10 @@ def test_the_skip_record_read_after_replayed_steps_is_each_steps_own(caplog):
         torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.GELU(), torch.nn.Linear(65, 7)).cuda().half()
     )
     opt = FusedAdamW(
-        model.parameters(), lr=1e-2, max_grad_norm=0.5, loss_scaler=halfprec.DynamicLossScaler(2.0**8)
+        model.parameters(),
+        lr=1e-2,
+        max_grad_norm=0.5,
+        loss_scaler=halfprec.DynamicLossScaler(init_scale=2.0**8),
     )
     x = torch.randn(16, 33, device="cuda", dtype=torch.float16)
     before = launch_mod.replay_stats()["replayed"]
