@@ -22,6 +22,8 @@ import torch
 
 import halfprec
 
+from ..kernels.launch import replay_stats
+from ..kernels.settings import settings
 from ..optim import FusedAdagrad, FusedAdamW, FusedLamb, FusedSGD
 
 __all__ = [
@@ -325,6 +327,9 @@ def run_bench(
         "triton": triton_version,
         "workload": workload,
         "copy_gbps": bw,
+        # whether the fused launches replayed from CUDA graphs (HALFPREC_LAUNCH=replay=0 turns it off), and how often
+        "launch_replay": bool(settings().replay),
+        "replay_stats": replay_stats(),
         "rows": [asdict(r) for r in rows],
     }
 
