@@ -35,7 +35,7 @@ def staged(monkeypatch):
     """``launch`` with replay on for CPU tensors: a capture keeps the launch and a replay runs it again."""
     captured = []
 
-    def capture(device, run):
+    def capture(run):
         captured.append(run)
         return _Graph(run)
 

@@ -74,13 +74,15 @@ def _replayable(device: torch.device) -> bool:
     )
 
 
-def _capture(device: torch.device, run: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def _capture(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """``run``'s launches captured on a side stream of the current device (``launch`` and ``together`` make it
+    the launches' device)."""
+    index = torch.cuda.current_device()
     side = _side_streams.get(index)
     if side is None:
         side = _side_streams[index] = torch.cuda.Stream(device=index)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.device(index), torch.cuda.stream(side):
+    with torch.cuda.stream(side):
         # thread_local: another thread's CUDA calls (a data loader's pinned copies) do not break the capture
         graph.capture_begin(capture_error_mode="thread_local")
         try:
@@ -105,9 +107,9 @@ class _Captured(NamedTuple):
     events: tuple[torch.cuda.Event, ...]
 
 
-def _replay(site_name: Any, device: torch.device, key: tuple, items: list[tuple]) -> None:
+def _replay(site_name: Any, key: tuple, items: list[tuple]) -> None:
     """Run ``items`` eagerly at the key's first sighting, capture them at its second, replay them after (on the
-    current stream of ``device``, which is current)."""
+    current device's current stream)."""
     with _lock:
         site = _sites.setdefault(site_name, OrderedDict())
         entry = site.get(key)
@@ -119,7 +121,7 @@ def _replay(site_name: Any, device: torch.device, key: tuple, items: list[tuple]
                 site.popitem(last=False)
             return
         if entry is _WARM:
-            graph = _capture(device, lambda: _run(items))
+            graph = _capture(lambda: _run(items))
             events = tuple(event for kernel, _, event, _ in items if kernel is None)
             entry = site[key] = _Captured(graph, events)
             _stats["captured"] += 1
@@ -149,7 +151,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
         if not _replayable(device):
             _run([item])
             return
-        _replay(kernel, device, _launch_key(item)[1:], [item])
+        _replay(kernel, _launch_key(item), [item])
 
 
 class Together:
@@ -186,4 +188,4 @@ def together() -> Iterator[Together]:
         if not _replayable(device):
             _run(group.items if device.type == "cuda" else launches)  # no events off CUDA
             return
-        _replay(_TOGETHER, device, tuple(_launch_key(item) for item in group.items), group.items)
+        _replay(_TOGETHER, tuple(_launch_key(item) for item in group.items), group.items)

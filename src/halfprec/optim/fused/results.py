@@ -7,13 +7,13 @@ non-blocking copy per step and records an event; completed records are logged at
 reads a result, each skip once. Buffers and events are reused, so a step allocates nothing (a skipped step is
 mostly host time).
 
-With the built-in scalers nothing after the finalize program writes those slots, so the record is copied on a
-side stream as soon as that program has run (``events``: the step records ``ready`` after it and waits for
-``copied`` before its next finalize, both in its launch group), while the update pass runs; a scaler whose own
-``update`` runs after the update pass is staged after it. Reading ``step_was_skipped``, ``grad_norm`` or
-``step_loss_scale`` then waits for that record only: the update pass stays queued and runs while the host goes on
-(an LR scheduler that holds on skipped steps, the HF Trainer's loop, the next batch). Once a step was captured in a CUDA graph, a replay records nothing, so
-every read goes to the device scalars and waits for the stream.
+With the built-in scalers nothing after the finalize program writes those slots, so the record is copied on a side
+stream as soon as that program has run (``events``: the step records ``ready`` after it and waits for ``copied``
+before its next finalize, both in its launch group), while the update pass runs; a scaler whose own ``update`` runs
+after the update pass is staged after it. Reading ``step_was_skipped``, ``grad_norm`` or ``step_loss_scale`` then
+waits for that record only: the update pass stays queued and runs while the host goes on (an LR scheduler that holds
+on skipped steps, the HF Trainer's loop, the next batch). Once a step was captured in a CUDA graph, a replay records
+nothing, so every read goes to the device scalars and waits for the stream.
 """
 
 from __future__ import annotations
