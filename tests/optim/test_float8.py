@@ -1,7 +1,7 @@
 """halfprec over torchao's float8 training (``torchao.float8.convert_to_float8_training``): the 16-bit weights of
 the ``Float8Linear`` modules are the params halfprec casts, steps and rounds, with fp32 masters of their own.
 
-torchao is the ``[float8]`` extra, which CI does not install: without it every test here is skipped. Float8Linear
+torchao is the ``[float8]`` extra (CI installs it beside ``[test]``); without it every test here is skipped. Float8Linear
 keeps its weight a plain 16-bit ``nn.Parameter`` and casts it (and the input, and the output's grad) to float8
 inside each matmul, so halfprec sees an ordinary 16-bit model: the checks are that the conversion survives the
 wrapping (the same modules, the same param objects, still 16-bit), that every trained param gets an fp32 master,
@@ -228,9 +228,7 @@ def test_the_fused_layout_refuses_weights_that_wrap_a_tensor(options, match):
 def test_a_fused_optimizer_built_directly_refuses_weights_that_wrap_a_tensor():
     model = _all_gather_model().bfloat16()
     before = [_inner(m.weight).clone() for m in _float8_modules(model)]
-    with pytest.raises(
-        ValueError, match=r"FusedAdamW makes the params views of one flat buffer.*impl='torch'"
-    ):
+    with pytest.raises(ValueError, match=r"FusedAdamW writes the params through their storage.*impl='torch'"):
         FusedAdamW(model.parameters(), lr=1e-3)
     assert all(torch.equal(_inner(m.weight), w) for m, w in zip(_float8_modules(model), before, strict=True))
 
@@ -248,10 +246,69 @@ def test_the_sharded_strategy_refuses_weights_that_wrap_a_tensor(tmp_path):
     from .helpers import world_of_one
 
     model = _all_gather_model().bfloat16()
-    with world_of_one(tmp_path / "store"), pytest.raises(ValueError, match=r"stage=1 makes the params views"):
+    with (
+        world_of_one(tmp_path / "store"),
+        pytest.raises(ValueError, match=r"stage=1 writes the params through their storage"),
+    ):
         halfprec.MixedPrecisionOptimizer(
             torch.optim.AdamW(model.parameters()), stage=1, named_parameters=model
         )
+
+
+def _sharded_all_gather_model() -> torch.nn.Sequential:
+    """``_all_gather_model`` in bf16, ``fully_shard``-ed per Linear and at the root: each weight a DTensor whose
+    local shard is torchao's wrapping subclass."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _all_gather_model().bfloat16()
+    for m in _float8_modules(model):
+        fully_shard(m)
+    fully_shard(model)
+    wrapped = {type(m.weight.to_local()).__name__ for m in _float8_modules(model)}
+    assert wrapped == {"WeightWithDynamicFloat8CastTensor"}
+    return model
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda model: halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), impl="triton"),
+        lambda model: halfprec.MixedPrecisionOptimizer(
+            torch.optim.AdamW(model.parameters()), masters="split"
+        ),
+        lambda model: FusedAdamW(model.parameters(), lr=1e-3),
+    ],
+    ids=["impl-triton", "split-masters", "FusedAdamW"],
+)
+def test_the_fused_kernels_refuse_fsdp2_shards_that_wrap_a_tensor(tmp_path, build):
+    """The fused kernels write FSDP2's shards in place through their storage, which torchao's all-gather weight
+    does not have: refused at construction, with the weights untouched (it crashed the first step)."""
+    from .helpers import world_of_one
+
+    with world_of_one(tmp_path / "store"):
+        model = _sharded_all_gather_model()
+        before = [_inner(m.weight.to_local()).clone() for m in _float8_modules(model)]
+        with pytest.raises(ValueError, match=r"'WeightWithDynamicFloat8CastTensor'\] wrap another tensor"):
+            build(model)
+        after = [_inner(m.weight.to_local()) for m in _float8_modules(model)]
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_auto_trains_fsdp2_shards_that_wrap_a_tensor_with_the_exact_strategy(tmp_path):
+    from .helpers import world_of_one
+
+    with world_of_one(tmp_path / "store"):
+        model = _sharded_all_gather_model()
+        mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), **HP))
+        assert type(mp).__name__ == "ExactMixedPrecisionOptimizer"
+        before = [_inner(m.weight.to_local()).clone() for m in _float8_modules(model)]
+        for x, y in _batches("cpu")[:2]:
+            mp.backward(torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y))
+            mp.step()
+            mp.zero_grad()
+        assert not mp.step_was_skipped
+        after = [_inner(m.weight.to_local()) for m in _float8_modules(model)]
+        assert not any(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
 def _scales(model) -> list[torch.Tensor | None]:

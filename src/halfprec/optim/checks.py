@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from .._checks import check_max_grad_norm
 from ..precision import check_grad_accum, check_low_precision
 from ..scaler import LossScaler
-from .mesh import is_dtensor
+from .mesh import local
 
 __all__ = [
     "ELEMENTWISE", "check_elementwise", "check_dtypes", "check_grad_accum_dtype", "check_options", "check_params", "check_torch_optimizer",
@@ -131,25 +131,26 @@ def set_data(p: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def wraps_tensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a tensor subclass that wraps another tensor (torchao's float8 weights), DTensors (FSDP2's
-    shards, ``mesh.is_dtensor``) aside."""
-    return is_traceable_wrapper_subclass(t) and not is_dtensor(t)
+    """Whether ``t`` is a tensor subclass that wraps another tensor (torchao's float8 weights), or a DTensor (an
+    FSDP2 shard, ``mesh.is_dtensor``) whose local shard is one (FSDP2's float8 all-gather)."""
+    return is_traceable_wrapper_subclass(local(t))
 
 
 def wrapped_types(params: Iterable[torch.Tensor]) -> list[str]:
-    """The names of the ``wraps_tensor`` subclasses among ``params``: they cannot be views of a flat buffer (the
-    fused kernels' and the sharded strategy's layout)."""
-    return sorted({type(p).__name__ for p in params if wraps_tensor(p)})
+    """The names of the ``wraps_tensor`` subclasses among ``params`` (of a DTensor's local shard): the fused
+    kernels and the sharded strategy write params through their storage, which such a subclass does not have."""
+    return sorted({type(local(p)).__name__ for p in params if wraps_tensor(p)})
 
 
 def check_unwrapped(params: Iterable[torch.Tensor], owner: str, instead: str) -> None:
-    """ValueError, before anything changes, when ``owner`` (which makes the params views of one flat buffer) is
-    given params that wrap another tensor (``wrapped_types``): the view would replace what they compute with."""
+    """ValueError, before anything changes, when ``owner`` (which writes the params through their storage) is
+    given params that wrap another tensor (``wrapped_types``)."""
     wrapped = wrapped_types(params)
     if wrapped:
         raise ValueError(
-            f"{owner} makes the params views of one flat buffer, and params of type {wrapped} wrap another tensor, "
-            f"which such a view cannot be (torchao's float8 weights with FSDP2's float8 all-gather): {instead}"
+            f"{owner} writes the params through their storage (as views of one flat buffer, or FSDP2's shards in "
+            f"place), and params of type {wrapped} wrap another tensor and have none of their own (torchao's "
+            f"float8 weights with FSDP2's float8 all-gather): {instead}"
         )
 
 

@@ -69,8 +69,9 @@ def fused_unsupported_reason(
     wrapped = wrapped_types(params)
     if wrapped:
         return (
-            f"params of type {wrapped} wrap another tensor, and the fused kernels make the params views of one flat "
-            f"buffer, which such a subclass cannot be (torchao's float8 all-gather weights); use {instead}"
+            f"params of type {wrapped} wrap another tensor and have no storage of their own, and the fused kernels "
+            f"write params through theirs (views of one flat buffer, or FSDP2's shards in place): torchao's float8 "
+            f"all-gather weights; use {instead}"
         )
     off_cuda = sorted({str(p.device) for p in params if p.device.type != "cuda"})
     interpreted = explicit and os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests of the kernels
