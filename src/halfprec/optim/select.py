@@ -4,10 +4,9 @@
 same on every machine: it is honoured, or a ValueError says why this strategy cannot take it and how to get one
 that can. The choice, in order (``policy.py`` says when the fused kernels can run):
 
-* params sharded by ``fully_shard`` (FSDP2's DTensors): a strategy over their local shards (``mesh.py``): the
-  fused one for ``impl="triton"`` or ``masters="split"``, else the exact one (``impl="auto"`` too: the fused
-  kernels over shards have run under the Triton interpreter only); the options that cannot apply to them
-  (``stage``, ``process_group``, a ``param_dtype`` cast of fp32 shards) raise a ValueError naming the fix;
+* params sharded by ``fully_shard`` (FSDP2's DTensors): a strategy over their local shards (``mesh.py``), picked
+  as below for unsharded params (the fused kernels write 16-bit shards in place); the options that cannot apply
+  to them (``stage``, ``process_group``, a ``param_dtype`` cast of fp32 shards) raise a ValueError naming the fix;
 * ``stage`` 1 or 2: the sharded strategy (ZeRO-1/2, ``sharded/``), whose local step ``impl`` picks;
 * ``masters="split"``: the fused strategy, which alone keeps split masters (ValueError when it cannot run);
 * else ``impl``: ``"torch"`` the exact strategy (``exact.py``); ``"triton"`` the fused one (ValueError when it
@@ -126,8 +125,9 @@ def build(
             )
     if masters == "split":
         return fused_from_torch(optimizer, masters="split", **options)
-    # over FSDP2 shards only when asked for: the fused kernels over shards have run under the interpreter only
-    if (mesh is None or impl == "triton") and select_impl(optimizer, impl, tool_flags=tool_flags) == "triton":
+    if (
+        select_impl(optimizer, impl, tool_flags=tool_flags) == "triton"
+    ):  # FSDP2's shards too (written in place)
         return fused_from_torch(optimizer, **options)
     return ExactMixedPrecisionOptimizer(optimizer, **options)
 

@@ -211,12 +211,14 @@ def test_a_backward_without_gradient_sync_is_refused_with_fp32_sums(mesh):
         mp.step()
 
 
-def test_the_factory_picks_the_fused_strategy_over_shards_only_when_asked(mesh):
-    """impl='auto' keeps the exact strategy over shards; impl='triton' (masters='split' too) asks for the fused
-    one (here under the interpreter, which an explicit impl='triton' accepts); masters='split' with impl='auto' is
-    refused on this CPU machine as for an unsharded model."""
-    sharded = _model(mesh)
-    auto = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(sharded.parameters()))
+def test_the_factory_picks_the_strategy_over_shards_as_for_unsharded_params(mesh, monkeypatch):
+    """impl='auto' takes the fused strategy over shards wherever it can run (CUDA params: faked here by the
+    policy's answer), else the exact one (CPU params without an explicit impl='triton'); impl='triton' (and
+    masters='split') asks for the fused one (here under the interpreter, which an explicit impl='triton'
+    accepts); masters='split' with impl='auto' is refused on this CPU machine as for an unsharded model."""
+    from halfprec.optim import select
+
+    auto = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(_model(mesh).parameters()))
     assert isinstance(auto, ExactMixedPrecisionOptimizer)
     for masters in ("fp32", "split"):
         mp = halfprec.MixedPrecisionOptimizer(
@@ -225,6 +227,14 @@ def test_the_factory_picks_the_fused_strategy_over_shards_only_when_asked(mesh):
         assert isinstance(mp, FusedAdamW) and mp.masters == masters and mp.collective  # saved by every rank
     with pytest.raises(ValueError, match="the fused kernels need CUDA params"):
         halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(_model(mesh).parameters()), masters="split")
+    asked = []
+    resolved = {"auto": "triton", "torch": "torch"}  # select_impl's answers where the fused kernels can run
+    monkeypatch.setattr(select, "select_impl", lambda opt, impl, **kw: asked.append(impl) or resolved[impl])
+    where_it_runs = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(_model(mesh).parameters()))
+    exact = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(_model(mesh).parameters()), impl="torch")
+    assert asked == ["auto", "torch"]
+    assert isinstance(where_it_runs, FusedAdamW) and where_it_runs.collective
+    assert isinstance(exact, ExactMixedPrecisionOptimizer)
     with pytest.raises(
         ValueError, match="FusedLamb's trust ratio needs each whole param's norm.*FSDP2 shards"
     ):
