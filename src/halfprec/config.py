@@ -156,7 +156,7 @@ class Config:
         if self.masters == "split" and (self.impl == "torch" or self.precision == "fp16"):
             raise ValueError(
                 f"masters='split' with impl={self.impl!r}, precision={self.precision!r}: split masters are the "
-                "fused path's (impl='auto' or 'triton'; zero_stage 0, 1 or 2) for bf16 models; the exact path "
+                "fused path's (impl='auto' or 'triton', at any zero_stage) for bf16 models; the exact path "
                 "and fp16 keep fp32 masters: use masters='fp32'"
             )
         if self.grad_accum_dtype == "fp32" and self.reduce_dtype == "param" and self.zero_stage in (1, 2):
