@@ -34,6 +34,7 @@ reported; the ``hf*``, ``deepspeed*`` and ``*-paired`` systems need CUDA.
 Systems:
   autocast   fp32 model under ``torch.autocast``, ``torch.optim.AdamW(fused=True)``; fp16 with ``GradScaler``
   halfprec   ``halfprec.initialize`` (16-bit model, fused optimizer on CUDA)
+  halfprec-split  the same with ``masters="split"`` (``impl="triton"``: CUDA, or the Triton interpreter; bf16 only)
   hf         the HF ``Trainer`` with halfprec (``HalfprecTrainer``, its AdamW on halfprec's fused path, clipping
              in the kernel, constant LR, the Trainer's default logging (every 500 steps; the losses are kept on the
              device), the batches in the others' order), timed from one step's begin to the next's by a callback
@@ -112,6 +113,7 @@ from pathlib import Path
 SYSTEMS = (
     "autocast",
     "halfprec",
+    "halfprec-split",
     "hf",
     "deepspeed",
     "deepspeed-reset",
@@ -138,7 +140,8 @@ COMPILED = "-compiled"  # SYSTEM-compiled: SYSTEM under torch.compile (module do
 NOT_COMPILED = ("hf", "deepspeed")  # prefixes of the systems with no compiled variant (nor the *-paired ones)
 ONLY_DTYPE = {  # the systems that run in one dtype
     "deepspeed-reset": "fp16",  # DeepSpeed's construction step is its fp16 wrapper's
-    "fsdp2-halfprec-split": "bf16",  # split masters are bf16's
+    "halfprec-split": "bf16",  # split masters are bf16's
+    "fsdp2-halfprec-split": "bf16",
     "halfprec-float8": "bf16",  # torchao's float8 recipe is bf16's
     "torchao-float8": "bf16",
 }
@@ -259,7 +262,7 @@ def autocast_runner(model, dtype, *, device: str = "cuda", autocast: bool = True
     return step, lambda: (last[0], scaler.get_scale() if scaler is not None else None)
 
 
-def halfprec_runner(model, dtype, clip=CLIP, scheduled=False):
+def halfprec_runner(model, dtype, clip=CLIP, scheduled=False, masters="fp32"):
     import torch
 
     import halfprec
@@ -267,7 +270,12 @@ def halfprec_runner(model, dtype, clip=CLIP, scheduled=False):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0) if scheduled else None
-    engine = halfprec.initialize(model, opt, precision=precision, max_grad_norm=clip, lr_scheduler=sched)
+    split = (
+        dict(masters="split", impl="triton") if masters == "split" else {}
+    )  # the interpreter needs "triton"
+    engine = halfprec.initialize(
+        model, opt, precision=precision, max_grad_norm=clip, lr_scheduler=sched, **split
+    )
 
     def step(x):
         loss = engine(input_ids=x, labels=x).loss
@@ -657,9 +665,10 @@ def child(system: str, dtype_name: str, args) -> dict:
         )
     elif base == "halfprec-keep":
         step, probe = keep_runner(model, dtype)
-    elif base.startswith("halfprec"):  # halfprec, -noclip, -sched, -float8
+    elif base.startswith("halfprec"):  # halfprec, -split, -noclip, -sched, -float8
         clip = None if base.endswith("-noclip") else CLIP
-        step, probe = halfprec_runner(model, dtype, clip, scheduled=base == "halfprec-sched")
+        masters = "split" if base == "halfprec-split" else "fp32"
+        step, probe = halfprec_runner(model, dtype, clip, scheduled=base == "halfprec-sched", masters=masters)
     else:
         clip = 0.0 if system.endswith("-noclip") else CLIP
         step, probe = deepspeed_runner(
@@ -713,7 +722,8 @@ def unavailable(system: str, device: str) -> str | None:
             float8_module()
         except ImportError:
             return "torchao is not installed (the [float8] extra)"
-    if base == "fsdp2-halfprec-split" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    split = base in ("halfprec-split", "fsdp2-halfprec-split")
+    if split and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "split masters need the fused kernels: CUDA, or TRITON_INTERPRET=1 on the CPU"
     return None
 

@@ -17,11 +17,11 @@ import pytest
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = [
-    "autocast", "halfprec", "halfprec-keep", "fsdp2", "fsdp2-halfprec", "fsdp2-halfprec-split",
+    "autocast", "halfprec", "halfprec-split", "halfprec-keep", "fsdp2", "fsdp2-halfprec", "fsdp2-halfprec-split",
     "fsdp2-halfprec-exact", "autocast-compiled", "halfprec-compiled", "fsdp2-halfprec-compiled",
 ]  # fmt: skip
 # torchao's float8 recipe and halfprec over it: with the [float8] extra (CI installs it)
-FLOAT8 = ["torchao-float8", "halfprec-float8", "halfprec-float8-compiled"]
+FLOAT8 = ["torchao-float8", "halfprec-float8", "halfprec-float8-compiled", "torchao-float8-compiled"]
 
 
 def test_bench_train_smoke_runs_every_cpu_system(tmp_path):
