@@ -102,9 +102,10 @@ class Config:
     as torchtitan shards transformer layers; without one, each direct child that has params), then to the root,
     on a 1-D mesh over the default process group (which must be initialised). The torch optimizer passed to
     ``initialize`` (built over ``model.parameters()``) is pointed at the sharded params, its state at their rows.
-    Masters and optimizer state are those of each rank's rows (the exact strategy; the fused one with
-    ``impl="triton"`` or ``masters="split"``); every micro-batch is reduce-scattered. A model that is sharded
-    already is refused here: pass 0."""
+    Masters and optimizer state are those of each rank's rows, on the strategy ``impl`` picks as at the other
+    stages (``"auto"``: the fused kernels on CUDA, whose step cannot be captured in a CUDA graph over shards;
+    ``"torch"``: the exact one); every micro-batch is reduce-scattered. A model that is sharded already is
+    refused here: pass 0."""
 
     reduce_dtype: Literal["fp32", "param"] = "fp32"
     """Sharded stages: dtype of the gradient reduce-scatter (fp32, or the params' 16-bit dtype; at stages 1/2
