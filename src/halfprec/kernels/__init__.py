@@ -6,7 +6,12 @@ from __future__ import annotations
 import importlib
 import os
 
-__all__ = ["triton_status"]
+__all__ = ["interpreted", "triton_status"]
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1``, which Triton reads when it is imported)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_status() -> tuple[bool, str]:
@@ -21,6 +26,6 @@ def triton_status() -> tuple[bool, str]:
         )
     import torch
 
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    if torch.cuda.is_available() or interpreted():
         return True, ""
     return False, "no CUDA device (and TRITON_INTERPRET is not set), so the Triton kernels cannot run"

@@ -26,7 +26,6 @@ its events alive, since their driver handles key it).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -34,6 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import interpreted
 from .settings import settings
 
 __all__ = ["Together", "launch", "replay_stats", "together"]
@@ -67,7 +67,7 @@ def _arg_key(args: tuple) -> tuple:
 def _replayable(device: torch.device) -> bool:
     return (
         device.type == "cuda"
-        and os.environ.get("TRITON_INTERPRET") != "1"
+        and not interpreted()
         and settings().replay
         and not torch.cuda.is_current_stream_capturing()
         and not torch.compiler.is_compiling()

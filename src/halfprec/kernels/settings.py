@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from . import interpreted
+
 __all__ = ["NO_FMA", "LaunchSettings", "settings"]
 
 # The kernels that update masters compile without FMA contraction: which multiply-add the compiler fuses depends on
@@ -47,7 +49,7 @@ _INTERPRETER = LaunchSettings(
 
 def settings() -> LaunchSettings:
     """The settings in force; ``HALFPREC_LAUNCH="norm_block=32768,update_warps=4"`` overrides fields (for sweeps)."""
-    base = _INTERPRETER if os.environ.get("TRITON_INTERPRET") == "1" else _GPU
+    base = _INTERPRETER if interpreted() else _GPU
     override = os.environ.get("HALFPREC_LAUNCH")
     if not override:
         return base

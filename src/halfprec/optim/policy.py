@@ -12,10 +12,9 @@ when the rest does not hold (under ``TRITON_INTERPRET=1`` it accepts CPU params,
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..kernels import interpreted, triton_status
 from .checks import wrapped_types
 
 __all__ = ["IMPLS", "fused_class", "fused_unsupported_reason", "select_impl", "unsupported_flag"]
@@ -74,16 +73,14 @@ def fused_unsupported_reason(
             f"all-gather weights; use {instead}"
         )
     off_cuda = sorted({str(p.device) for p in params if p.device.type != "cuda"})
-    interpreted = explicit and os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests of the kernels
-    if off_cuda and not interpreted:
+    on_interpreter = explicit and interpreted()  # CPU tests of the kernels
+    if off_cuda and not on_interpreter:
         return f"params on {off_cuda}; the fused kernels need CUDA params: move the model to CUDA or use {instead}"
     odd = sorted(
         {str(p.dtype) for p in params if p.dtype not in (torch.float16, torch.bfloat16, torch.float32)}
     )
     if odd:
         return f"params of dtype {odd}; the fused kernels train fp16, bf16 and fp32 params: use {instead}"
-    from ..kernels import triton_status
-
     return triton_status()[1] or None  # the reason Triton cannot run here, "" when it can
 
 

@@ -20,13 +20,12 @@ or write goes through the chunk (``layout.Chunk``), which knows its storage.
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any
 
 import torch
 
-from ...kernels import triton_status
+from ...kernels import interpreted, triton_status
 from ...kernels.settings import settings
 from ...kernels.slots import PSCAL_WIDTH, HyperTable, Kind
 from ...precision import GRAD_ACCUM
@@ -173,7 +172,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 "fused optimizer per device"
             )
         self._device = dev = devices.pop() if devices else torch.device("cpu")
-        if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if dev.type != "cuda" and not interpreted():
             raise ValueError(
                 f"the fused optimizers run on CUDA params, got params on {dev}; move the "
                 "model to CUDA or use the torch path"
@@ -187,8 +186,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         sources = [originals.get(p, p.data) for p in trainable]
         placed = chunk_params(trainable, sources, flat_params=True, masters=self.masters)
         self._chunks: list[Chunk] = [chunk for chunk, _ in placed]
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        if interpreted and dev.type != "cpu" and any(c.in_place for c in self._chunks):
+        if interpreted() and dev.type != "cpu" and any(c.in_place for c in self._chunks):
             raise ValueError(
                 f"the fused kernels write FSDP2's 16-bit shards in place, and Triton's interpreter copies {dev} "
                 "tensors to the host, where the shards are not: unset TRITON_INTERPRET (or train on the CPU)"
