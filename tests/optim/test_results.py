@@ -11,6 +11,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
+import types
 import warnings
 
 import pytest
@@ -18,7 +20,7 @@ import torch
 
 import halfprec
 from halfprec.optim import FusedAdamW
-from halfprec.optim.results import GradMarks, SkipLog, StepState
+from halfprec.optim.results import Delivered, GradMarks, ScaleGuard, SkipLog, StepState
 
 
 def _params(n: int = 3) -> list[torch.nn.Parameter]:
@@ -202,3 +204,47 @@ def test_param_dtype_error_names_the_choices(bad):
         ValueError, match=r"param_dtype must be torch.float16 or torch.bfloat16 or torch.float32 \(or None\)"
     ):
         _exact(_model(), param_dtype=bad)
+
+
+# Delivered (FSDP2 with fp32 sums): backwards against the hook calls FSDP2 made. torch 2.11's FSDP2 calls no hook
+# under compiled autograd, so the error names that cause when its switch is on and no hook ran; else no-sync's.
+# (torch version, torch._dynamo.config.compiled_autograd or None: dynamo never imported, hook calls, message)
+NO_SYNC = r"2 backward\(\) calls .* of 0: a backward under model.set_requires_gradient_sync\(False\)"
+COMPILED = (
+    r"2 backward\(\) calls .* of 0: compiled autograd is on .* torch 2.11.0\+cu130's FSDP2 calls no "
+    r"post-accumulate-grad hook .* Turn compiled autograd off, pass grad_accum_dtype='param'"
+)
+UNDELIVERED = [
+    ("2.11.0+cu130", True, 0, COMPILED),
+    ("2.11.0+cu130", False, 0, NO_SYNC),
+    ("2.11.0+cu130", None, 0, NO_SYNC),
+    ("2.12.0", True, 0, NO_SYNC),  # 2.12 and later always call the hooks
+    ("2.13.0+cpu", True, 0, NO_SYNC),
+    ("2.11.0+cu130", True, 1, r"of 1: a backward under model.set_requires_gradient_sync"),  # hooks did run
+]
+
+
+@pytest.mark.parametrize(("version", "switch", "fired", "message"), UNDELIVERED)
+def test_undelivered_grads_name_their_cause(monkeypatch, version, switch, fired, message):
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion(version))
+    config = None if switch is None else types.SimpleNamespace(compiled_autograd=switch)
+    monkeypatch.setitem(sys.modules, "torch._dynamo.config", config)  # None: as if never imported
+    guard = ScaleGuard()
+    delivered = Delivered(guard)
+    guard.mark()
+    guard.mark()
+    for _ in range(fired):
+        delivered.fire("w")
+    with pytest.raises(RuntimeError, match=message):
+        delivered.check()
+
+
+def test_delivered_grads_pass_and_the_count_restarts():
+    guard = ScaleGuard()
+    delivered = Delivered(guard)
+    guard.mark()
+    delivered.fire("w")
+    delivered.check()
+    guard.mark()  # the next accumulation starts from the last check
+    delivered.fire("w")
+    delivered.check()

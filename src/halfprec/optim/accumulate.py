@@ -20,7 +20,8 @@ FSDP2 (DTensor params, ``mesh.py``) calls a sharded param's post-accumulate-grad
 with ``.grad`` the reduced 16-bit shard: the same hooks sum the shards in fp32, without an unsharded fp32 buffer.
 A backward under ``set_requires_gradient_sync(False)`` reduces nothing and calls no hook (FSDP2 sums its grads in
 its unsharded buffer, in 16 bits or its reduce dtype), so the step counts the backwards against the hooks and
-refuses the gap (``results.Delivered``).
+refuses the gap (``results.Delivered``; torch 2.11's FSDP2 calls no hook under compiled autograd either, and the
+error then names that).
 
 Three hook sets collect grads: these (the exact strategy's fp32 sums), the fused strategy's (``fused/grads.py``) and
 the sharded reducer's (``sharded/grads.py``). What they have in common lives once: the flat grad buffers and their

@@ -6,6 +6,7 @@ import functools
 import inspect
 import logging
 import os
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -164,7 +165,9 @@ class Delivered:
     ``scale_loss``; a plain ``loss.backward()`` is not counted) against the sharded grads FSDP2 delivered to the
     hooks. A backward under ``set_requires_gradient_sync(False)`` reduces nothing and calls no hook: FSDP2 sums its
     grads into its unsharded buffer and hands the hooks one reduced shard at the next synced backward, so the fp32
-    sums would hold that micro-batch only as part of a 16-bit sum. ``check()`` refuses that gap."""
+    sums would hold that micro-batch only as part of a 16-bit sum. ``check()`` refuses that gap. torch 2.11's FSDP2
+    also calls no hook under compiled autograd (2.12 and later always do: docs/distributed.md), which the error
+    names when the switch is on."""
 
     def __init__(self, guard: ScaleGuard) -> None:
         self.guard = guard
@@ -178,12 +181,33 @@ class Delivered:
         """RuntimeError when more backwards ran since the last check than FSDP2 delivered sharded grads for."""
         ran, most = self.guard.marks - self.counted, max(self.fired.values(), default=0)
         self.counted, self.fired = self.guard.marks, {}
-        if ran > most:
-            raise RuntimeError(
-                f"{ran} backward() calls since the last step, and FSDP2 delivered the sharded grads of {most}: a "
-                "backward under model.set_requires_gradient_sync(False) adds its grads into FSDP2's unsharded "
-                "buffer (in the params' dtype, or FSDP2's reduce_dtype), so grad_accum_dtype='fp32' would get "
-                "them only as part of that sum. Keep set_requires_gradient_sync(True) on every micro-batch (the "
-                "fp32 sums of the sharded grads replace FSDP2's unsharded accumulation), or pass "
-                "grad_accum_dtype='param'"
+        if ran <= most:
+            return
+        if most == 0 and _compiled_autograd_skips_hooks():
+            why = (
+                "compiled autograd is on (torch._dynamo.config.compiled_autograd), and torch "
+                f"{torch.__version__}'s FSDP2 calls no post-accumulate-grad hook under it, so grad_accum_dtype='fp32' "
+                "gets no sharded grad. Turn compiled autograd off, pass grad_accum_dtype='param' (the step takes the "
+                "16-bit grads FSDP2 accumulated), or use torch 2.12 or later, whose FSDP2 always calls the hooks"
             )
+        else:
+            why = (
+                "a backward under model.set_requires_gradient_sync(False) adds its grads into FSDP2's unsharded "
+                "buffer (in the params' dtype, or FSDP2's reduce_dtype), so grad_accum_dtype='fp32' would get them "
+                "only as part of that sum. Keep set_requires_gradient_sync(True) on every micro-batch (the fp32 sums "
+                "of the sharded grads replace FSDP2's unsharded accumulation), or pass grad_accum_dtype='param'"
+            )
+        raise RuntimeError(
+            f"{ran} backward() calls since the last step, and FSDP2 delivered the sharded grads of {most}: {why}"
+        )
+
+
+def _compiled_autograd_skips_hooks() -> bool:
+    """Whether FSDP2 calls no post-accumulate-grad hook because of compiled autograd: torch before 2.12 (2.11, the
+    oldest halfprec takes) with ``torch._dynamo.config.compiled_autograd`` on, the documented switch under which
+    ``torch.compile``d calls enter compiled autograd. Read from ``sys.modules``: a process that never imported
+    dynamo has it off, and importing it here would be slow. Compiled autograd entered by hand around one backward
+    is not seen."""
+    return torch.__version__ < (2, 12) and bool(
+        getattr(sys.modules.get("torch._dynamo.config"), "compiled_autograd", False)
+    )
