@@ -5,10 +5,10 @@ The Trainer: DDP and one device take the plugin as they are; ``FSDPStrategy`` (F
 bring their own masters and precision and are refused (Lightning itself gives FSDPStrategy no precision plugin
 but its own). Under ``ModelParallelStrategy`` the module shards itself in ``configure_model`` (``fully_shard``);
 the plugin recasts the shards and wraps the optimizer over them (``lightning.py``), and the step is halfprec's
-exact strategy over each rank's rows. What ``ModelParallelStrategy`` cannot do is checkpoint that optimizer: it
-saves and loads every optimizer through ``torch.distributed.checkpoint.state_dict``'s
-``get_optimizer_state_dict``/``set_optimizer_state_dict``, which read torch's own state-dict format with the
-model's params in the optimizer's groups, where a halfprec optimizer holds its masters.
+over each rank's rows (the plugin's ``impl``). What ``ModelParallelStrategy`` cannot do is checkpoint that
+optimizer: it saves and loads every optimizer through ``torch.distributed.checkpoint.state_dict``'s
+``get_optimizer_state_dict``/``set_optimizer_state_dict``, which read torch's own state-dict format and first
+step an optimizer that has no state yet on zero grads (a step halfprec never takes).
 :class:`HalfprecModelParallelStrategy` saves each one with ``halfprec.distributed.checkpoint`` instead, into
 ``<checkpoint>/halfprec-optimizer-<i>`` (each rank its rows, loadable at any world size), and leaves the model,
 the loops and the schedulers to Lightning; the plain ``ModelParallelStrategy`` is refused, naming it.
