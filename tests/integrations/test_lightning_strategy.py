@@ -46,7 +46,7 @@ class ShardedLit(LitRegression):
         shard(self.net, mesh=self.device_mesh["data_parallel"])
 
 
-def oracle(dtype, batches, grad_accum_dtype="param"):
+def oracle(dtype, batches, grad_accum_dtype="param", impl="torch"):
     """The plain loop over the fp32 net sharded over every rank, then cast, its masters started from the fp32
     rows (``batches``: this rank's)."""
     model = shard(make_model(), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
@@ -55,7 +55,7 @@ def oracle(dtype, batches, grad_accum_dtype="param"):
     model.to(dtype)
     inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     mp = halfprec.MixedPrecisionOptimizer(
-        inner, loss_scaler=make_scaler(dtype), max_grad_norm=CLIP, param_dtype=dtype, impl="torch",
+        inner, loss_scaler=make_scaler(dtype), max_grad_norm=CLIP, param_dtype=dtype, impl=impl,
         grad_accum_dtype=grad_accum_dtype,
     )  # fmt: skip
     start_masters_from(mp, rows)
@@ -67,7 +67,7 @@ def oracle(dtype, batches, grad_accum_dtype="param"):
     )
 
 
-def _fit_sharded(name, batches, *, strategy=None, seed=0, **kw):
+def _fit_sharded(name, batches, *, strategy=None, seed=0, impl="torch", **kw):
     strategy = strategy or HalfprecModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
     # a parallel strategy's DistributedSampler would shuffle the batches
     return _fit(
@@ -75,7 +75,7 @@ def _fit_sharded(name, batches, *, strategy=None, seed=0, **kw):
         batches,
         model=ShardedLit(seed),
         strategy=strategy,
-        impl="torch",
+        impl=impl,
         use_distributed_sampler=False,
         **kw,
     )
@@ -104,6 +104,18 @@ def test_matches_plain_loop(name, world_of_one, recwarn):
     assert all(n > CLIP for n, s in zip(ref.grad_norms, ref.skipped, strict=True) if not s)  # clipped
     check_same(model, trainer, ref_model, ref_mp, ref)
     assert not [w for w in recwarn if "lr_scheduler" in str(w.message)]
+
+
+def test_the_fused_path_matches_the_plain_loop(world_of_one):
+    """The plugin's fused optimizer over the shards it cast (written in place; fp16 under the Triton interpreter)
+    against the plain loop's, bit for bit, an overflow skip included."""
+    batches = with_inf(make_batches(6), 2)
+    ref_model, ref_mp, _, ref = oracle(torch.float16, batches, impl="triton")
+    trainer, model = _fit_sharded("fp16", batches, impl="triton")
+    mp = trainer.optimizers[0]
+    assert type(mp).__name__ == type(ref_mp).__name__ == "FusedAdamW" and trains_shards(mp.model_params())
+    assert model.skipped == [False, True, False]
+    check_same(model, trainer, ref_model, ref_mp, ref)
 
 
 def test_sums_bf16_micro_batches_in_fp32(world_of_one):
