@@ -16,8 +16,10 @@ builds C++ kernels (10-15 s on 2 CPU cores with an empty inductor cache, about 2
 are marked slow; the aot_eager ones cost about 2 s in all.
 
 Strategies: exact, exact with fp32 grad accumulation (post-accumulate-grad hooks), fused (the Triton interpreter
-on CPU; fp16, as the interpreter's bf16 arithmetic is wrong), ZeRO-1 and ZeRO-2 on a one-rank gloo world, and the
-engine.
+on CPU; fp16, as the interpreter's bf16 arithmetic is wrong), split masters (fused, bf16: eager and compiled share
+the interpreter's arithmetic), ZeRO-0 with ``process_group=`` (fp32 sums all-reduced), ZeRO-1 and ZeRO-2 on a
+one-rank gloo world, the exact and fused strategies over FSDP2's shards (``fully_shard`` per block, then the root,
+on a one-rank mesh, before the compile), and the engine, unsharded and at ``zero_stage=3``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 import halfprec
 from halfprec.optim import FusedAdamW
+from halfprec.optim.mesh import is_dtensor, local
 
 from .optim.helpers import world_of_one
 from .tolerances import tol
@@ -46,12 +49,20 @@ STRATEGIES = {
     "fused": (torch.float16, dict(impl="triton")),
     "stage1": (torch.bfloat16, dict(impl="torch", stage=1)),
     "stage2": (torch.bfloat16, dict(impl="torch", stage=2)),
+    "split": (torch.bfloat16, dict(impl="triton", masters="split")),
+    "zero0_group": (torch.bfloat16, dict(impl="torch", grad_accum_dtype="fp32")),  # and process_group=WORLD
+    "fsdp_exact": (torch.bfloat16, dict(impl="torch")),
+    "fsdp_fused": (torch.float16, dict(impl="triton")),
 }
+IN_A_WORLD = {"stage1", "stage2", "zero0_group", "fsdp_exact", "fsdp_fused"}  # a one-rank gloo world
+ON_MESH = {"fsdp_exact", "fsdp_fused"}  # the model sharded by fully_shard on a one-rank mesh
 BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
 INTERPRETED = pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="the Triton interpreter on CPU params; the CUDA variant is test_fused_on_cuda_takes_compiled_grads",
 )
+GLOO = pytest.mark.skipif(torch.cuda.is_available(), reason="FSDP2 on a gloo mesh: CPU params")
+MARKS = {"fused": INTERPRETED, "split": INTERPRETED, "fsdp_exact": GLOO, "fsdp_fused": INTERPRETED}
 
 
 def _model(dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Sequential:
@@ -71,6 +82,39 @@ def _batches(dtype: torch.dtype, device: str = "cpu") -> list[list[tuple[torch.T
         ]
         for _ in range(STEPS)
     ]
+
+
+class _Block(torch.nn.Module):
+    """A Linear and the activation after it, with its forward written here. Compiling a model that FSDP2 shards
+    breaks the graph at FSDP2's hooks (TorchDynamo runs them eagerly) and compiles each block's forward on its
+    own; with ``torch.nn.Linear`` blocks nothing was compiled (torch 2.13, CPU: the output's grad_fn was
+    AddmmBackward0), with these the output's is CompiledFunctionBackward, as ``_loss`` checks."""
+
+    def __init__(self, inputs: int, outputs: int, activation: torch.nn.Module) -> None:
+        super().__init__()
+        self.linear, self.activation = torch.nn.Linear(inputs, outputs), activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.linear(x))
+
+
+def _blocks(dtype: torch.dtype = torch.float32) -> torch.nn.Sequential:
+    """``_model``'s MLP, the same weights, as two ``_Block``s: the model FSDP2 shards here."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(_Block(13, 37, torch.nn.GELU()), _Block(37, 5, torch.nn.Identity())).to(dtype)
+
+
+def _sharded(dtype: torch.dtype, backend: str | None) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``_blocks`` sharded by FSDP2 on a one-rank mesh of the world the fixture started (each block, then the
+    root, as torchtitan does), then compiled: (model, forward)."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    model = _blocks(dtype)
+    mesh = init_device_mesh("cpu", (1,))
+    for block in (*model, model):
+        fully_shard(block, mesh=mesh)
+    return model, _compile(model, backend)
 
 
 def _compile(model: torch.nn.Module, backend: str | None) -> torch.nn.Module:
@@ -99,13 +143,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _snapshot(model: torch.nn.Module, mp: halfprec.MixedPrecisionOptimizer) -> dict[str, list[torch.Tensor]]:
-    """The 16-bit params, the fp32 masters and every tensor of the optimizer state, in a fixed order."""
+    """The 16-bit params, the fp32 masters and every tensor of the optimizer state, in a fixed order; of DTensors
+    (FSDP2) their local shards, plain tensors that compare without the process group."""
     state = mp.state_dict()["optimizer"]["state"]
     return {
-        "params": [p.detach().clone() for p in model.parameters()],
-        "masters": [m.detach().clone() for m in mp.master_params()],
+        "params": [local(p).detach().clone() for p in model.parameters()],
+        "masters": [local(m).detach().clone() for m in mp.master_params()],
         "state": [
-            state[k][name].clone()
+            local(state[k][name]).clone()
             for k in sorted(state)
             for name in sorted(state[k])
             if torch.is_tensor(state[k][name])
@@ -136,11 +181,16 @@ def _train(name: str, backend: str | None) -> tuple[list[float], dict[str, list[
     """One run of ``STEPS`` steps of strategy ``name`` (``backend`` None: eager): (the micro-batch losses, the
     final snapshot)."""
     dtype, options = STRATEGIES[name]
-    model = _model(dtype)
-    forward = _compile(model, backend)
+    if name in ON_MESH:
+        model, forward = _sharded(dtype, backend)
+    else:
+        model = _model(dtype)
+        forward = _compile(model, backend)
     compiled = backend is not None
     if "stage" in options:
         options = dict(options, named_parameters=forward)
+    if name == "zero0_group":
+        options = dict(options, process_group=torch.distributed.group.WORLD)
     # fp16: a power-of-two static scale, exact, and small enough that no step overflows
     scaler = halfprec.StaticLossScaler(2.0**8) if dtype == torch.float16 else None
     mp = halfprec.MixedPrecisionOptimizer(
@@ -160,10 +210,21 @@ def _train(name: str, backend: str | None) -> tuple[list[float], dict[str, list[
     return losses, _snapshot(model, mp)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _room_for_every_compile():
+    """TorchDynamo caches compiled code per Python frame, at most ``recompile_limit`` (8) entries each, then runs
+    the frame eagerly. Two frames are shared by this file's tests: the one torch.compile's module wrapper runs
+    (``torch/_dynamo/external_utils.py``'s ``inner``) and ``_Block.forward``; each test compiles its own models
+    (dtypes, FSDP2's classes, backends), and with 8 (seen for both) a later test ran eagerly and failed its
+    compiled-backward check. Recompiles within a run are what the tests pin (``_no_recompile``), not across them."""
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
 @pytest.fixture
 def world(request, tmp_path):
-    """A one-rank gloo world for the sharded strategies; nothing for the others."""
-    if request.node.callspec.params["name"].startswith("stage"):
+    """A one-rank gloo world for the strategies that need a process group; nothing for the others."""
+    if request.node.callspec.params["name"] in IN_A_WORLD:
         with world_of_one(tmp_path / "store"):
             yield
     else:
@@ -193,7 +254,7 @@ def test_compiled_grads_are_the_eager_ones(dtype, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, marks=INTERPRETED) if n == "fused" else n for n in STRATEGIES],
+    [pytest.param(n, marks=MARKS[n]) if n in MARKS else n for n in STRATEGIES],
 )
 def test_compiled_model_trains_like_the_eager_one(name, backend, world):
     """Every strategy over the compiled model ends at the eager run's params, masters and optimizer state, bit for
@@ -204,22 +265,25 @@ def test_compiled_model_trains_like_the_eager_one(name, backend, world):
     _assert_same(compiled, eager)
 
 
+@pytest.mark.parametrize("zero_stage", [0, pytest.param(3, marks=GLOO)])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_engine_over_a_compiled_model_trains_like_the_eager_one(backend):
+def test_engine_over_a_compiled_model_trains_like_the_eager_one(backend, zero_stage, tmp_path):
     """``halfprec.initialize`` given a compiled fp32 model casts its params to bf16 in place (the compiled module
     shares them) and trains it as it trains the eager model: bf16 with two micro-batches sums grads in fp32 through
-    post-accumulate-grad hooks; an LR schedule steps after every step."""
+    post-accumulate-grad hooks; an LR schedule steps after every step. At ``zero_stage=3`` (a one-rank gloo world)
+    the engine shards the model itself with FSDP2, compiled or not (``_blocks``: see ``_Block``)."""
 
     def run(compiled: bool):
-        model = _model()
+        model = _blocks() if zero_stage == 3 else _model()
         wrapped = _compile(model, backend if compiled else None)
         opt = torch.optim.AdamW(wrapped.parameters(), **HP)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.5 * s))
         engine = halfprec.initialize(
             wrapped, opt, precision="bf16", gradient_accumulation_steps=MICRO, max_grad_norm=1.0,
-            lr_scheduler=sched,
+            lr_scheduler=sched, zero_stage=zero_stage,
         )  # fmt: skip
         assert engine.config.grad_accum() == "fp32"
+        assert all(is_dtensor(p) for p in model.parameters()) == (zero_stage == 3)
         losses = []
         for step, micro in enumerate(_batches(torch.float32)):  # fp32 batches: the engine casts them
             with _no_recompile(compiled, step):
@@ -232,8 +296,9 @@ def test_engine_over_a_compiled_model_trains_like_the_eager_one(backend):
         _assert_precisions(model, engine.optimizer, torch.bfloat16)
         return losses, _snapshot(model, engine.optimizer)
 
-    eager_losses, eager = run(compiled=False)
-    compiled_losses, compiled = run(compiled=True)
+    with world_of_one(tmp_path / "store") if zero_stage == 3 else contextlib.nullcontext():
+        eager_losses, eager = run(compiled=False)
+        compiled_losses, compiled = run(compiled=True)
     assert compiled_losses == eager_losses
     _assert_same(compiled, eager)
 

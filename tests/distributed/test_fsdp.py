@@ -7,6 +7,9 @@ shard skips the step on every rank; fp16's dynamic scale stays equal everywhere;
 grads; uneven and zero-row shards; a DCP checkpoint saved at world size 2 loads at 3 and at 1, bit-identical.
 The fused strategy (Triton's interpreter; fp32 and split masters, 1-D and HSDP meshes) against the same fused
 optimizer over the whole model, bit for bit where nothing is clipped.
+
+The oracle here takes its grads from a twin FSDP2 model; ``test_fsdp_global.py`` checks FSDP2's grads against one
+process without FSDP2 on the same global batch, at 2 and 4 ranks (a 1-D mesh of 4 shards trained).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The contract every strategy keeps, one test per member, run on every strategy: exact, fused (the Triton
-interpreter on CPU, fp16: the interpreter's bf16 arithmetic is wrong) and sharded at stages 1 and 2 (a one-rank
-gloo world). Where strategies differ by design (the layout fixed at construction, a rank-local state dict), the
-table ``DIFFERS`` says how, and the test checks that difference."""
+interpreter on CPU, fp16: the interpreter's bf16 arithmetic is wrong), sharded at stages 1 and 2 (a one-rank
+gloo world), and exact and fused over FSDP2's shards (``fully_shard`` on a one-rank mesh: DTensor params, each
+its own whole shard; on CPU only, as gloo is). Where strategies differ by design (the layout fixed at
+construction, a rank-local state dict), the table ``DIFFERS`` says how, and the test checks that difference."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import halfprec
 from halfprec.distributed import ShardedMixedPrecisionOptimizer
 from halfprec.optim import ExactMixedPrecisionOptimizer, FusedAdamW
+from halfprec.optim.mesh import local
 
 from .helpers import DEVICE, world_of_one
 
@@ -19,34 +21,63 @@ STRATEGIES = {
     "fused": (dict(impl="triton"), FusedAdamW),
     "stage1": (dict(impl="torch", stage=1), ShardedMixedPrecisionOptimizer),
     "stage2": (dict(impl="torch", stage=2), ShardedMixedPrecisionOptimizer),
+    "fsdp_exact": (dict(impl="torch"), ExactMixedPrecisionOptimizer),
+    "fsdp_fused": (dict(impl="triton"), FusedAdamW),
 }
+ON_MESH = {"fsdp_exact", "fsdp_fused"}  # the model sharded by fully_shard on a one-rank mesh
 # what differs by design: adding groups after construction, and which state dicts load (model-space or rank-local)
 DIFFERS = {
-    "add_param_group": {"exact": None, "fused": RuntimeError, "stage1": RuntimeError, "stage2": RuntimeError},
-    "torch_state_dict": {"exact": None, "fused": None, "stage1": ValueError, "stage2": ValueError},
+    "add_param_group": {
+        "exact": None, "fused": RuntimeError, "stage1": RuntimeError, "stage2": RuntimeError,
+        "fsdp_exact": None, "fsdp_fused": RuntimeError,
+    },
+    "torch_state_dict": {
+        "exact": None, "fused": None, "stage1": ValueError, "stage2": ValueError, "fsdp_exact": None,
+        "fsdp_fused": None,
+    },
     # stage 1's model grads are views of its flat 16-bit buffer: zero_grad() zeroes them instead of dropping them
     # (no allocation per step); a param stepped or not is still decided by the grads of the last backward
-    "grads_after_zero_grad": {"exact": None, "fused": None, "stage1": 0.0, "stage2": None},
+    "grads_after_zero_grad": {
+        "exact": None, "fused": None, "stage1": 0.0, "stage2": None, "fsdp_exact": None, "fsdp_fused": None,
+    },
     # stage 2 reduces into a shard that the step consumed: a backward after a step without the optimizer's
     # zero_grad() (model.zero_grad() cannot reach the shard) is refused
-    "backward_after_model_zero_grad": {"exact": None, "fused": None, "stage1": None, "stage2": RuntimeError},
-}
+    "backward_after_model_zero_grad": {
+        "exact": None, "fused": None, "stage1": None, "stage2": RuntimeError, "fsdp_exact": None,
+        "fsdp_fused": None,
+    },
+}  # fmt: skip
+GLOO = pytest.mark.skipif(torch.cuda.is_available(), reason="FSDP2 on a gloo mesh: CPU params")
 
 
-@pytest.fixture(params=list(STRATEGIES))
+@pytest.fixture(params=[pytest.param(n, marks=GLOO) if n in ON_MESH else n for n in STRATEGIES])
 def strategy(request, tmp_path):
-    sharded = request.param.startswith("stage")
-    if sharded:
+    if request.param.startswith("stage") or request.param in ON_MESH:
         with world_of_one(tmp_path / "store"):
             yield request.param
     else:
         yield request.param
 
 
-def _model(seed=0):
+def _shard(strategy, *modules: torch.nn.Module) -> None:
+    """For the FSDP2 strategies, ``fully_shard`` each of ``modules`` in order (blocks, then their root) on a
+    one-rank mesh of the world the fixture started."""
+    if strategy in ON_MESH:
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+        mesh = init_device_mesh("cpu", (1,))
+        for module in modules:
+            fully_shard(module, mesh=mesh)
+
+
+def _model(strategy=None, seed=0):
+    """fp16 5 -> 7 -> 3; for the FSDP2 strategies sharded per block, then the root (every param a DTensor)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
-    return model.to(device=DEVICE, dtype=torch.float16)
+    model = model.to(device=DEVICE, dtype=torch.float16)
+    _shard(strategy, model[0], model[2], model)
+    return model
 
 
 def _build(strategy, model, **extra):
@@ -77,7 +108,7 @@ def _weights(model):
 
 
 def test_construction_is_inert_and_state_is_lazy(strategy):
-    model = _model()
+    model = _model(strategy)
     before = _weights(model)
     mp = _build(strategy, model)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
@@ -87,18 +118,18 @@ def test_construction_is_inert_and_state_is_lazy(strategy):
 
 
 def test_model_params_and_master_params(strategy):
-    model = _model()
+    model = _model(strategy)
     mp = _build(strategy, model)
     assert mp.model_params() == list(model.parameters())
     masters = mp.master_params()
     assert all(m.dtype == torch.float32 for m in masters)
     flat = torch.cat([m.detach().reshape(-1) for m in masters]).sort().values
-    want = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).sort().values
-    assert torch.equal(flat, want)  # every element's master, once (pieces or whole tensors)
+    want = torch.cat([local(p).detach().float().reshape(-1) for p in model.parameters()]).sort().values
+    assert torch.equal(flat, want)  # every element's master, once (pieces, whole tensors or the local shards)
 
 
 def test_zero_grad_both_ways(strategy):
-    model = _model()
+    model = _model(strategy)
     mp = _build(strategy, model)
     x = torch.randn(2, 5).to(device=DEVICE, dtype=torch.float16)
     mp.backward(model(x).float().sum())
@@ -113,20 +144,20 @@ def test_zero_grad_both_ways(strategy):
 
 
 def test_refresh_masters_takes_the_models_weights(strategy):
-    model = _model()
+    model = _model(strategy)
     mp = _build(strategy, model)
-    other = _model(seed=3)
+    other = _model(strategy, seed=3)
     with torch.no_grad():
         for p, q in zip(model.parameters(), other.parameters(), strict=True):
             p.copy_(q)
     mp.refresh_masters()
     flat = torch.cat([m.detach().reshape(-1) for m in mp.master_params()]).sort().values
-    want = torch.cat([p.detach().float().reshape(-1) for p in other.parameters()]).sort().values
+    want = torch.cat([local(p).detach().float().reshape(-1) for p in other.parameters()]).sort().values
     assert torch.equal(flat, want)
 
 
 def test_a_skipped_step_changes_nothing_but_the_scaler_and_the_count(strategy):
-    model = _model()
+    model = _model(strategy)
     mp = _build(strategy, model)
     _train(model, mp, 1)
     # cloned: a state dict's tensors are the live state on some strategies
@@ -148,7 +179,7 @@ def test_a_skipped_step_changes_nothing_but_the_scaler_and_the_count(strategy):
 
 
 def test_unscale_is_honoured_or_refused_by_its_capability_flag(strategy):
-    model = _model()
+    model = _model(strategy)
     mp = _build(strategy, model)
     x = torch.randn(2, 5).to(device=DEVICE, dtype=torch.float16)
     mp.backward(model(x).float().sum())
@@ -160,7 +191,7 @@ def test_unscale_is_honoured_or_refused_by_its_capability_flag(strategy):
     mp.unscale_()  # idempotent
     grads = [m.grad for m in mp.master_params() if m.grad is not None]
     assert grads and all(g.dtype == torch.float32 for g in grads)
-    held = [p.grad for p in model.parameters() if p.grad is not None and p.grad.any()]
+    held = [local(p.grad) for p in model.parameters() if p.grad is not None and p.grad.any()]
     if held:  # stage 2 reduced and released the model's grads during backward
         total = sum(g.double().sum() for g in grads)
         want = sum(g.double().sum() for g in held) / mp.loss_scale
@@ -170,7 +201,7 @@ def test_unscale_is_honoured_or_refused_by_its_capability_flag(strategy):
 
 
 def test_state_dict_round_trip_resumes_bit_for_bit(strategy):
-    model, resumed = _model(), _model()
+    model, resumed = _model(strategy), _model(strategy)
     mp = _build(strategy, model)
     _train(model, mp, 2)
     saved = mp.state_dict()
@@ -186,7 +217,7 @@ def test_state_dict_round_trip_resumes_bit_for_bit(strategy):
 
 
 def test_a_state_dict_of_another_format_is_refused_and_changes_nothing(strategy):
-    model = _model()
+    model = _model(strategy)
     mp = _build(strategy, model)
     before = _weights(model)
     with pytest.raises(ValueError, match=r"not a \w+ state dict: format 'other/1'"):
@@ -196,7 +227,7 @@ def test_a_state_dict_of_another_format_is_refused_and_changes_nothing(strategy)
 
 @pytest.mark.parametrize("inner", [None, [], {"state": {}}, {"param_groups": []}])
 def test_a_state_dict_of_this_format_without_an_inner_torch_state_is_refused(strategy, inner):
-    model = _model()
+    model = _model(strategy)
     mp = _build(strategy, model)
     saved = mp.state_dict() | {"optimizer": inner}
     with pytest.raises(ValueError, match="'optimizer' must be a torch optimizer state dict"):
@@ -219,7 +250,7 @@ def test_the_exact_and_fused_strategies_load_each_others_state_dicts(tmp_path):
 
 
 def test_a_plain_torch_state_dict(strategy):
-    model = _model()
+    model = _model(strategy)
     mp = _build(strategy, model)
     torch_model = _model().float()
     plain = torch.optim.AdamW(torch_model.parameters(), lr=0.25)
@@ -248,7 +279,7 @@ def _unchanged(mp, model, before, lr=1e-2):
 
 
 def test_another_optimizers_plain_torch_state_dict_is_refused_the_same_way_and_changes_nothing(strategy):
-    model = _model()
+    model = _model(strategy)
     mp, before = _build(strategy, model), _weights(model)
     plain = _trained_plain(torch.optim.SGD, lr=0.1, momentum=0.9)
     match = {None: r"saved by an optimizer without \['amsgrad', 'betas', 'eps'\], this optimizer is AdamW"}
@@ -261,7 +292,7 @@ def test_another_optimizers_plain_torch_state_dict_is_refused_the_same_way_and_c
 
 @pytest.mark.parametrize("size", [3, 1])  # one element is no scalar: only 0-d state is
 def test_a_plain_torch_state_dict_with_state_of_the_wrong_size_is_refused_at_load(strategy, size):
-    model = _model()
+    model = _model(strategy)
     mp, before = _build(strategy, model), _weights(model)
     plain = _trained_plain(torch.optim.AdamW, lr=0.25)
     plain["state"][0]["exp_avg"] = torch.zeros(size)
@@ -274,7 +305,7 @@ def test_a_plain_torch_state_dict_with_state_of_the_wrong_size_is_refused_at_loa
 
 
 def test_the_format_error_offers_a_plain_torch_state_dict_only_where_one_loads(strategy):
-    mp = _build(strategy, _model())
+    mp = _build(strategy, _model(strategy))
     with pytest.raises(ValueError, match="not a") as refused:
         mp.load_state_dict({"format": "other/1"})
     assert ("plain torch optimizer state dict" in str(refused.value)) == (
@@ -283,7 +314,8 @@ def test_the_format_error_offers_a_plain_torch_state_dict_only_where_one_loads(s
 
 
 def test_add_param_group(strategy):
-    model, extra = _model(), torch.nn.Linear(3, 2).to(device=DEVICE, dtype=torch.float16)
+    model, extra = _model(strategy), torch.nn.Linear(3, 2).to(device=DEVICE, dtype=torch.float16)
+    _shard(strategy, extra)  # one FSDP2 layout for every param of one optimizer
     mp = _build(strategy, model)
     expected = DIFFERS["add_param_group"][strategy]
     if expected is not None:
@@ -302,7 +334,7 @@ def test_add_param_group(strategy):
 def test_a_grad_the_caller_dropped_after_a_step_is_not_applied_again(strategy):
     # torch.nn.Module.zero_grad() sets every .grad to None; a param the next backward does not reach then has no
     # grad, and torch does not step it
-    model = _model()
+    model = _model(strategy)
     mp = _build(strategy, model)
     x = torch.randn(2, 5).to(device=DEVICE, dtype=torch.float16)
     mp.backward(model(x).float().pow(2).sum())
@@ -323,7 +355,7 @@ def test_a_grad_the_caller_dropped_after_a_step_is_not_applied_again(strategy):
 
 def _partly_used(strategy, set_to_none, grad_accum_dtype):
     """Three steps where the last layer gets a grad in the first only; its weights after them."""
-    model = _model()
+    model = _model(strategy)
     mp = _build(strategy, model, grad_accum_dtype=grad_accum_dtype)
     g = torch.Generator().manual_seed(4)
     for step in range(3):
