@@ -13,7 +13,7 @@ import torch
 
 from .optim.base import MixedPrecisionOptimizer
 from .optim.checks import set_data, world_size, wraps_tensor
-from .optim.mesh import is_dtensor, local
+from .optim.mesh import as_dtensor, is_dtensor, local
 
 __all__ = [
     "cast_module",
@@ -156,13 +156,14 @@ def start_masters_from(mp: MixedPrecisionOptimizer, rows: dict[torch.Tensor, tor
     """Set the masters of ``rows``' params to the fp32 rows their 16-bit shards were rounded from, through the
     contract's state dict (every strategy's payload holds the masters by param index; split masters are split
     from them, and the shards rounded)."""
-    mine = {k: rows[p] for k, p in enumerate(mp.model_params()) if p in rows}
+    params = mp.model_params()
+    mine = {k: rows[p] for k, p in enumerate(params) if p in rows}
     if not mine:  # none of them is this optimizer's: no state-dict round trip
         return
     state = mp.state_dict()
     for k, row in mine.items():
-        if k in state["masters"]:
-            state["masters"][k] = row
+        if k in state["masters"]:  # laid out like the shard, as the state dict holds it
+            state["masters"][k] = as_dtensor(params[k], row) if is_dtensor(params[k]) else row
     mp.load_state_dict(state)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import _worker  # the launch protocol (process group, results, teardown) is _worker.main's
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as torch_dcp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -225,7 +226,9 @@ def save_checkpoint(out: Path, mesh, group) -> dict:
     train_and_save(*build_for_checkpoint(mesh, "triton"), out / "ck-fused", group)
     model, mp = build_for_checkpoint(mesh)
     whole = train_and_save(model, mp, out / "ck", group)
-    # a rank-local state dict: loads into a fresh optimizer on the same rank, refused on the other rank
+    # the state dict as torch's DCP saves it (its DTensors whole), for load_checkpoint to reshard
+    torch_dcp.save({"optimizer": mp.state_dict()}, checkpoint_id=out / "ck-torch-dcp", process_group=group)
+    # saved per rank: loads into a fresh optimizer on the same rank, refused on the other rank (other rows)
     torch.save(mp.state_dict(), out / f"sd-{dist.get_rank()}.pt")
     dist.barrier(group)
     fresh_model, fresh = build_for_checkpoint(mesh)
@@ -234,7 +237,7 @@ def save_checkpoint(out: Path, mesh, group) -> dict:
     other = torch.load(out / f"sd-{1 - dist.get_rank()}.pt", weights_only=False)
     return {
         "local_state_dict_round_trip": all(torch.equal(same[k], whole[k]) for k in whole),
-        "local_state_dict_rows": [e.get("rows") for e in mp.state_dict()["params"]],
+        "local_state_dict_shapes": [e["shape"] for e in mp.state_dict()["params"]],
         "other_rank_state_dict": error_of(lambda: fresh.load_state_dict(other)),
     }
 
@@ -261,7 +264,24 @@ def load_checkpoint(out: Path, mesh, group) -> dict:
     loaded = gathered(mp, model)
     saved = torch.load(out / "ck-whole.pt", weights_only=True)
     masters = [loaded[f"master/{n}"] for n, _ in model.named_parameters()]
+    # torch's DCP: into an optimizer that has not stepped (no state for DCP to fill: refused by its has_state),
+    # then into one that has (resharded: every tensor equal to the saved run's)
+    t_model, t_mp = build_for_checkpoint(mesh)
+    fresh = {"optimizer": t_mp.state_dict()}
+    torch_dcp.load(fresh, checkpoint_id=out / "ck-torch-dcp", process_group=group)
+    fresh_refused = error_of(lambda: t_mp.load_state_dict(fresh["optimizer"]))
+    t_mp.backward(loss_of(t_model, 0, 0, torch.bfloat16))
+    t_mp.step()
+    t_mp.zero_grad()
+    stepped = {"optimizer": t_mp.state_dict()}
+    torch_dcp.load(stepped, checkpoint_id=out / "ck-torch-dcp", process_group=group)
+    t_mp.load_state_dict(stepped["optimizer"])
+    t_loaded = gathered(t_mp, t_model)
     return {
+        "torch_dcp_unequal": sorted(
+            k for k in saved if k not in t_loaded or not torch.equal(t_loaded[k], saved[k])
+        ),
+        "torch_dcp_into_fresh": fresh_refused,
         "world": dist.get_world_size(group),
         "keys_equal": sorted(loaded) == sorted(saved),
         "unequal": sorted(k for k in saved if k not in loaded or not torch.equal(loaded[k], saved[k])),

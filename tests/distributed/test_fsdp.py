@@ -206,18 +206,28 @@ def test_a_checkpoint_saved_at_world_size_2_loads_bit_identical_at(ranks, rank, 
 
 
 @pytest.mark.slow
-def test_state_dict_is_the_ranks_own(ranks):
+def test_state_dict_holds_the_shards_as_dtensors(ranks):
+    """Saved per rank (torch.save), a state dict loads on its own rank and is refused on the other (its DTensors'
+    rows are not this rank's); each param's entry holds the whole param's shape."""
     for rank in (0, 1):
         ck = ranks[rank]["checkpoint"]
         assert ck["local_state_dict_round_trip"]
-        rows = (
-            [[0, 4], [0, 4], [0, 5], [0, 5], [0, 1], [0, 1]]
-            if rank == 0
-            else [[4, 7], [4, 7], [5, 9], [5, 9], [1, 1], [1, 1]]
-        )
-        assert ck["local_state_dict_rows"] == rows
+        assert ck["local_state_dict_shapes"] == [[7, 5], [7], [9, 7], [9], [1, 9], [1]]
         kind, message = ck["other_rank_state_dict"]
-        assert kind == "ValueError" and "does not match this model" in message
+        assert kind == "ValueError" and "is an FSDP2 shard whose rows here are" in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 1])
+def test_torch_dcp_saves_the_state_dict_and_reshards_it(ranks, world):
+    """``torch.distributed.checkpoint`` saves ``state_dict()`` at world size 2 and loads it at 3 and at 1 into an
+    optimizer that has stepped: masters and state equal the saved run's, bit for bit. Into one that has not, DCP
+    keeps only what the destination held (no state), which the load refuses, naming halfprec's checkpoint."""
+    load = next(r["load"] for r in ranks if r["load"]["world"] == world)
+    assert load["torch_dcp_unequal"] == []
+    kind, message = load["torch_dcp_into_fresh"]
+    assert kind == "ValueError" and "records optimizer state for params [0, 1, 2, 3, 4, 5]" in message
+    assert "halfprec.distributed.checkpoint.load" in message
 
 
 @pytest.mark.slow

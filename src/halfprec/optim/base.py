@@ -25,8 +25,9 @@ from .._checks import is_int
 from ..precision import LOW_PRECISION
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from .checks import ELEMENTWISE, check_options, check_torch_optimizer, set_data
-from .mesh import local
+from .mesh import is_dtensor, local
 from .results import ScaleGuard, SkipLog, StepState, refuse_backward_after_unscale, warn_caller
+from .state import laid_out_like_params
 
 __all__ = ["FORMAT", "MixedPrecisionOptimizer", "check_wrappable", "register_factory"]
 
@@ -427,11 +428,58 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
                 raise ValueError(
                     f"state dict's master of param {k} is {shape}, expected a floating tensor of shape {expected}"
                 )
+            p = self._model_params[int(k)]
+            if is_dtensor(p) and not (is_dtensor(value) and local(value).shape == local(p).shape):
+                held = list(local(value).shape) if is_dtensor(value) else "a plain tensor"
+                raise ValueError(
+                    f"state dict's master of param {k} is {held}, and the param is an FSDP2 shard whose rows here "
+                    f"are {list(local(p).shape)}: a state dict over shards holds DTensors laid out like them (this "
+                    "optimizer's state_dict()); load one saved at this world size and mesh, through "
+                    "torch.distributed.checkpoint (which reshards) or halfprec.distributed.checkpoint"
+                )
         self._check_state_sizes(state_dict["optimizer"]["state"])
+        self._check_has_state(state_dict)
+
+    def _check_has_state(self, state_dict: dict[str, Any]) -> None:
+        held = state_dict.get("has_state")  # absent in state dicts saved before it was recorded
+        if held is None:
+            return
+        state = state_dict["optimizer"]["state"]
+        n = len(self._model_params)
+        if not (torch.is_tensor(held) and held.dtype == torch.bool and held.shape == (n,)):
+            found = f"{held.dtype} {list(held.shape)}" if torch.is_tensor(held) else type(held).__name__
+            raise ValueError(
+                f"state dict's has_state must be a bool tensor of {n} (one per param), got {found}"
+            )
+        present = {int(k) for k in state}
+        recorded = {k for k, h in enumerate(local(held).tolist()) if h}
+        missing, extra = sorted(recorded - present), sorted(present - recorded)
+        if missing:
+            raise ValueError(
+                f"state dict records optimizer state for params {missing} but does not hold it. A state dict "
+                "loaded in place (torch.distributed.checkpoint's load) into an optimizer that has not stepped yet "
+                "keeps only what that optimizer held, which is no state: load the checkpoint with "
+                "halfprec.distributed.checkpoint.load, which allocates the state from the file"
+            )
+        if extra:
+            raise ValueError(
+                f"state dict holds optimizer state for params {extra} that its has_state does not record: the "
+                "file is damaged or its parts come from different state dicts"
+            )
 
     def _param_entries(self) -> list[dict[str, Any]]:
-        """Per model param, in group order: shape, model dtype and whether it has an fp32 master."""
+        """Per model param, in group order: shape (an FSDP2 shard's: the whole param's), model dtype and whether
+        it has an fp32 master."""
         raise NotImplementedError
+
+    def _model_space_payload(self, inner: dict[str, Any], masters: dict[int, torch.Tensor]) -> dict[str, Any]:
+        """The exact and fused strategies' payload: ``inner`` (torch's format) and ``masters`` keyed by param
+        index, the params' entries, and ``has_state``, which params ``inner`` holds state for (a load that finds
+        state missing was filled in place by a loader that kept only what its destination held); FSDP2 shards'
+        masters and state as DTensors (``state.laid_out_like_params``)."""
+        held = torch.tensor([k in inner["state"] for k in range(len(self._model_params))], dtype=torch.bool)
+        payload = {"optimizer": inner, "masters": masters, "params": self._param_entries(), "has_state": held}
+        return laid_out_like_params(payload, self._model_params)
 
     def _check_compatible(self, saved: Any) -> None:
         mine = self._param_entries()

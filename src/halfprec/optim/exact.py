@@ -31,9 +31,9 @@ from .checks import (
 )
 from .chunk import MasterStore
 from .clip import clip_coefficient
-from .mesh import Mesh, check_sharded_options, is_dtensor, local_grad
+from .mesh import Mesh, check_sharded_options, local, local_grad
 from .results import GradMarks
-from .state import Target, move_state, restore_state_dtypes
+from .state import Target, local_state, move_state, restore_state_dtypes
 
 __all__ = ["ExactMixedPrecisionOptimizer"]
 
@@ -244,36 +244,32 @@ class ExactMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     # --- the state-dict payload ----------------------------------------------------------------------
     def _param_entries(self) -> list[dict[str, Any]]:
-        """A DTensor param's entry also holds the rows of it this rank keeps: a rank-local payload."""
         masters = set(self._store.master_params())
         params = self._index_params()
-        entries = []
-        for p, m in zip(params, self._model_params, strict=True):
-            entries.append({"shape": list(p.shape), "dtype": str(m.dtype), "master": p in masters})
-            if self._mesh is not None and is_dtensor(m):
-                entries[-1]["rows"] = list(self._mesh.rows(m))
-        return entries
+        return [
+            {"shape": list(m.shape), "dtype": str(m.dtype), "master": p in masters}
+            for p, m in zip(params, self._model_params, strict=True)
+        ]
 
     def _payload(self) -> dict[str, Any]:
         masters = set(self._store.master_params())
         params = self._index_params()
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "masters": {i: p.detach() for i, p in enumerate(params) if p in masters},
-            "params": self._param_entries(),
-        }
+        held = {i: p.detach() for i, p in enumerate(params) if p in masters}
+        return self._model_space_payload(self.optimizer.state_dict(), held)
 
     def _load_payload(self, state_dict: dict[str, Any]) -> None:
         self._load_torch_state(state_dict["optimizer"])
         params = self._index_params()
         with torch.no_grad():
             for index, value in state_dict["masters"].items():
-                params[int(index)].copy_(value)
+                params[int(index)].copy_(local(value))  # an FSDP2 shard's: its rows here
         self._store.copy_params_out()
 
     def _load_torch_state(self, state_dict: dict[str, Any]) -> None:
+        params = self._index_params()
+        state_dict = state_dict | {"state": local_state(state_dict["state"], params)}
         self.optimizer.load_state_dict(state_dict)
-        restore_state_dtypes(self.optimizer, state_dict["state"], self._index_params())
+        restore_state_dtypes(self.optimizer, state_dict["state"], params)
 
     def __repr__(self) -> str:
         return f"MixedPrecisionOptimizer({self.optimizer!r}, loss_scaler={self.loss_scaler!r})"

@@ -48,7 +48,10 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
 
 
 def as_dtensor(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value``, a tensor of the shape of ``p``'s local shard, as a DTensor laid out like ``p`` (sharing storage)."""
+    """``value``, a tensor of the shape of ``p``'s local shard, as a DTensor laid out like ``p`` (sharing storage);
+    a DTensor as it is."""
+    if is_dtensor(value):
+        return value
     from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only reached once DTensors exist
 
     return DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())

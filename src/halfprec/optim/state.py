@@ -26,7 +26,10 @@ import torch
 from ..precision import LOW_PRECISION
 from .mesh import as_dtensor, is_dtensor, local
 
-__all__ = ["SCALAR_KEYS", "Target", "adopt_views", "is_elementwise", "move_state", "restore_state_dtypes"]
+__all__ = [
+    "SCALAR_KEYS", "Target", "adopt_views", "is_elementwise", "laid_out_like_params", "local_state", "move_state",
+    "restore_state_dtypes",
+]  # fmt: skip
 
 # 0-d state entries of the elementwise torch optimizers; every other state tensor has the param's shape. The
 # names matter only for 0-d params, whose per-element state is 0-d as well.
@@ -36,6 +39,43 @@ SCALAR_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
 def is_elementwise(key: str, value: torch.Tensor, shape: torch.Size) -> bool:
     """True when state ``key`` holds one value per element of a param of ``shape`` (else it is a scalar)."""
     return value.shape == shape and (value.dim() > 0 or key not in SCALAR_KEYS)
+
+
+def laid_out_like_params(payload: dict[str, Any], params: list[torch.Tensor]) -> dict[str, Any]:
+    """A strategy's payload (``"masters"`` and ``"optimizer"``'s ``"state"``, keyed by param index) with the
+    master and the elementwise state of each FSDP2 shard (a DTensor in ``params``) as a DTensor laid out like it,
+    sharing the local tensor's storage: the state dict is then the same on every rank but for the rows each holds,
+    so ``torch.distributed.checkpoint`` saves each tensor whole and loads it at any world size (plain tensors it
+    takes for replicas, keeping one rank's). A payload of unsharded params is returned as it is."""
+    if not any(is_dtensor(p) for p in params):
+        return payload
+
+    def shaped(k: Any, key: str | None, value: Any) -> Any:
+        p = params[int(k)]
+        if not (is_dtensor(p) and torch.is_tensor(value)) or is_dtensor(value):
+            return value
+        if key is None or is_elementwise(key, value, local(p).shape):
+            # torch.save cannot pickle a DTensor over a view that starts inside its storage (torch 2.13: "invalid
+            # python storage"), such as the exact strategy's masters: those are copied
+            return as_dtensor(p, value.clone() if value.storage_offset() else value)
+        return value
+
+    inner = payload["optimizer"]
+    state = {k: {key: shaped(k, key, v) for key, v in entry.items()} for k, entry in inner["state"].items()}
+    masters = {k: shaped(k, None, v) for k, v in payload["masters"].items()}
+    return payload | {"optimizer": inner | {"state": state}, "masters": masters}
+
+
+def local_state(state: dict[Any, dict[str, Any]], params: list[torch.Tensor]) -> dict[Any, dict[str, Any]]:
+    """A torch-format ``state`` (keyed by index into ``params``) with each DTensor value this rank's local
+    tensor where its param is a plain tensor (a shard's master): what a torch optimizer over ``params`` loads."""
+    return {
+        k: {
+            key: local(v) if is_dtensor(v) and not is_dtensor(params[int(k)]) else v
+            for key, v in entry.items()
+        }
+        for k, entry in state.items()
+    }
 
 
 class Target(NamedTuple):

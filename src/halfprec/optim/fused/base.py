@@ -35,7 +35,7 @@ from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, check_unwrapped, tell_schedulers
 from ..chunk import Chunk, chunk_params
 from ..masters import check_masters
-from ..mesh import Mesh, check_sharded_options, is_dtensor, local
+from ..mesh import Mesh, check_sharded_options, local
 from ..results import Delivered
 from ..state import adopt_views
 from .grads import GradViews, stream_capturing
@@ -490,21 +490,13 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             saved = {key: v for key, v in group.items() if key != "params"}
             groups.append(saved | {"params": list(range(k, k + len(group["params"])))})
             k += len(group["params"])
-        return {
-            "optimizer": {"state": state, "param_groups": groups},
-            "masters": masters,
-            "params": self._param_entries(),
-        }
+        return self._model_space_payload({"state": state, "param_groups": groups}, masters)
 
     def _param_entries(self) -> list[dict[str, Any]]:
-        """As the exact strategy's: an FSDP2 shard's entry holds its local shape and the rows this rank keeps."""
         held = {p for p in self._trainable if p.dtype != torch.float32}  # the params with an fp32 master
-        entries = []
-        for p in self._model_params:
-            entries.append({"shape": list(local(p).shape), "dtype": str(p.dtype), "master": p in held})
-            if self._mesh is not None and is_dtensor(p):
-                entries[-1]["rows"] = list(self._mesh.rows(p))
-        return entries
+        return [
+            {"shape": list(p.shape), "dtype": str(p.dtype), "master": p in held} for p in self._model_params
+        ]
 
     @property
     def collective(self) -> bool:
@@ -519,8 +511,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 chunk.point_params()  # FSDP2's shards, where they live now: the load writes them
                 chunk.take_own_masters()
             for k, value in state_dict["masters"].items():
-                chunk, local = self._where[self._index[self._model_params[int(k)]]]
-                chunk.load_master(local, value)
+                chunk, j = self._where[self._index[self._model_params[int(k)]]]
+                chunk.load_master(j, local(value))  # an FSDP2 shard's: its rows here
             for chunk in self._chunks:
                 chunk.round_params()
                 chunk.copy_out()
