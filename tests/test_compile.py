@@ -34,6 +34,7 @@ import torch
 import halfprec
 from halfprec.optim import FusedAdamW
 from halfprec.optim.mesh import is_dtensor, local
+from halfprec.optim.names import clean_name
 
 from .optim.helpers import world_of_one
 from .tolerances import tol
@@ -301,6 +302,24 @@ def test_engine_over_a_compiled_model_trains_like_the_eager_one(backend, zero_st
         compiled_losses, compiled = run(compiled=True)
     assert compiled_losses == eager_losses
     _assert_same(compiled, eager)
+
+
+def test_zero_stage_3_shards_a_compiled_model_into_the_same_units(tmp_path):
+    """The default policy's units (each block, then the root) are found through torch.compile's wrapper, not taken
+    as the wrapper's one child (which would gather the whole model at once)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = []
+    with world_of_one(tmp_path / "store"):
+        for compiled in (False, True):
+            model = _compile(_model(), "aot_eager") if compiled else _model()
+            engine = halfprec.initialize(
+                model, torch.optim.AdamW(model.parameters()), precision="bf16", zero_stage=3
+            )
+            units.append(
+                [clean_name(n) for n, m in engine.module.named_modules() if isinstance(m, FSDPModule) and n]
+            )
+    assert units[0] == units[1] and len(units[0]) > 1, units
 
 
 @pytest.mark.parametrize("kind", ["params", "masters", "state"])

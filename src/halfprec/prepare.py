@@ -14,6 +14,7 @@ import torch
 from .optim.base import MixedPrecisionOptimizer
 from .optim.checks import set_data, world_size, wraps_tensor
 from .optim.mesh import as_dtensor, is_dtensor, local
+from .optim.names import uncompiled
 
 __all__ = [
     "cast_module",
@@ -147,8 +148,9 @@ def fully_shard_model(
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The units ``fully_shard`` is applied to before the root: the children of the first ``nn.ModuleList`` (a
-    transformer's layers, as torchtitan shards them), else every direct child that has params."""
-    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), model)
+    transformer's layers, as torchtitan shards them), else every direct child that has params (of the model a
+    ``torch.compile``d one wraps: the same units as uncompiled)."""
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), uncompiled(model))
     return [child for child in layers.children() if next(child.parameters(), None) is not None]
 
 

@@ -18,11 +18,18 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["clean_keys", "clean_name", "named_trainable"]
+__all__ = ["clean_keys", "clean_name", "named_trainable", "uncompiled"]
 
 _COMPILED = "_orig_mod"  # the attribute of torch.compile's OptimizedModule that holds the model
 
 V = TypeVar("V")
+
+
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The model a ``torch.compile``d module wraps (through every wrapper); any other module as it is."""
+    while isinstance(inner := getattr(module, _COMPILED, None), torch.nn.Module):
+        module = inner
+    return module
 
 
 def clean_name(name: str) -> str:
