@@ -235,7 +235,19 @@ def save_checkpoint(out: Path, mesh, group) -> dict:
     fresh.load_state_dict(torch.load(out / f"sd-{dist.get_rank()}.pt", weights_only=False))
     same = gathered(fresh, fresh_model)
     other = torch.load(out / f"sd-{1 - dist.get_rank()}.pt", weights_only=False)
+    # even shards (8 rows, 4 per rank): the other rank's file has this rank's shapes, and is refused all the same
+    even = torch.nn.Linear(4, 8).bfloat16()
+    fully_shard(even, mesh=mesh)
+    even_mp = halfprec.MixedPrecisionOptimizer(torch.optim.AdamW(even.parameters(), lr=LR), impl="torch")
+    even_mp.backward(even(torch.ones(2, 4, dtype=torch.bfloat16)).float().square().mean())
+    even_mp.step()
+    torch.save(even_mp.state_dict(), out / f"even-{dist.get_rank()}.pt")
+    dist.barrier(group)
+    even_other = torch.load(out / f"even-{1 - dist.get_rank()}.pt", weights_only=False)
+    even_own = torch.load(out / f"even-{dist.get_rank()}.pt", weights_only=False)
     return {
+        "even_other_rank": error_of(lambda: even_mp.load_state_dict(even_other)),
+        "even_own_rank": error_of(lambda: even_mp.load_state_dict(even_own)),
         "local_state_dict_round_trip": all(torch.equal(same[k], whole[k]) for k in whole),
         "local_state_dict_shapes": [e["shape"] for e in mp.state_dict()["params"]],
         "other_rank_state_dict": error_of(lambda: fresh.load_state_dict(other)),

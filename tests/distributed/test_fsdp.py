@@ -213,8 +213,14 @@ def test_state_dict_holds_the_shards_as_dtensors(ranks):
         ck = ranks[rank]["checkpoint"]
         assert ck["local_state_dict_round_trip"]
         assert ck["local_state_dict_shapes"] == [[7, 5], [7], [9, 7], [9], [1, 9], [1]]
-        kind, message = ck["other_rank_state_dict"]
-        assert kind == "ValueError" and "is an FSDP2 shard whose rows here are" in message
+        for case in (
+            "other_rank_state_dict",
+            "even_other_rank",
+        ):  # uneven shards, and rows of this rank's shape
+            kind, message = ck[case]
+            assert kind == "ValueError" and f"at mesh coordinate ({1 - rank},)" in message, (case, message)
+            assert f"whose rows this rank, at mesh coordinate ({rank},), holds" in message
+        assert ck["even_own_rank"] == ["no error", ""]
 
 
 @pytest.mark.slow
@@ -227,7 +233,7 @@ def test_torch_dcp_saves_the_state_dict_and_reshards_it(ranks, world):
     assert load["torch_dcp_unequal"] == []
     kind, message = load["torch_dcp_into_fresh"]
     assert kind == "ValueError" and "records optimizer state for params [0, 1, 2, 3, 4, 5]" in message
-    assert "halfprec.distributed.checkpoint.load" in message
+    assert "save and load with halfprec.distributed.checkpoint" in message
 
 
 @pytest.mark.slow

@@ -234,6 +234,65 @@ def test_a_state_dict_of_this_format_without_an_inner_torch_state_is_refused(str
         mp.load_state_dict(saved)
 
 
+MODEL_SPACE = [pytest.param(n, marks=GLOO) if n in ON_MESH else n for n in STRATEGIES if not n.startswith("stage")]
+
+
+@pytest.fixture(params=MODEL_SPACE)
+def model_space(request, tmp_path):
+    """The strategies whose state dict is in model space (the exact and fused ones, over shards too)."""
+    if request.param in ON_MESH:
+        with world_of_one(tmp_path / "store"):
+            yield request.param
+    else:
+        yield request.param
+
+
+def _with_keys_as_text(saved):
+    inner = saved["optimizer"]
+    return saved | {"optimizer": inner | {"state": {str(k): v for k, v in inner["state"].items()}}}
+
+
+def test_state_keyed_by_text_loads_as_by_index(model_space):
+    """A state dict whose state keys became text (a JSON or YAML round trip) loads as the one keyed by index."""
+    model, resumed = _model(model_space), _model(model_space)
+    mp = _build(model_space, model)
+    _train(model, mp, 2)
+    with torch.no_grad():
+        for p, q in zip(resumed.parameters(), model.parameters(), strict=True):
+            p.copy_(q)
+    mp2 = _build(model_space, resumed)
+    mp2.load_state_dict(_with_keys_as_text(mp.state_dict()))
+    _train(model, mp, 1, seed=7)
+    _train(resumed, mp2, 1, seed=7)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(), strict=True))
+
+
+def _recorded(saved, *changed):
+    return saved | {"has_state": torch.tensor([k in changed for k in range(len(saved["params"]))])}
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda s: s | {"has_state": torch.ones(4)}, r"has_state must be a bool tensor of 4 \(one per param\), got torch.float32"),
+        (lambda s: s | {"has_state": torch.ones(3, dtype=torch.bool)}, r"has_state must be a bool tensor of 4"),
+        (lambda s: _recorded(s, 0, 1, 2, 3) | {"optimizer": s["optimizer"] | {"state": {}}}, r"records optimizer state for params \[0, 1, 2, 3\] but does not hold it.*save and load with halfprec.distributed.checkpoint"),
+        (lambda s: _recorded(s, 0, 1), r"holds optimizer state for params \[2, 3\] that its has_state does not record"),
+        (lambda s: s | {"params": [e | {"rows": [0, 1]} for e in s["params"]]}, r"one rank's rows of FSDP2 shards as plain tensors"),
+    ],
+    ids=["not-bool", "wrong-size", "state-missing", "state-unrecorded", "rank-local-rows"],
+)  # fmt: skip
+def test_a_state_dict_whose_record_disagrees_is_refused_and_changes_nothing(model_space, damage, match):
+    model = _model(model_space)
+    mp = _build(model_space, model)
+    _train(model, mp, 1)
+    saved, before = mp.state_dict(), _weights(model)
+    with pytest.raises(ValueError, match=match):
+        mp.load_state_dict(damage(saved))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert mp.state_dict()["has_state"].all()
+
+
 def test_the_exact_and_fused_strategies_load_each_others_state_dicts(tmp_path):
     saved = {}
     for name in ("exact", "fused"):

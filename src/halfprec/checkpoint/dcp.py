@@ -44,7 +44,7 @@ from ..optim.mesh import Mesh
 from ..optim.mesh import local as local_shard
 from ..optim.names import clean_keys, named_trainable
 from ..optim.sharded import ShardedMixedPrecisionOptimizer
-from ..optim.state import is_elementwise, laid_out_like_params
+from ..optim.state import is_elementwise, laid_out_like_params, state_record
 from .atomic import commit, remove_if_dead
 from .atomic import held as held_dir  # ``held`` names what a rank holds here
 from .consolidate import hparam_groups
@@ -340,7 +340,6 @@ def staged_load(
     masters = {i: state.pop(None) for i, state in states.items() if None in state}
     if full is None:
         return lambda: _apply_sharded(optimizer, held, masters, states, hparams, scaler_state, int(skipped))
-    has_state = full["has_state"].clone()
     for h in held:
         if h.numel and h.index in full["masters"]:
             full["masters"][h.index] = masters[id(h)]
@@ -348,12 +347,13 @@ def staged_load(
             full["optimizer"]["state"][h.index] = states[id(h)]
         elif h.numel:
             full["optimizer"]["state"].pop(h.index, None)
-        if h.numel:
-            has_state[h.index] = bool(states[id(h)])
     for gi, values in enumerate(hparams):
         full["optimizer"]["param_groups"][gi].update(values)
-    full["scaler"], full["skipped_steps"], full["has_state"] = scaler_state, int(skipped), has_state
-    full = laid_out_like_params(full, optimizer.model_params())  # an FSDP2 shard's rows, as state_dict() has them
+    full["scaler"], full["skipped_steps"] = scaler_state, int(skipped)
+    full["has_state"] = state_record(full["optimizer"]["state"], len(full["params"]))
+    full = laid_out_like_params(
+        full, optimizer.model_params()
+    )  # an FSDP2 shard's rows, as state_dict() has them
     optimizer.check_state_dict(full)
     own = [(h.index, masters[id(h)]) for h in held if h.numel and h.index not in full["masters"]]
     return lambda: _apply_unsharded(optimizer, full, own)

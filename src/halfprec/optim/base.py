@@ -25,9 +25,9 @@ from .._checks import is_int
 from ..precision import LOW_PRECISION
 from ..scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 from .checks import ELEMENTWISE, check_options, check_torch_optimizer, set_data
-from .mesh import is_dtensor, local
+from .mesh import check_rows, local
 from .results import ScaleGuard, SkipLog, StepState, refuse_backward_after_unscale, warn_caller
-from .state import laid_out_like_params
+from .state import check_has_state, laid_out_like_params, state_record
 
 __all__ = ["FORMAT", "MixedPrecisionOptimizer", "check_wrappable", "register_factory"]
 
@@ -392,6 +392,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
             for name, value in (entry or {}).items():
                 if not torch.is_tensor(value) or value.dim() == 0:
                     continue  # counters, flags and scalar state
+                check_rows(f"{name} of param {k}", value, p, plain_ok=True)
                 want, held = local(p).numel(), local(value).numel()
                 if held != want:
                     rows = " (this rank's rows of an FSDP2 shard)" if want != p.numel() else ""
@@ -428,44 +429,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
                 raise ValueError(
                     f"state dict's master of param {k} is {shape}, expected a floating tensor of shape {expected}"
                 )
-            p = self._model_params[int(k)]
-            if is_dtensor(p) and not (is_dtensor(value) and local(value).shape == local(p).shape):
-                held = list(local(value).shape) if is_dtensor(value) else "a plain tensor"
-                raise ValueError(
-                    f"state dict's master of param {k} is {held}, and the param is an FSDP2 shard whose rows here "
-                    f"are {list(local(p).shape)}: a state dict over shards holds DTensors laid out like them (this "
-                    "optimizer's state_dict()); load one saved at this world size and mesh, through "
-                    "torch.distributed.checkpoint (which reshards) or halfprec.distributed.checkpoint"
-                )
+            check_rows(f"master of param {k}", value, self._model_params[int(k)])
         self._check_state_sizes(state_dict["optimizer"]["state"])
-        self._check_has_state(state_dict)
-
-    def _check_has_state(self, state_dict: dict[str, Any]) -> None:
-        held = state_dict.get("has_state")  # absent in state dicts saved before it was recorded
-        if held is None:
-            return
-        state = state_dict["optimizer"]["state"]
-        n = len(self._model_params)
-        if not (torch.is_tensor(held) and held.dtype == torch.bool and held.shape == (n,)):
-            found = f"{held.dtype} {list(held.shape)}" if torch.is_tensor(held) else type(held).__name__
-            raise ValueError(
-                f"state dict's has_state must be a bool tensor of {n} (one per param), got {found}"
-            )
-        present = {int(k) for k in state}
-        recorded = {k for k, h in enumerate(local(held).tolist()) if h}
-        missing, extra = sorted(recorded - present), sorted(present - recorded)
-        if missing:
-            raise ValueError(
-                f"state dict records optimizer state for params {missing} but does not hold it. A state dict "
-                "loaded in place (torch.distributed.checkpoint's load) into an optimizer that has not stepped yet "
-                "keeps only what that optimizer held, which is no state: load the checkpoint with "
-                "halfprec.distributed.checkpoint.load, which allocates the state from the file"
-            )
-        if extra:
-            raise ValueError(
-                f"state dict holds optimizer state for params {extra} that its has_state does not record: the "
-                "file is damaged or its parts come from different state dicts"
-            )
+        check_has_state(state_dict, len(self._model_params))
 
     def _param_entries(self) -> list[dict[str, Any]]:
         """Per model param, in group order: shape (an FSDP2 shard's: the whole param's), model dtype and whether
@@ -477,7 +443,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
         index, the params' entries, and ``has_state``, which params ``inner`` holds state for (a load that finds
         state missing was filled in place by a loader that kept only what its destination held); FSDP2 shards'
         masters and state as DTensors (``state.laid_out_like_params``)."""
-        held = torch.tensor([k in inner["state"] for k in range(len(self._model_params))], dtype=torch.bool)
+        held = state_record(inner["state"], len(self._model_params))
         payload = {"optimizer": inner, "masters": masters, "params": self._param_entries(), "has_state": held}
         return laid_out_like_params(payload, self._model_params)
 
@@ -485,6 +451,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
         mine = self._param_entries()
         if not isinstance(saved, list):
             raise ValueError(f"state dict's params must be a list of entries, got {type(saved).__name__}")
+        if any(isinstance(entry, dict) and "rows" in entry for entry in saved):
+            raise ValueError(
+                "state dict holds one rank's rows of FSDP2 shards as plain tensors (state dicts written before "
+                "they held DTensors): load it into the release that wrote it, or resume from a "
+                "halfprec.distributed.checkpoint save"
+            )
         for i, (entry, here) in enumerate(zip(saved, mine, strict=False)):
             if entry != here:
                 raise ValueError(

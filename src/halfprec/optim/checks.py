@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from .._checks import check_max_grad_norm
 from ..precision import check_grad_accum, check_low_precision
 from ..scaler import LossScaler
-from .mesh import local
+from .mesh import is_dtensor, local
 
 __all__ = [
     "ELEMENTWISE", "check_elementwise", "check_dtypes", "check_grad_accum_dtype", "check_options", "check_params", "check_torch_optimizer",
@@ -131,15 +131,15 @@ def set_data(p: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def wraps_tensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a tensor subclass that wraps another tensor (torchao's float8 weights), or a DTensor (an
-    FSDP2 shard, ``mesh.is_dtensor``) whose local shard is one (FSDP2's float8 all-gather)."""
-    return is_traceable_wrapper_subclass(local(t))
+    """Whether ``t`` is a tensor subclass that wraps another tensor (torchao's float8 weights), DTensors (FSDP2's
+    shards, ``mesh.is_dtensor``) aside."""
+    return is_traceable_wrapper_subclass(t) and not is_dtensor(t)
 
 
 def wrapped_types(params: Iterable[torch.Tensor]) -> list[str]:
     """The names of the ``wraps_tensor`` subclasses among ``params`` (of a DTensor's local shard): the fused
     kernels and the sharded strategy write params through their storage, which such a subclass does not have."""
-    return sorted({type(local(p)).__name__ for p in params if wraps_tensor(p)})
+    return sorted({type(local(p)).__name__ for p in params if wraps_tensor(local(p))})
 
 
 def check_unwrapped(params: Iterable[torch.Tensor], owner: str, instead: str) -> None:

@@ -8,7 +8,8 @@ on fp32 copies, bit for bit, state included (docs/guarantees.md).
 
 Over params sharded by ``fully_shard`` (FSDP2's DTensors, ``mesh.py``) the same step runs on the local shards:
 masters of this rank's rows, the global norm and overflow flag reduced over the mesh, the masters rounded back
-into the shards; its ``state_dict()`` is this rank's, and ``halfprec.distributed.checkpoint`` reshards it.
+into the shards; its ``state_dict()`` holds them as DTensors (``state.laid_out_like_params``), which
+``torch.distributed.checkpoint`` reshards, as ``halfprec.distributed.checkpoint`` does.
 """
 
 from __future__ import annotations

@@ -27,7 +27,16 @@ import torch.distributed as dist
 
 from ..precision import LOW_PRECISION
 
-__all__ = ["Mesh", "as_dtensor", "check_sharded_options", "is_dtensor", "local", "local_grad"]
+__all__ = [
+    "Mesh",
+    "as_dtensor",
+    "check_sharded_options",
+    "is_dtensor",
+    "local",
+    "local_grad",
+    "same_rows",
+    "check_rows",
+]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -55,6 +64,44 @@ def as_dtensor(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only reached once DTensors exist
 
     return DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+
+def same_rows(value: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether the DTensor ``value`` holds the rows of DTensor ``p`` that this rank holds: the same whole shape and
+    placements, saved at this rank's coordinate on every sharded mesh dim (a DTensor that ``torch.save`` kept
+    keeps its mesh coordinate; HSDP's replicas hold the same rows)."""
+    if value.shape != p.shape or tuple(value.placements) != tuple(p.placements):
+        return False
+    mine, theirs = p.device_mesh.get_coordinate(), value.device_mesh.get_coordinate()
+    return all(mine[d] == theirs[d] for d, placement in enumerate(p.placements) if placement.is_shard())
+
+
+def check_rows(what: str, value: torch.Tensor, p: torch.Tensor, *, plain_ok: bool = False) -> None:
+    """ValueError naming the fix unless ``value``, a state dict's ``what`` of param ``p``, holds the rows of ``p``
+    this rank holds: for an FSDP2 shard a DTensor laid out like it (``same_rows``; with ``plain_ok`` also a plain
+    tensor, of the size ``_check_state_sizes`` checks), for an unsharded param no DTensor of fewer rows."""
+    fix = (
+        "load the state dict this rank saved, or load through torch.distributed.checkpoint or "
+        "halfprec.distributed.checkpoint, which reshard"
+    )
+    if is_dtensor(p):
+        if is_dtensor(value) and same_rows(value, p) or not is_dtensor(value) and plain_ok:
+            return
+        held = (
+            f"a DTensor of {list(value.shape)} {value.placements} saved at mesh coordinate "
+            f"{value.device_mesh.get_coordinate()}"
+            if is_dtensor(value)
+            else "a plain tensor"
+        )
+        raise ValueError(
+            f"state dict's {what} is {held}, and the param is an FSDP2 shard of {list(p.shape)} {p.placements} "
+            f"whose rows this rank, at mesh coordinate {p.device_mesh.get_coordinate()}, holds: {fix}"
+        )
+    if is_dtensor(value) and local(value).shape != p.shape:
+        raise ValueError(
+            f"state dict's {what} is a DTensor of {list(local(value).shape)} rows of {list(value.shape)} here, "
+            f"and the param is unsharded: {fix}"
+        )
 
 
 class Mesh:

@@ -28,7 +28,7 @@ from .mesh import as_dtensor, is_dtensor, local
 
 __all__ = [
     "SCALAR_KEYS", "Target", "adopt_views", "is_elementwise", "laid_out_like_params", "local_state", "move_state",
-    "restore_state_dtypes",
+    "restore_state_dtypes", "state_record", "check_has_state",
 ]  # fmt: skip
 
 # 0-d state entries of the elementwise torch optimizers; every other state tensor has the param's shape. The
@@ -55,9 +55,11 @@ def laid_out_like_params(payload: dict[str, Any], params: list[torch.Tensor]) ->
         if not (is_dtensor(p) and torch.is_tensor(value)) or is_dtensor(value):
             return value
         if key is None or is_elementwise(key, value, local(p).shape):
-            # torch.save cannot pickle a DTensor over a view that starts inside its storage (torch 2.13: "invalid
-            # python storage"), such as the exact strategy's masters: those are copied
-            return as_dtensor(p, value.clone() if value.storage_offset() else value)
+            # a view into a larger storage (the exact strategy's masters) is copied: torch.save cannot pickle a
+            # DTensor over one that starts inside it (torch 2.13: "invalid python storage"), and would write the
+            # whole storage for one that starts at its beginning
+            owned = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+            return as_dtensor(p, value if owned else value.clone())
         return value
 
     inner = payload["optimizer"]
@@ -66,16 +68,53 @@ def laid_out_like_params(payload: dict[str, Any], params: list[torch.Tensor]) ->
     return payload | {"optimizer": inner | {"state": state}, "masters": masters}
 
 
-def local_state(state: dict[Any, dict[str, Any]], params: list[torch.Tensor]) -> dict[Any, dict[str, Any]]:
-    """A torch-format ``state`` (keyed by index into ``params``) with each DTensor value this rank's local
-    tensor where its param is a plain tensor (a shard's master): what a torch optimizer over ``params`` loads."""
+def local_state(state: dict[Any, dict[str, Any]], params: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
+    """A torch-format ``state`` (keyed by index into ``params``; int keys, as torch's load maps them) with each
+    DTensor value this rank's local tensor where its param is a plain tensor (a shard's master): what a torch
+    optimizer over ``params`` loads."""
     return {
-        k: {
+        int(k): {
             key: local(v) if is_dtensor(v) and not is_dtensor(params[int(k)]) else v
             for key, v in entry.items()
         }
         for k, entry in state.items()
     }
+
+
+def state_record(state: dict[Any, Any], n: int) -> torch.Tensor:
+    """``has_state``: which of ``n`` params (by index) a torch-format ``state`` holds state for."""
+    held = {int(k) for k in state}
+    return torch.tensor([k in held for k in range(n)], dtype=torch.bool)
+
+
+def check_has_state(state_dict: dict[str, Any], n: int) -> None:
+    """ValueError unless a state dict's ``has_state`` (absent in those saved before it was recorded) records
+    exactly the params of ``n`` that its optimizer state holds state for."""
+    held = state_dict.get("has_state")
+    if held is None:
+        return
+    if not (torch.is_tensor(held) and held.dtype == torch.bool and held.shape == (n,)):
+        found = f"{held.dtype} {list(held.shape)}" if torch.is_tensor(held) else type(held).__name__
+        raise ValueError(
+            f"state dict's has_state must be a bool tensor of {n} (one per param), got {found}: the state dict "
+            "is damaged or not of this model; load one this optimizer's state_dict() wrote for it"
+        )
+    present = {int(k) for k in state_dict["optimizer"]["state"]}
+    recorded = {k for k, h in enumerate(local(held).tolist()) if h}
+    missing, extra = sorted(recorded - present), sorted(present - recorded)
+    if missing:
+        raise ValueError(
+            f"state dict records optimizer state for params {missing} but does not hold it. "
+            "torch.distributed.checkpoint's load fills a state dict in place, keeping only the items the "
+            "destination already holds, and an optimizer that has not stepped holds no state: save and load with "
+            "halfprec.distributed.checkpoint, which allocates the state from the file, or load torch's "
+            "checkpoint into an optimizer that has stepped"
+        )
+    if extra:
+        raise ValueError(
+            f"state dict holds optimizer state for params {extra} that its has_state does not record: its parts "
+            "come from different state dicts; load a state dict as state_dict() wrote it"
+        )
 
 
 class Target(NamedTuple):
