@@ -211,15 +211,15 @@ def _train(name: str, backend: str | None) -> tuple[list[float], dict[str, list[
     return losses, _snapshot(model, mp)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _room_for_every_compile():
+@pytest.fixture(autouse=True)
+def _fresh_compile_caches():
     """TorchDynamo caches compiled code per Python frame, at most ``recompile_limit`` (8) entries each, then runs
-    the frame eagerly. Two frames are shared by this file's tests: the one torch.compile's module wrapper runs
-    (``torch/_dynamo/external_utils.py``'s ``inner``) and ``_Block.forward``; each test compiles its own models
-    (dtypes, FSDP2's classes, backends), and with 8 (seen for both) a later test ran eagerly and failed its
-    compiled-backward check. Recompiles within a run are what the tests pin (``_no_recompile``), not across them."""
-    with torch._dynamo.config.patch(recompile_limit=64):
-        yield
+    the frame eagerly. Frames are shared by this file's tests (torch.compile's module wrapper, ``_Block.forward``)
+    and each test compiles its own models (dtypes, FSDP2's classes, backends), so the caches are emptied before
+    each test: one test's compiles never push another's into eager mode. Recompiles within a test are what the
+    tests pin (``_no_recompile``)."""
+    torch._dynamo.reset()
+    yield
 
 
 @pytest.fixture
