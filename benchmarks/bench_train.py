@@ -91,8 +91,9 @@ Systems:
   SYSTEM-compiled  SYSTEM with ``torch.compile`` (inductor, default settings) applied before its setup: the whole
              model for ``autocast``, ``halfprec*`` and the float8 systems; for ``fsdp2*`` each decoder layer
              (``torch.compile(layer, fullgraph=True)`` put back in its place, then ``fully_shard``), as torchtitan
-             compiles under FSDP2. Not for ``hf*``, ``deepspeed*`` or ``*-paired``. The compile runs in the
-             warm-up steps (``--warmup``), which are not timed
+             compiles under FSDP2; for ``deepspeed*`` DeepSpeed's own ``engine.compile()`` after its
+             ``initialize`` (the module it wraps, inductor, default settings). Not for ``hf*`` or ``*-paired``. The
+             compile runs in the warm-up steps (``--warmup``), which are not timed
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ SYSTEMS = (
     "torchao-float8",
 )
 COMPILED = "-compiled"  # SYSTEM-compiled: SYSTEM under torch.compile (module docstring)
-NOT_COMPILED = ("hf", "deepspeed")  # prefixes of the systems with no compiled variant (nor the *-paired ones)
+NOT_COMPILED = ("hf",)  # prefixes of the systems with no compiled variant (nor the *-paired ones)
 ONLY_DTYPE = {  # the systems that run in one dtype
     "deepspeed-reset": "fp16",  # DeepSpeed's construction step is its fp16 wrapper's
     "halfprec-split": "bf16",  # split masters are bf16's
@@ -414,7 +415,9 @@ def to_float8(model) -> None:
     float8_module().convert_to_float8_training(model, module_filter_fn=float8_filter)
 
 
-def deepspeed_runner(model, dtype, batch: int, *, reset: bool, clip=CLIP, scaled: bool = False):
+def deepspeed_runner(
+    model, dtype, batch: int, *, reset: bool, clip=CLIP, scaled: bool = False, compiled=False
+):
     import deepspeed
     import torch
 
@@ -434,6 +437,8 @@ def deepspeed_runner(model, dtype, batch: int, *, reset: bool, clip=CLIP, scaled
         ("fp16" if dtype == torch.float16 else "bf16"): {"enabled": True},
     }
     engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if compiled:
+        engine.compile()  # DeepSpeed's own: torch.compile of the module it wraps (inductor, default settings)
     inner = opt.optimizer  # the FusedAdam under DeepSpeed's fp16/bf16 wrapper
     steps_at_start = sorted({int(s["step"]) for s in inner.state.values() if "step" in s})
     info = {"inner_state_steps_after_initialize": steps_at_start}
@@ -651,7 +656,7 @@ def child(system: str, dtype_name: str, args) -> dict:
         return row(statistics.median(ms), losses[-1])
     if base.endswith("-float8"):
         to_float8(model)
-    if compiled and not base.startswith("fsdp2"):  # fsdp2*: each layer, in shard()
+    if compiled and not base.startswith(("fsdp2", "deepspeed")):  # fsdp2*: in shard(); deepspeed*: its runner
         model = torch.compile(model)
     if base in ("autocast", "torchao-float8"):
         step, probe = autocast_runner(model, dtype, device=device)
@@ -670,14 +675,15 @@ def child(system: str, dtype_name: str, args) -> dict:
         masters = "split" if base == "halfprec-split" else "fp32"
         step, probe = halfprec_runner(model, dtype, clip, scheduled=base == "halfprec-sched", masters=masters)
     else:
-        clip = 0.0 if system.endswith("-noclip") else CLIP
+        clip = 0.0 if base.endswith("-noclip") else CLIP
         step, probe = deepspeed_runner(
             model,
             dtype,
             args.batch,
-            reset=system == "deepspeed-reset",
+            reset=base == "deepspeed-reset",
             clip=clip,
-            scaled=system == "deepspeed-scaled",
+            scaled=base == "deepspeed-scaled",
+            compiled=compiled,
         )
     data = fresh_batches()
     total = args.warmup + args.steps
@@ -864,9 +870,7 @@ def main() -> None:
         if base not in SYSTEMS:
             parser.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)} (or SYSTEM{COMPILED})")
         if s != base and (base.startswith(NOT_COMPILED) or base.endswith("-paired")):
-            parser.error(
-                f"{s!r}: {base} has no compiled variant; every system but hf*, deepspeed* and *-paired has"
-            )
+            parser.error(f"{s!r}: {base} has no compiled variant; every system but hf* and *-paired has")
     reasons = {s: unavailable(s, args.device) for s in systems}
     for s, reason in reasons.items():
         if reason is not None:
