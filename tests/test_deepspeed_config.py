@@ -477,3 +477,35 @@ def test_a_config_path_that_is_not_a_file_names_the_fix(tmp_path, monkeypatch, w
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=regex):
         Config.from_deepspeed(where)
+
+
+def test_a_stage_3_config_shards_the_model_in_initialize_and_trains(tmp_path):
+    """A DeepSpeed config with ZeRO stage 3, through ``initialize``: the engine applies ``fully_shard`` by its
+    default policy (each block, then the root), casts the shards to bf16, keeps fp32 masters of each rank's rows,
+    and steps (a one-rank gloo world)."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    import halfprec
+    from halfprec.optim.mesh import is_dtensor
+
+    from .optim.helpers import world_of_one
+
+    ds = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}
+    with world_of_one(tmp_path / "store"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+        fp32 = [p.detach().clone() for p in model.parameters()]
+        engine = halfprec.initialize(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=Config.from_deepspeed(ds)
+        )
+        assert [n for n, m in engine.module.named_modules() if isinstance(m, FSDPModule)] == ["", "0", "2"]
+        assert all(is_dtensor(p) and p.dtype == torch.bfloat16 for p in engine.module.parameters())
+        masters = engine.optimizer.master_params()
+        assert all(m.dtype == torch.float32 for m in masters)
+        assert all(torch.equal(m, w) for m, w in zip(masters, fp32, strict=True))  # from the fp32 weights
+        x, y = torch.randn(4, 6), torch.randn(4, 3)
+        engine.backward(torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y))
+        engine.step()
+        assert not engine.optimizer.step_was_skipped and engine.optimizer.max_grad_norm == 1.0
+        assert not any(torch.equal(m, w) for m, w in zip(masters, fp32, strict=True))
