@@ -101,7 +101,8 @@ def test_allocated_bytes_per_param_at_world_size_one(tmp_path, stage, masters, p
 def test_fused_over_fsdp2_shards_on_nccl_matches_the_unsharded_fused_optimizer(tmp_path, masters):
     """World size 1 on NCCL: the fused kernels (compiled, not interpreted; impl='auto' picks them) over
     ``fully_shard``'s bf16 shards against the same fused optimizer on the same model unsharded, bit for bit over
-    20 unclipped steps with an inf at step 7 (the shards change nothing at one rank: FSDP2's reduce-scatter of a grad is the grad)."""
+    20 unclipped steps with an inf at step 7 (the shards change nothing at one rank: FSDP2's reduce-scatter of a
+    grad is the grad)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

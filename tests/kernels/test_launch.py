@@ -161,9 +161,10 @@ def test_replayed_steps_equal_triton_launched_ones_bit_for_bit(monkeypatch, dtyp
     monkeypatch.delenv("HALFPREC_LAUNCH")
     replayed, replayed_state = _train(opt_cls, dtype, 8, move_grads=move_grads, **kw)
     after = launch_mod.replay_stats()
-    if not move_grads:  # the step's one launch group (norm, finalize, update) replays from its third sighting on;
-        # the caching allocator may hand the grad buffer two blocks in turn (seen with fp16 AdamW on an H100): two
-        # keys, each launched once and captured once, then replayed
+    if not move_grads:
+        # the step's one launch group (norm, finalize, update) replays from its third sighting on; the caching
+        # allocator may hand the grad buffer two blocks in turn (seen with fp16 AdamW on an H100): two keys, each
+        # launched once and captured once, then replayed
         assert after["replayed"] - before["replayed"] >= 4
     else:  # a moved grad buffer is a new key: launched as it is
         assert after["eager"] - before["eager"] >= 3

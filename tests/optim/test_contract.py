@@ -234,7 +234,9 @@ def test_a_state_dict_of_this_format_without_an_inner_torch_state_is_refused(str
         mp.load_state_dict(saved)
 
 
-MODEL_SPACE = [pytest.param(n, marks=GLOO) if n in ON_MESH else n for n in STRATEGIES if not n.startswith("stage")]
+MODEL_SPACE = [
+    pytest.param(n, marks=GLOO) if n in ON_MESH else n for n in STRATEGIES if not n.startswith("stage")
+]
 
 
 @pytest.fixture(params=MODEL_SPACE)
@@ -271,17 +273,36 @@ def _recorded(saved, *changed):
     return saved | {"has_state": torch.tensor([k in changed for k in range(len(saved["params"]))])}
 
 
-@pytest.mark.parametrize(
-    ("damage", "match"),
-    [
-        (lambda s: s | {"has_state": torch.ones(4)}, r"has_state must be a bool tensor of 4 \(one per param\), got torch.float32"),
-        (lambda s: s | {"has_state": torch.ones(3, dtype=torch.bool)}, r"has_state must be a bool tensor of 4"),
-        (lambda s: _recorded(s, 0, 1, 2, 3) | {"optimizer": s["optimizer"] | {"state": {}}}, r"records optimizer state for params \[0, 1, 2, 3\] but does not hold it.*save and load with halfprec.distributed.checkpoint"),
-        (lambda s: _recorded(s, 0, 1), r"holds optimizer state for params \[2, 3\] that its has_state does not record"),
-        (lambda s: s | {"params": [e | {"rows": [0, 1]} for e in s["params"]]}, r"one rank's rows of FSDP2 shards as plain tensors"),
-    ],
-    ids=["not-bool", "wrong-size", "state-missing", "state-unrecorded", "rank-local-rows"],
-)  # fmt: skip
+def _without_state(s):
+    return _recorded(s, 0, 1, 2, 3) | {"optimizer": s["optimizer"] | {"state": {}}}
+
+
+DAMAGES = {  # id: (damage to a state dict with state for all 4 params, the error it gets)
+    "not-bool": (
+        lambda s: s | {"has_state": torch.ones(4)},
+        r"has_state must be a bool tensor of 4 \(one per param\), got torch.float32",
+    ),
+    "wrong-size": (
+        lambda s: s | {"has_state": torch.ones(3, dtype=torch.bool)},
+        r"has_state must be a bool tensor of 4",
+    ),
+    "state-missing": (
+        _without_state,
+        r"records optimizer state for params \[0, 1, 2, 3\] but does not hold it.*"
+        r"save and load with halfprec.distributed.checkpoint",
+    ),
+    "state-unrecorded": (
+        lambda s: _recorded(s, 0, 1),
+        r"holds optimizer state for params \[2, 3\] that its has_state does not record",
+    ),
+    "rank-local-rows": (
+        lambda s: s | {"params": [e | {"rows": [0, 1]} for e in s["params"]]},
+        r"one rank's rows of FSDP2 shards as plain tensors",
+    ),
+}
+
+
+@pytest.mark.parametrize(("damage", "match"), list(DAMAGES.values()), ids=list(DAMAGES))
 def test_a_state_dict_whose_record_disagrees_is_refused_and_changes_nothing(model_space, damage, match):
     model = _model(model_space)
     mp = _build(model_space, model)

@@ -1,11 +1,11 @@
 """halfprec over torchao's float8 training (``torchao.float8.convert_to_float8_training``): the 16-bit weights of
 the ``Float8Linear`` modules are the params halfprec casts, steps and rounds, with fp32 masters of their own.
 
-torchao is the ``[float8]`` extra (CI installs it beside ``[test]``); without it every test here is skipped. Float8Linear
-keeps its weight a plain 16-bit ``nn.Parameter`` and casts it (and the input, and the output's grad) to float8
-inside each matmul, so halfprec sees an ordinary 16-bit model: the checks are that the conversion survives the
-wrapping (the same modules, the same param objects, still 16-bit), that every trained param gets an fp32 master,
-and that training goes as without float8. Oracle: the same run with the model left unconverted; float8's
+torchao is the ``[float8]`` extra (CI installs it beside ``[test]``); without it every test here is skipped.
+Float8Linear keeps its weight a plain 16-bit ``nn.Parameter`` and casts it (and the input, and the output's grad)
+to float8 inside each matmul, so halfprec sees an ordinary 16-bit model: the checks are that the conversion
+survives the wrapping (the same modules, the same param objects, still 16-bit), that every trained param gets an
+fp32 master, and that training goes as without float8. Oracle: the same run with the model left unconverted; float8's
 rounding (e4m3 forward, 3 mantissa bits) moves the loss a little, so the two loss curves must agree within
 ``LOSS_BAND`` at every step, differ somewhere (the float8 matmuls ran), and fall.
 

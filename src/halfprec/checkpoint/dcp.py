@@ -351,9 +351,8 @@ def staged_load(
         full["optimizer"]["param_groups"][gi].update(values)
     full["scaler"], full["skipped_steps"] = scaler_state, int(skipped)
     full["has_state"] = state_record(full["optimizer"]["state"], len(full["params"]))
-    full = laid_out_like_params(
-        full, optimizer.model_params()
-    )  # an FSDP2 shard's rows, as state_dict() has them
+    # an FSDP2 shard's master and state as DTensors, as state_dict() hands them out
+    full = laid_out_like_params(full, optimizer.model_params())
     optimizer.check_state_dict(full)
     own = [(h.index, masters[id(h)]) for h in held if h.numel and h.index not in full["masters"]]
     return lambda: _apply_unsharded(optimizer, full, own)

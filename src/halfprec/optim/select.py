@@ -125,9 +125,8 @@ def build(
             )
     if masters == "split":
         return fused_from_torch(optimizer, masters="split", **options)
-    if (
-        select_impl(optimizer, impl, tool_flags=tool_flags) == "triton"
-    ):  # FSDP2's shards too (written in place)
+    # FSDP2's shards as unsharded params (the fused kernels write 16-bit shards in place)
+    if select_impl(optimizer, impl, tool_flags=tool_flags) == "triton":
         return fused_from_torch(optimizer, **options)
     return ExactMixedPrecisionOptimizer(optimizer, **options)
 
