@@ -11,12 +11,32 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels import interpreted
 from .layout import ALIGN, Layout, aligned, build_table
 from .masters import Masters
 from .mesh import is_dtensor, local
 from .split import join_master, store_split
 
-__all__ = ["Chunk", "MasterStore", "UpdateRows", "chunk_params"]
+__all__ = ["Chunk", "MasterStore", "UpdateRows", "chunk_params", "interpreter_reason", "written_in_place"]
+
+
+def written_in_place(p: torch.Tensor) -> bool:
+    """Whether the fused kernels write ``p`` where it lives, not in a flat buffer: FSDP2's 16-bit shards
+    (``Chunk``'s docstring)."""
+    return is_dtensor(p) and p.dtype != torch.float32
+
+
+def interpreter_reason(params: Iterable[torch.Tensor]) -> str | None:
+    """Why Triton's interpreter cannot run the fused step over ``params`` (None when it can): it copies each
+    launch's tensors of another device to the host and back, and the shards written in place are reached by
+    address, not passed, so the kernels would write host memory where no shard lives."""
+    dev = next((p.device for p in params if written_in_place(p) and p.device.type != "cpu"), None)
+    if dev is None or not interpreted():
+        return None
+    return (
+        f"the fused kernels write FSDP2's 16-bit shards in place, and Triton's interpreter (TRITON_INTERPRET=1) "
+        f"copies {dev.type} tensors to the host, where the shards are not"
+    )
 
 
 class UpdateRows(NamedTuple):
@@ -74,7 +94,7 @@ class Chunk:
         self.grad_views: list[torch.Tensor] = []
         self.state: dict[str, torch.Tensor] = {}
         shards = flat_params and is_dtensor(self.params[0])  # FSDP2's (see the class docstring)
-        self.in_place = shards and self.dtype != torch.float32
+        self.in_place = flat_params and written_in_place(self.params[0])
         self.staged = shards and not self.in_place
         # in place: the kernel's param base pointer, and the shards' addresses the shifts were taken from
         self.anchor: torch.Tensor | None = None

@@ -16,7 +16,7 @@ import torch
 
 from ..kernels import interpreted, triton_status
 from .checks import wrapped_types
-from .mesh import is_dtensor
+from .chunk import interpreter_reason
 
 __all__ = ["IMPLS", "fused_class", "fused_unsupported_reason", "select_impl", "unsupported_flag"]
 
@@ -77,11 +77,8 @@ def fused_unsupported_reason(
     on_interpreter = explicit and interpreted()  # CPU tests of the kernels
     if off_cuda and not on_interpreter:
         return f"params on {off_cuda}; the fused kernels need CUDA params: move the model to CUDA or use {instead}"
-    if interpreted() and any(is_dtensor(p) and p.device.type != "cpu" for p in params):
-        return (
-            f"Triton's interpreter (TRITON_INTERPRET=1) copies {params[0].device.type} tensors to the host, and the "
-            f"fused kernels write FSDP2's shards where they live: unset TRITON_INTERPRET or use {instead}"
-        )
+    if (why := interpreter_reason(params)) is not None:
+        return f"{why}: unset TRITON_INTERPRET or use {instead}"
     odd = sorted(
         {str(p.dtype) for p in params if p.dtype not in (torch.float16, torch.bfloat16, torch.float32)}
     )

@@ -33,7 +33,7 @@ from ...scaler import LossScaler
 from ..accumulate import check_process_group
 from ..base import MixedPrecisionOptimizer
 from ..checks import check_dtypes, check_grad_accum_dtype, check_unfrozen, check_unwrapped, tell_schedulers
-from ..chunk import Chunk, chunk_params
+from ..chunk import Chunk, chunk_params, interpreter_reason
 from ..masters import check_masters
 from ..mesh import Mesh, check_sharded_options, local
 from ..results import Delivered
@@ -183,18 +183,17 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._index = {p: i for i, p in enumerate(trainable)}
         # frozen when built: never trained
         self._frozen = [p for p in self._model_params if p not in self._index]
+        if (why := interpreter_reason(trainable)) is not None:
+            raise ValueError(f"{why}: unset TRITON_INTERPRET (or train on the CPU)")
         sources = [originals.get(p, p.data) for p in trainable]
         placed = chunk_params(trainable, sources, flat_params=True, masters=self.masters)
         self._chunks: list[Chunk] = [chunk for chunk, _ in placed]
-        if interpreted() and dev.type != "cpu" and any(c.in_place for c in self._chunks):
-            raise ValueError(
-                f"the fused kernels write FSDP2's 16-bit shards in place, and Triton's interpreter copies {dev} "
-                "tensors to the host, where the shards are not: unset TRITON_INTERPRET (or train on the CPU)"
-            )
         # per chunk: the rows of the norm and update kernels (layout.build_table; shards written in place: their
         # own update rows, chunk.plan_updates)
         self._norm_tables = [chunk.table(idx, cfg.norm_block) for chunk, idx in placed]
-        self._update_tables = [chunk.table(idx, cfg.update_block) for chunk, idx in placed]
+        self._update_tables = [
+            None if chunk.in_place else chunk.table(idx, cfg.update_block) for chunk, idx in placed
+        ]
         for chunk, idx in placed:
             chunk.plan_updates(idx, cfg.update_block)
         where = {i: (chunk, local) for chunk, idx in placed for local, i in enumerate(idx)}
