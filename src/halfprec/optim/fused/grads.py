@@ -105,6 +105,12 @@ class GradViews:
             for p, (chunk, _) in zip(self.params, where, strict=True)
         ]
         self._in_place = list({id(chunk): chunk for chunk, _ in where if chunk.in_place}.values())
+        # the masters whose .grad is their fp32 sum (fp32 accumulation), which a step lets go of
+        self._summed_masters = [
+            chunk.master_views[local]
+            for (chunk, local), summed in zip(where, self._accumulates, strict=True)
+            if summed and chunk.master_views
+        ]
         self.pinned = False  # a CUDA graph holds the grad buffers' addresses: zero_grad no longer frees them
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(weak_hook(self._hook, i))
@@ -296,9 +302,8 @@ class GradViews:
         """The finalize program read and cleared ``flags`` (call it right after, so the host copy follows)."""
         self._marked = [False] * len(self.params)
         self._on_device = [False] * len(self.params)
-        for (chunk, local), accumulates in zip(self.where, self._accumulates, strict=True):
-            if accumulates and chunk.master_views:
-                chunk.master_views[local].grad = None
+        for master in self._summed_masters:
+            master.grad = None
 
     def clear(self, chunks: Sequence[Chunk], set_to_none: bool) -> None:
         """``zero_grad``: ``.grad`` to None and the flat buffers freed (kept when pinned or during capture), or
