@@ -103,6 +103,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -734,6 +735,34 @@ def unavailable(system: str, device: str) -> str | None:
     return None
 
 
+def provenance() -> dict:
+    """What the raw file needs to be a report: the date (UTC), the command, the source's commit (None outside a
+    git checkout), the versions of the packages the systems use (None: not installed) and the GPU."""
+    from importlib import metadata
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    git = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
+    )
+    gpus = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
+    ) if shutil.which("nvidia-smi") else None  # fmt: skip
+    import torch
+
+    packages = ("triton", "transformers", "accelerate", "deepspeed", "torchao")
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": sys.argv,
+        "commit": git.stdout.strip() or None if git.returncode == 0 else None,
+        "versions": {"python": sys.version.split()[0], "torch": torch.__version__} | {p: version(p) for p in packages},
+        "gpus": gpus.stdout.strip().splitlines() if gpus is not None and gpus.returncode == 0 else [],
+    }  # fmt: skip
+
+
 def pick_cpus(spec: str) -> set[int]:
     """The cores ``--cpus`` names; for 'auto', the two where a probe process enqueues fastest."""
     if not spec:
@@ -884,13 +913,13 @@ def main() -> None:
     passthrough = [f"--{k}={getattr(args, k)}" for k in keys]
     passthrough += [f"--cpus={','.join(map(str, sorted(args.cpus)))}"] if args.cpus else []
     trees = trees_of(args.trees)
+    about = provenance()
 
     def save() -> None:
         """The JSON so far: a command stopped by a time limit keeps the runs it finished."""
         if args.json:
-            args.json.write_text(
-                json.dumps({"runs": rows, "failures": failures, "cpus": sorted(args.cpus)}, indent=1)
-            )
+            record = {**about, "runs": rows, "failures": failures, "cpus": sorted(args.cpus)}
+            args.json.write_text(json.dumps(record, indent=1))
 
     for rnd in range(1, args.rounds + 1):
         for system in systems:
