@@ -188,3 +188,32 @@ def test_the_shards_are_found_again_after_fsdp2_gives_them_new_storage(mesh):
     for p, m in zip(model.parameters(), mp.master_params(), strict=True):
         assert torch.equal(p.to_local(), m.to(torch.bfloat16))
         assert not torch.equal(m, torch.full_like(m, 0.25))
+
+
+def test_the_interpreter_refusal_covers_exactly_the_shards_written_in_place(mesh, monkeypatch):
+    """``chunk.interpreter_reason``, read by the policy (auto) and the fused constructor: under Triton's interpreter
+    only 16-bit shards off the CPU are refused (the kernels reach them by address; the interpreter copies a
+    launch's arguments to the host); fp32 shards are staged in a flat buffer, CPU shards are where they are. A
+    meta-device shard stands in for a CUDA one."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from halfprec.optim.chunk import interpreter_reason, written_in_place
+    from halfprec.optim.policy import fused_unsupported_reason
+
+    def shard(dtype, device):
+        local_rows = torch.zeros(4, 3, dtype=dtype, device=device)
+        return torch.nn.Parameter(DTensor.from_local(local_rows, mesh, [Shard(0)], run_check=False))
+
+    bf16_off_cpu, fp32_off_cpu = shard(torch.bfloat16, "meta"), shard(torch.float32, "meta")
+    assert written_in_place(bf16_off_cpu) and not written_in_place(fp32_off_cpu)
+    assert not written_in_place(torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    reason = interpreter_reason([fp32_off_cpu, bf16_off_cpu])
+    assert reason is not None and "copies meta tensors to the host" in reason
+    assert interpreter_reason([fp32_off_cpu, shard(torch.bfloat16, "cpu")]) is None
+    refused = fused_unsupported_reason(
+        torch.optim.AdamW([bf16_off_cpu]), explicit=True, instead="impl='torch'"
+    )
+    assert refused == f"{reason}: unset TRITON_INTERPRET or use impl='torch'"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert interpreter_reason([bf16_off_cpu]) is None
