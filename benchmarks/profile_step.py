@@ -1,15 +1,30 @@
-"""Per-kernel GPU times of one fused AdamW step at 268M fp16 params (torch.profiler), to see where time goes."""
+"""Where one fused AdamW step at 268M params spends its time (torch.profiler, CUDA).
+
+    python benchmarks/profile_step.py [--dtype float16|bfloat16] [--masters fp32|split] [--as-called]
+
+Default: the GPU time of each kernel over 10 steps, grads written once and marked (``opt.mark_grads()``), as
+``halfprec bench`` times the step alone. ``--as-called``: the host's side of ``step()`` as a training loop calls it
+(``zero_grad()``, a real backward, a synchronize, then ``step()``, as ``time_as_users_call`` times it): the median
+host time in ``step()`` without the profiler, then per step the host time of every op and CUDA runtime call made
+inside ``step()`` (self time, so nothing is counted twice; the self time of torch's own ``Optimizer.step#...``
+range and the rest are Python). On a synchronized device whatever ``step()`` does before its one launch (a graph
+replay) is time the GPU waits.
+"""
 
 from __future__ import annotations
 
+import argparse
+import statistics
+from collections import defaultdict
+
 import torch
 
-from halfprec.cli.bench_step import WORKLOADS, bench_fused_optimizer, bench_params
+from halfprec.cli.bench_step import WORKLOADS, bench_fused_optimizer, bench_params, time_as_users_call
+
+_RANGE = "halfprec.step"  # the profiler range around each step() in --as-called
 
 
-def main() -> None:
-    params = bench_params(WORKLOADS["268M"], torch.float16)
-    opt = bench_fused_optimizer("adamw", params)
+def kernel_times(opt) -> None:
     for _ in range(5):
         opt.mark_grads()  # the bench's grads are written once, not by a backward: count them as each step's
         opt.step()
@@ -20,6 +35,65 @@ def main() -> None:
             opt.step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+
+
+def backward(opt, params, grads) -> None:
+    """A real backward whose grads are ``grads`` (loss-scaled by ``opt``), after ``zero_grad()``."""
+    opt.zero_grad()
+    loss = sum(torch.dot(p.view(-1), g.view(-1)).float() for p, g in zip(params, grads, strict=True))
+    opt.backward(loss)
+
+
+def host_as_called(opt, params, grads, steps: int = 20) -> None:
+    for _ in range(3):  # fp16: the dynamic scale backs off from its initial overflow
+        backward(opt, params, grads)
+        opt.step()
+    _, host_ms = time_as_users_call(opt, params, grads, warmup=5, iters=30)
+    print(f"host time in step() as called, no profiler: median {host_ms * 1e3:.1f} us (30 steps)")
+    cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+    with torch.profiler.profile(activities=[cpu, cuda]) as prof:
+        for _ in range(steps):
+            backward(opt, params, grads)
+            torch.cuda.synchronize()
+            with torch.profiler.record_function(_RANGE):
+                opt.step()
+            torch.cuda.synchronize()
+    events = prof.events()
+    ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == _RANGE]
+    inside: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.name == _RANGE or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if any(start <= e.time_range.start and e.time_range.end <= end for start, end in ranges):
+            inside[e.name].append(e.self_cpu_time_total)
+    total = statistics.mean(end - start for start, end in ranges)
+    rows = sorted(
+        ((sum(v) / len(ranges), len(v) / len(ranges), name) for name, v in inside.items()), reverse=True
+    )
+    print(f"under the profiler: {total:.1f} us per step() ({len(ranges)} steps); self time per step:")
+    print(f"{'us':>8} {'calls':>6}  op or CUDA runtime call")
+    for us, calls, name in rows[:25]:
+        print(f"{us:8.1f} {calls:6.1f}  {name[:90]}")
+    print(f"{total - sum(us for us, _, _ in rows):8.1f}         the rest: Python")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    parser.add_argument("--masters", choices=("fp32", "split"), default="fp32")
+    parser.add_argument(
+        "--as-called", action="store_true", help="the host's side of step() (module docstring)"
+    )
+    args = parser.parse_args()
+    params = bench_params(WORKLOADS["268M"], getattr(torch, args.dtype))
+    grads = [p.grad.clone() for p in params]
+    opt = bench_fused_optimizer("adamw", params, masters=args.masters)
+    if args.as_called:
+        host_as_called(opt, params, grads)
+    else:
+        kernel_times(opt)
 
 
 if __name__ == "__main__":
