@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +36,10 @@ def test_bench_train_smoke_runs_every_cpu_system(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     saved = json.loads(out.read_text())
     assert saved["failures"] == []
+    # the raw file carries its provenance: when, what was run, from which source, with which packages
+    assert saved["command"][1:3] == ["--smoke", "--systems"] and saved["date"].endswith("Z")
+    assert saved["versions"]["torch"] == torch.__version__ and "triton" in saved["versions"]
+    assert saved["commit"] is None or len(saved["commit"]) >= 7
     losses = {run["system"]: run["final_loss"] for run in saved["runs"]}
     assert sorted(losses) == sorted(systems)
     reference = losses["autocast"]
