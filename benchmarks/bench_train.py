@@ -736,8 +736,9 @@ def unavailable(system: str, device: str) -> str | None:
 
 
 def provenance() -> dict:
-    """What the raw file needs to be a report: the date (UTC), the command, the source's commit (None outside a
-    git checkout), the versions of the packages the systems use (None: not installed) and the GPU."""
+    """What the raw file needs to be a report: the date (UTC), the command, the source's commit (``-dirty`` with
+    uncommitted changes; None outside a git checkout; with ``--trees``, this script's), the versions of the
+    packages the systems use (None: not installed) and the GPUs."""
     from importlib import metadata
 
     def version(name: str) -> str | None:
@@ -746,20 +747,22 @@ def provenance() -> dict:
         except metadata.PackageNotFoundError:
             return None
 
-    git = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
-    )
-    gpus = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
-    ) if shutil.which("nvidia-smi") else None  # fmt: skip
+    def output(*command: str) -> str | None:
+        if shutil.which(command[0]) is None:
+            return None
+        done = subprocess.run(command, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=30)
+        return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+    # "-dirty" when the checkout has uncommitted changes: the run is then not of that commit alone
+    commit = output("git", "describe", "--always", "--dirty", "--abbrev=7")
+    gpus = output("nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader")
     import torch
 
-    packages = ("triton", "transformers", "accelerate", "deepspeed", "torchao")
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__}
+    versions |= {p: version(p) for p in ("triton", "transformers", "accelerate", "deepspeed", "torchao")}
     return {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": sys.argv,
-        "commit": git.stdout.strip() or None if git.returncode == 0 else None,
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__} | {p: version(p) for p in packages},
-        "gpus": gpus.stdout.strip().splitlines() if gpus is not None and gpus.returncode == 0 else [],
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": sys.argv, "commit": commit,
+        "versions": versions, "gpus": gpus.splitlines() if gpus else [],
     }  # fmt: skip
 
 

@@ -362,19 +362,20 @@ def test_a_checkpoint_of_weights_that_wrap_a_tensor_holds_their_values_and_resum
 
 
 # A ~1.2B Llama (the shape of benchmarks/bench_train.py's "1.2b") trained 200 steps in bf16 and in float8: the mean
-# loss of each 20-step window of a float8 run within 3 % of the bf16 run's. A stated bound, set before the first
-# GPU run: torchao's tensorwise float8 recipe is reported to track bf16's loss curve closely; the measured gap is
-# in benchmarks/RESULTS.md section 6.
+# loss of each 20-step window of a float8 run within 3 % of the bf16 run's. A bound stated before any GPU run:
+# torchao's tensorwise float8 recipe is reported to track bf16's loss curve closely (a CPU run of this code at a
+# tiny shape, 60 steps, gave 0.003-0.26 %).
 LLAMA_STEPS, LLAMA_WINDOW, LLAMA_BAND = 200, 20, 0.03
 
 
-def _llama_stream(steps: int, batch: int = 4, seq: int = 1024, vocab: int = 32000) -> list[torch.Tensor]:
-    """Fresh batches from a fixed random bigram source (each token has 4 equally likely successors, so the
-    lowest reachable loss is ln 4): a loss that falls by learning, not by memorising a few batches."""
+def _llama_stream(steps: int, batch: int = 4, seq: int = 1024, used: int = 4096) -> list[torch.Tensor]:
+    """Fresh batches from a fixed random bigram source over ``used`` of the 32,000 token ids, each with 4 successors
+    drawn at random (so the lowest reachable loss is at most ln 4): a loss that falls by learning (each context is
+    seen about 200 times in 200 steps), not by memorising a few batches."""
     g = torch.Generator(device="cuda").manual_seed(1)
-    successors = torch.randint(0, vocab, (vocab, 4), device="cuda", generator=g)
+    successors = torch.randint(0, used, (used, 4), device="cuda", generator=g)
     picks = torch.randint(0, 4, (seq - 1, steps * batch), device="cuda", generator=g)
-    tokens = [torch.randint(0, vocab, (steps * batch,), device="cuda", generator=g)]
+    tokens = [torch.randint(0, used, (steps * batch,), device="cuda", generator=g)]
     for pick in picks:
         tokens.append(successors[tokens[-1], pick])
     return list(torch.stack(tokens, dim=1).split(batch))
@@ -395,8 +396,8 @@ def _llama_run(float8: bool, options: dict, stream: list[torch.Tensor]) -> list[
         assert len(_float8_modules(model)) == 7 * 20
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     engine = halfprec.initialize(model, opt, precision="bf16", max_grad_norm=1.0, **options)
-    masters = engine.optimizer.master_params()
-    assert all(m.dtype == torch.float32 for m in masters)  # split masters: joined from their two halves
+    # split masters: fp32 copies joined from their two halves (dropped before training)
+    assert all(m.dtype == torch.float32 for m in engine.optimizer.master_params())
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     losses = []
     for x in stream:
@@ -405,7 +406,7 @@ def _llama_run(float8: bool, options: dict, stream: list[torch.Tensor]) -> list[
         engine.step()
         losses.append(loss.detach())
     assert engine.global_step == len(stream) and engine.skipped_steps == 0
-    del engine, model, opt, masters
+    del engine, model, opt, loss
     gc.collect()  # the next run's model fits beside this one's only once it is gone
     return [float(v) for v in losses]
 
@@ -431,4 +432,6 @@ def test_a_1p2b_llama_trains_in_float8_as_in_bf16():
     for name in ("float8", "float8-split"):
         gaps = [abs(a - b) / b for a, b in zip(windows(runs[name]), base, strict=True)]
         assert max(gaps) <= LLAMA_BAND, (name, gaps)
-        assert runs[name] != runs["bf16"]  # the float8 matmuls ran
+        assert (
+            runs[name][0] != runs["bf16"][0]
+        )  # the float8 matmuls ran: same weights and batch, another loss
