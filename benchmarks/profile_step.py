@@ -19,7 +19,13 @@ from collections import defaultdict
 
 import torch
 
-from halfprec.cli.bench_step import WORKLOADS, bench_fused_optimizer, bench_params, time_as_users_call
+from halfprec.cli.bench_step import (
+    WORKLOADS,
+    bench_fused_optimizer,
+    bench_params,
+    time_as_users_call,
+    users_backward,
+)
 
 _RANGE = "halfprec.step"  # the profiler range around each step() in --as-called
 
@@ -38,24 +44,17 @@ def kernel_times(opt) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 
 
-def backward(opt, params, grads) -> None:
-    """A real backward whose grads are ``grads`` (loss-scaled by ``opt``), after ``zero_grad()``."""
-    opt.zero_grad()
-    loss = sum(torch.dot(p.view(-1), g.view(-1)).float() for p, g in zip(params, grads, strict=True))
-    opt.backward(loss)
-
-
 def host_as_called(opt, params, grads, steps: int = 20) -> None:
     """The host's side of ``step()`` as a loop calls it (``--as-called``; module docstring)."""
     for _ in range(3):  # fp16: the dynamic scale backs off from its initial overflow
-        backward(opt, params, grads)
+        users_backward(opt, params, grads)
         opt.step()
     _, host_ms = time_as_users_call(opt, params, grads, warmup=5, iters=30)
     print(f"host time in step() as called, no profiler: median {host_ms * 1e3:.1f} us (30 steps)")
     cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
     with torch.profiler.profile(activities=[cpu, cuda]) as prof:
         for _ in range(steps):
-            backward(opt, params, grads)
+            users_backward(opt, params, grads)
             torch.cuda.synchronize()
             with torch.profiler.record_function(_RANGE):
                 opt.step()

@@ -36,6 +36,7 @@ __all__ = [
     "format_table",
     "run_bench",
     "time_as_users_call",
+    "users_backward",
 ]
 
 # Bytes per param: AdamW reads the grads twice (norm, update), reads and writes master, m, v and writes the
@@ -92,6 +93,14 @@ def _time(fn, before=None, *, warmup: int, iters: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def users_backward(opt, params, grads) -> None:
+    """``opt.zero_grad()``, then a real backward whose grads are ``grads`` (times ``opt``'s loss scale):
+    d(sum of p . g)/dp = g, so autograd makes new grad tensors, as a model's backward does."""
+    opt.zero_grad()
+    loss = sum(torch.dot(p.view(-1), g.view(-1)).float() for p, g in zip(params, grads, strict=True))
+    opt.backward(loss)
+
+
 def time_as_users_call(
     opt, params, grads, *, warmup: int, iters: int, overflow: bool = False
 ) -> tuple[float, float]:
@@ -104,10 +113,7 @@ def time_as_users_call(
         grads[0].view(-1)[0] = float("inf")
     device_ms, host_ms = [], []
     for i in range(warmup + iters):
-        opt.zero_grad()
-        # d(sum of p . g)/dp = g: autograd makes new grad tensors, as a model's backward does
-        loss = sum(torch.dot(p.view(-1), g.view(-1)).float() for p, g in zip(params, grads, strict=True))
-        opt.backward(loss)
+        users_backward(opt, params, grads)
         if cuda:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
