@@ -122,21 +122,6 @@ def test_chunk_params_groups_by_device_and_dtype_in_first_seen_order():
     assert [(c.dtype, idx) for c, idx in placed] == [(torch.bfloat16, [0, 2]), (torch.float16, [1])]
 
 
-def test_chunk_params_cuts_each_group_into_runs_of_at_most_max_numel():
-    # padded sizes (ALIGN 16): 16, 48, 32, 112, 16; one fp16 param between them
-    sizes = [(4, 4), 40, 17, (10, 11), 3]
-    params = [torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16)) for n in sizes]
-    params.insert(2, torch.nn.Parameter(torch.ones(5, dtype=torch.float16)))
-    placed = chunk_params(params, params, max_numel=80)
-    # 16 + 48 fit, 32 does not fit beside them; 112 alone is over the bound (a chunk of its own), then 16
-    assert [(c.dtype, idx) for c, idx in placed] == [
-        (torch.bfloat16, [0, 1]), (torch.bfloat16, [3]), (torch.bfloat16, [4]), (torch.bfloat16, [5]),
-        (torch.float16, [2]),
-    ]  # fmt: skip
-    assert [c.numel for c, _ in placed] == [64, 32, 112, 16, 16]
-    assert [idx for _, idx in chunk_params(params, params, max_numel=10**9)] == [[0, 1, 3, 4, 5], [2]]
-
-
 def test_master_store_maps_params_to_shaped_fp32_masters():
     fp32, params = _params()
     store = MasterStore()

@@ -8,12 +8,6 @@ contraction off (2026-12-03, fp32 / split masters): 2048/4 1.967 / 1.808 ms, 204
 reads only 2 B per element, so its programs take 32x more elements with 16 warps (2026-12-02: 162 us with 16384/8,
 156 us with 32768/16, 130 us with 65536/16), which also keeps the partial-sum vector short for the single-program
 finalize pass. The interpreter runs one program at a time (~1 ms each), so tests use bigger blocks there.
-
-``chunk_elements`` bounds the params of one chunk (``optim/chunk.py``: each chunk has its own flat buffers and its
-own norm and update launches). A chunk's grad buffer is made at its first grad, so the backward holds only the
-buffers of the chunks it has reached: at its start, where the activations peak, one chunk's instead of the whole
-model's (2 B/param, 4 with fp32 sums). 2**27 elements is 256 MiB of bf16 grads; a 1.2B model gets 10 chunks,
-20 more launches in one replay. The interpreter's bound is small enough that the CPU tests' bigger models are cut.
 """
 
 from __future__ import annotations
@@ -34,7 +28,7 @@ NO_FMA = {"enable_fp_fusion": False}
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchSettings:
-    """Block sizes (elements per program), warps per kernel and the most elements of one chunk."""
+    """Block sizes (elements per program) and warps per kernel."""
 
     update_block: int
     update_warps: int
@@ -42,27 +36,14 @@ class LaunchSettings:
     norm_warps: int
     final_block: int
     final_warps: int
-    chunk_elements: int
     replay: int = 1  # 1: a launch that ran before replays from a CUDA graph (launch.py); 0: Triton launches
 
 
 _GPU = LaunchSettings(
-    update_block=2048,
-    update_warps=4,
-    norm_block=65536,
-    norm_warps=16,
-    final_block=2048,
-    final_warps=8,
-    chunk_elements=2**27,
+    update_block=2048, update_warps=4, norm_block=65536, norm_warps=16, final_block=2048, final_warps=8
 )
 _INTERPRETER = LaunchSettings(
-    update_block=4096,
-    update_warps=4,
-    norm_block=16384,
-    norm_warps=4,
-    final_block=1024,
-    final_warps=4,
-    chunk_elements=2**16,
+    update_block=4096, update_warps=4, norm_block=16384, norm_warps=4, final_block=1024, final_warps=4
 )
 
 

@@ -281,24 +281,14 @@ class Chunk:
 
 def chunk_params(
     params: Sequence[torch.nn.Parameter], sources: Sequence[torch.Tensor], *, flat_params: bool = False,
-    masters: str = "fp32", max_numel: int | None = None,
+    masters: str = "fp32",
 ) -> list[tuple[Chunk, list[int]]]:  # fmt: skip
-    """The ``Chunk``s of ``params``, each with the indices in ``params`` of its params: one per (device, dtype) in
-    first-seen order, cut into runs of consecutive params of at most ``max_numel`` padded elements (a bigger param
-    gets a chunk of its own). A chunk's grad buffer is made at its first grad, so a backward, which reaches the
-    params in about the reverse of their order, holds the buffers of the chunks it reached, not all of them."""
-    groups: dict[tuple[torch.device, torch.dtype], list[list[int]]] = {}
-    filled: dict[tuple[torch.device, torch.dtype], int] = {}  # the padded elements of each group's last run
+    """One ``Chunk`` per (device, dtype) in first-seen order, each with the indices in ``params`` of its params."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
-        key, n = (p.device, p.dtype), aligned(local(p).numel())
-        runs = groups.setdefault(key, [[]])
-        if max_numel is not None and runs[-1] and filled[key] + n > max_numel:
-            runs.append([])
-            filled[key] = 0
-        runs[-1].append(i)
-        filled[key] = filled.get(key, 0) + n
+        groups.setdefault((p.device, p.dtype), []).append(i)
     placed = []
-    for idx in (run for runs in groups.values() for run in runs):
+    for idx in groups.values():
         chunk = Chunk(
             [params[i] for i in idx], [sources[i] for i in idx], flat_params=flat_params, masters=masters
         )

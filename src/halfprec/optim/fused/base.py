@@ -186,9 +186,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         if (why := interpreter_reason(trainable)) is not None:
             raise ValueError(f"{why}: unset TRITON_INTERPRET (or train on the CPU)")
         sources = [originals.get(p, p.data) for p in trainable]
-        placed = chunk_params(
-            trainable, sources, flat_params=True, masters=self.masters, max_numel=cfg.chunk_elements
-        )
+        placed = chunk_params(trainable, sources, flat_params=True, masters=self.masters)
         self._chunks: list[Chunk] = [chunk for chunk, _ in placed]
         # per chunk: the rows of the norm and update kernels (layout.build_table; shards written in place: their
         # own update rows, chunk.plan_updates)
