@@ -7,13 +7,15 @@ Default: the GPU time of each kernel over 10 steps, grads written once and marke
 (``zero_grad()``, a real backward, a synchronize, then ``step()``, as ``time_as_users_call`` times it): the median
 host time in ``step()`` without the profiler, then per step the host time of every op and CUDA runtime call made
 inside ``step()`` (self time, so nothing is counted twice; the self time of torch's own ``Optimizer.step#...``
-range and the rest are Python). On a synchronized device whatever ``step()`` does before its one launch (a graph
-replay) is time the GPU waits.
+range and the rest are Python), then cProfile's table of the Python functions ``step()`` runs (time per step). On a
+synchronized device whatever ``step()`` does before its one launch (a graph replay) is time the GPU waits.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 from collections import defaultdict
 
@@ -82,6 +84,29 @@ def host_as_called(opt, params, grads, steps: int = 20) -> None:
         f"{sum(us for us, _, _ in rows[shown:]):8.1f}         {max(len(rows) - shown, 0)} other ops and calls"
     )
     print(f"{total - sum(us for us, _, _ in rows):8.1f}         outside any op: Python")
+    python_functions(opt, params, grads, steps)
+
+
+def python_functions(opt, params, grads, steps: int) -> None:
+    """cProfile over ``step()`` alone: the functions with the most own time, per step (cProfile slows Python
+    down, so compare the rows, not the sum, with the host time above)."""
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        users_backward(opt, params, grads)
+        torch.cuda.synchronize()
+        profiler.enable()
+        opt.step()
+        profiler.disable()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler)
+    print(
+        f"cProfile, {steps} steps: {stats.total_tt / steps * 1e6:.1f} us per step() under it; own time per step:"
+    )
+    print(f"{'us':>8} {'calls':>6}  function")
+    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)  # (file, line, name): stats
+    for (file, line, name), (_, calls, own, _, _) in rows[:30]:
+        where = "/".join(file.rsplit("/", 2)[-2:]) + f":{line}"  # a builtin's file is "~", its line 0
+        print(f"{own / steps * 1e6:8.1f} {calls / steps:6.1f}  {name} ({where})"[:110])
 
 
 def main() -> None:
