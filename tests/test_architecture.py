@@ -137,6 +137,13 @@ ALLOWED = {
     # torch.optim.Optimizer keeps its step hooks in these dicts; there are register_* methods but no reader
     "_optimizer_step_pre_hooks": "torch.optim.Optimizer._optimizer_step_pre_hooks",
     "_optimizer_step_post_hooks": "torch.optim.Optimizer._optimizer_step_post_hooks",
+    # the global step hooks (torch.optim.optimizer.register_optimizer_step_pre_hook / _post_hook) live in these
+    # module dicts; torch has no reader, and MixedPrecisionOptimizer.step runs them as torch's step wrapper does
+    "_global_optimizer_pre_hooks": "torch.optim.optimizer._global_optimizer_pre_hooks",
+    "_global_optimizer_post_hooks": "torch.optim.optimizer._global_optimizer_post_hooks",
+    # whether a profiler is recording: torch's profiler has no public query; MixedPrecisionOptimizer.step opens its
+    # profiler range only then (an idle range costs two dispatcher calls of host time on every step)
+    "_profiler_enabled": "torch.autograd._profiler_enabled",
     # accelerate.Accelerator keeps the prepared optimizers here; it has no public list of them
     "_optimizers": "accelerate.Accelerator._optimizers",
     # AcceleratedOptimizer.step_was_skipped is a read-only property over this flag, set only by Accelerate's own

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import halfprec
 from halfprec.optim import FusedAdagrad, FusedAdamW, FusedSGD
@@ -50,6 +51,73 @@ def test_state_dict_hooks_run_on_every_strategy(impl):
     assert saved["tag"] == 1
     mp.load_state_dict(saved)
     assert calls == ["save-pre", "save-post", ("load-pre", 1), "load-post"]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_step_runs_torchs_step_hooks_on_every_strategy(impl):
+    # torch's protocol: global and own pre-hooks (one may replace the arguments, self first), the step, own and
+    # global post-hooks (the exact strategy's inner torch optimizer runs the global ones too)
+    model = _model()
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), impl=impl)
+    assert type(mp).step is halfprec.MixedPrecisionOptimizer.step  # torch put no wrapper of its own around it
+    calls = []
+    x = torch.ones(2, 256, dtype=torch.float16)
+
+    def closure():
+        calls.append("closure")
+        loss = model(x).float().mean()
+        mp.backward(loss)
+        return loss
+
+    def replace(opt, args, kwargs):
+        calls.append(("pre", args, kwargs))
+        return (opt,), {"closure": closure}
+
+    def seen(name):
+        def hook(opt, *_):
+            if opt is mp:
+                calls.append(name)
+
+        return hook
+
+    global_pre = register_optimizer_step_pre_hook(seen("global-pre"))
+    global_post = register_optimizer_step_post_hook(seen("global-post"))
+    try:
+        mp.register_step_pre_hook(replace)
+        mp.register_step_post_hook(lambda opt, args, kwargs: calls.append(("post", args, kwargs)))
+        loss = mp.step()
+    finally:
+        global_pre.remove()
+        global_post.remove()
+    assert calls == [
+        "global-pre", ("pre", (mp, None), {}), "closure", ("post", (mp,), {"closure": closure}), "global-post",
+    ]  # fmt: skip
+    assert loss is not None and mp.skipped_steps == 0
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_a_step_pre_hook_returning_something_else_is_refused(impl):
+    model = _model()
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), impl=impl)
+    mp.register_step_pre_hook(lambda opt, args, kwargs: 5)
+    with pytest.raises(
+        RuntimeError, match=r"returned 5: it must return None or a tuple \(new_args, new_kwargs\)"
+    ):
+        mp.step()
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_a_profiler_sees_one_range_per_step(impl):
+    model = _model()
+    mp = halfprec.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), impl=impl)
+    x = torch.ones(2, 256, dtype=torch.float16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            mp.backward(model(x).float().mean())
+            mp.step()
+            mp.zero_grad()
+    name = f"Optimizer.step#{type(mp).__name__}.step"
+    assert [e.name for e in prof.events()].count(name) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

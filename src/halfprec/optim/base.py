@@ -17,9 +17,11 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 
 from .._checks import is_int
 from ..precision import LOW_PRECISION
@@ -32,6 +34,12 @@ from .state import check_has_state, laid_out_like_params, state_record
 __all__ = ["FORMAT", "MixedPrecisionOptimizer", "check_wrappable", "register_factory"]
 
 FORMAT = "halfprec.MixedPrecisionOptimizer/1"  # the model-space state dict of the exact and fused strategies
+
+# the global step pre- and post-hooks (torch.optim.optimizer.register_optimizer_step_pre_hook / _post_hook)
+_GLOBAL_STEP_HOOKS = (
+    torch_optimizer._global_optimizer_pre_hooks,
+    torch_optimizer._global_optimizer_post_hooks,
+)
 
 # torch's hook registries (``_optimizer_step_pre_hooks``, ...), which ``Optimizer.__init__`` would create
 _HOOK_REGISTRIES = tuple(
@@ -266,7 +274,37 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
         self.scale_loss(loss).backward(**kwargs)
 
     def step(self, closure=None):
-        """Run ``closure`` (with grad enabled) if given, then the strategy's ``_step()``; return the closure's loss."""
+        """Run ``closure`` (with grad enabled) if given, then the strategy's ``_step()``; return the closure's loss.
+        torch's step pre- and post-hooks (this optimizer's and the global ones) run around it, as around any torch
+        optimizer's ``step()``, and the profiler range ``Optimizer.step#<class>.step`` while a profiler runs. torch's
+        own wrapper (put around a ``step`` not marked ``hooked``) opens that range on every step, profiler or not:
+        two dispatcher calls of host time that a synchronized device waits for (benchmarks/RESULTS.md, section 1)."""
+        if not torch.autograd._profiler_enabled():
+            return self._step_with_hooks(self, closure)
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
+            return self._step_with_hooks(self, closure)
+
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def _step_with_hooks(self, *args: Any, **kwargs: Any):
+        """torch's step protocol: pre-hooks (which may replace the arguments, ``self`` first, as torch passes
+        them), the step, then post-hooks."""
+        for pre_hook in chain(_GLOBAL_STEP_HOOKS[0].values(), self._optimizer_step_pre_hooks.values()):
+            result = pre_hook(self, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        f"a step pre-hook of {type(self).__name__} returned {result!r}: it must return None or a "
+                        "tuple (new_args, new_kwargs)"
+                    )
+                args, kwargs = result
+        out = MixedPrecisionOptimizer._closure_then_step(*args, **kwargs)
+        self._optimizer_step_code()
+        for post_hook in chain(self._optimizer_step_post_hooks.values(), _GLOBAL_STEP_HOOKS[1].values()):
+            post_hook(self, args, kwargs)
+        return out
+
+    def _closure_then_step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
