@@ -21,6 +21,7 @@ or write goes through the chunk (``layout.Chunk``), which knows its storage.
 from __future__ import annotations
 
 import weakref
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -203,6 +204,16 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         n = max(len(trainable), 1)
         self._sq = torch.zeros(n_partials, dtype=torch.float32, device=dev)
         self._bad = torch.zeros(n_partials, dtype=torch.float32, device=dev)
+        # the slices each step passes, made once (a slice is host time before the step's launch): each chunk's
+        # norm launch's partial sums and non-finite counts, and the finalize program's (over FSDP2 shards at least
+        # one: the mesh's reduction writes it)
+        starts = [0, *accumulate(t.shape[0] for t in self._norm_tables)]
+        self._norm_launches = [
+            (table, self._sq[a:b], self._bad[a:b])
+            for table, a, b in zip(self._norm_tables, starts, starts[1:], strict=False)
+        ]
+        k = self._n_partials if self._mesh is None else n_partials
+        self._partials = (self._sq[:k], self._bad[:k])
         self._steps = torch.zeros(n, dtype=torch.float32, device=dev)
         self._pgroup = torch.tensor(group_of or [0], dtype=torch.int32).to(dev)
         self._pscal = torch.zeros(n, PSCAL_WIDTH, dtype=torch.float32, device=dev)
@@ -350,11 +361,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         """Pass 1's first kernel: each chunk's partial sums of squares and non-finite counts."""
         from ...kernels import norm
 
-        off, scale, flags = 0, self.loss_scaler.scale, self._grads.flags
-        for chunk, table in zip(self._chunks, self._norm_tables, strict=True):
-            n = table.shape[0]
-            norm.sumsq(chunk.grad, table, flags, scale, self._sq[off : off + n], self._bad[off : off + n])
-            off += n
+        scale, flags = self.loss_scaler.scale, self._grads.flags
+        for chunk, (table, sq, bad) in zip(self._chunks, self._norm_launches, strict=True):
+            norm.sumsq(chunk.grad, table, flags, scale, sq, bad)
 
     @torch.no_grad()
     def _step(self) -> None:
@@ -391,13 +400,11 @@ class FusedOptimizer(MixedPrecisionOptimizer):
                 )
             self._grads.all_reduce(self._chunks, self.process_group)
         self._upload_hyper(capturing)
-        off = self._n_partials
         scale, flags = self.loss_scaler.scale, self._grads.flags
         if self._mesh is not None:
             # every rank's norm and skip are the whole grads' (on every rank of the mesh): the partials all-reduced
             self._launch_norm_pass()
-            self._mesh.reduce_partials(self._sq, self._bad, off)
-            off = max(off, 1)
+            self._mesh.reduce_partials(self._sq, self._bad, self._n_partials)
         fused_scaler = self.loss_scaler if scaler_kernel.fusable(self.loss_scaler, self._device) else None
         scaler_after = fused_scaler is None and type(self.loss_scaler).update is not LossScaler.update
         # the skip record is copied once the finalize program has run, while the update pass runs (results.py)
@@ -410,7 +417,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
             if events is not None:
                 launches.wait(events[0])  # the last record's copy, before the slots are overwritten
             norm.finalize(
-                self._sq[:off], self._bad[:off], scale, self._scalars, self.max_grad_norm, flags, self._steps,
+                *self._partials, scale, self._scalars, self.max_grad_norm, flags, self._steps,
                 self._pgroup, self._hyper.table, self._pscal, check=self._checks_grads, kind=self.KIND,
                 scaler=fused_scaler,
             )  # fmt: skip
