@@ -6,8 +6,8 @@ Default: the GPU time of each kernel over 10 steps, grads written once and marke
 ``halfprec bench`` times the step alone. ``--as-called``: the host's side of ``step()`` as a training loop calls it
 (``zero_grad()``, a real backward, a synchronize, then ``step()``, as ``time_as_users_call`` times it): the median
 host time in ``step()`` without the profiler, then per step the host time of every op and CUDA runtime call made
-inside ``step()`` (self time, so nothing is counted twice; the self time of torch's own ``Optimizer.step#...``
-range and the rest are Python), then cProfile's table of the Python functions ``step()`` runs (time per step). On a
+inside ``step()`` (self time, so nothing is counted twice; the self time of the ``Optimizer.step#...`` range,
+which ``step()`` opens under a profiler, and the rest are Python), then cProfile's table of the Python functions ``step()`` runs (time per step). On a
 synchronized device whatever ``step()`` does before its one launch (a graph replay) is time the GPU waits.
 """
 

@@ -53,13 +53,13 @@ def test_state_dict_hooks_run_on_every_strategy(impl):
     assert calls == ["save-pre", "save-post", ("load-pre", 1), "load-post"]
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_step_runs_torchs_step_hooks_on_every_strategy(impl):
-    # torch's protocol: global and own pre-hooks (one may replace the arguments, self first), the step, own and
-    # global post-hooks (the exact strategy's inner torch optimizer runs the global ones too)
+def _hooked(impl, cls=None):
+    """(model, optimizer, closure, calls): the closure and every hook append to ``calls``."""
     model = _model()
-    mp = halfprec.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), impl=impl)
-    assert type(mp).step is halfprec.MixedPrecisionOptimizer.step  # torch put no wrapper of its own around it
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = (
+        halfprec.MixedPrecisionOptimizer(inner, impl=impl) if cls is None else cls(model.parameters(), lr=0.1)
+    )
     calls = []
     x = torch.ones(2, 256, dtype=torch.float16)
 
@@ -69,36 +69,65 @@ def test_step_runs_torchs_step_hooks_on_every_strategy(impl):
         mp.backward(loss)
         return loss
 
-    def replace(opt, args, kwargs):
+    return model, mp, closure, calls
+
+
+def _seen(mp, calls, name):
+    def hook(opt, *_):
+        if opt is mp:  # the exact strategy's inner torch optimizer runs the global hooks too
+            calls.append(name)
+
+    return hook
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("how", ["positional", "keyword", "injected"])
+def test_step_runs_torchs_step_hooks_on_every_strategy(impl, how):
+    # torch's protocol: global and own pre-hooks, which see the arguments as given (self first) and may replace
+    # them, the step, own and global post-hooks (which see the replaced ones)
+    model, mp, closure, calls = _hooked(impl)
+    assert type(mp).step is halfprec.MixedPrecisionOptimizer.step  # torch put no wrapper of its own around it
+
+    def pre(opt, args, kwargs):
         calls.append(("pre", args, kwargs))
-        return (opt,), {"closure": closure}
+        return (args, {**kwargs, "closure": closure}) if how == "injected" else None
 
-    def seen(name):
-        def hook(opt, *_):
-            if opt is mp:
-                calls.append(name)
-
-        return hook
-
-    global_pre = register_optimizer_step_pre_hook(seen("global-pre"))
-    global_post = register_optimizer_step_post_hook(seen("global-post"))
+    global_pre = register_optimizer_step_pre_hook(_seen(mp, calls, "global-pre"))
+    global_post = register_optimizer_step_post_hook(_seen(mp, calls, "global-post"))
     try:
-        mp.register_step_pre_hook(replace)
+        mp.register_step_pre_hook(pre)
         mp.register_step_post_hook(lambda opt, args, kwargs: calls.append(("post", args, kwargs)))
-        loss = mp.step()
+        given = {"positional": ((closure,), {}), "keyword": ((), {"closure": closure}), "injected": ((), {})}[
+            how
+        ]
+        loss = mp.step(*given[0], **given[1])
     finally:
         global_pre.remove()
         global_post.remove()
+    seen_args, seen_kwargs = (mp, *given[0]), given[1]
+    after = {**seen_kwargs, "closure": closure} if how == "injected" else seen_kwargs
     assert calls == [
-        "global-pre", ("pre", (mp, None), {}), "closure", ("post", (mp,), {"closure": closure}), "global-post",
+        "global-pre", ("pre", seen_args, seen_kwargs), "closure", ("post", seen_args, after), "global-post",
     ]  # fmt: skip
     assert loss is not None and mp.skipped_steps == 0
 
 
+def test_a_subclass_that_overrides_step_runs_the_hooks_once():
+    class Traced(FusedSGD):
+        def step(self, closure=None):
+            calls.append("override")
+            return super().step(closure)
+
+    model, mp, closure, calls = _hooked("triton", Traced)
+    mp.register_step_pre_hook(lambda *_: calls.append("pre"))
+    mp.register_step_post_hook(lambda *_: calls.append("post"))
+    mp.step(closure)
+    assert calls == ["override", "pre", "closure", "post"]
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_a_step_pre_hook_returning_something_else_is_refused(impl):
-    model = _model()
-    mp = halfprec.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), impl=impl)
+    _, mp, _, _ = _hooked(impl)
     mp.register_step_pre_hook(lambda opt, args, kwargs: 5)
     with pytest.raises(
         RuntimeError, match=r"returned 5: it must return None or a tuple \(new_args, new_kwargs\)"
@@ -107,16 +136,27 @@ def test_a_step_pre_hook_returning_something_else_is_refused(impl):
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_a_profiler_sees_one_range_per_step(impl):
-    model = _model()
-    mp = halfprec.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), impl=impl)
-    x = torch.ones(2, 256, dtype=torch.float16)
+def test_the_profiler_range_opens_only_while_a_profiler_records(impl, monkeypatch):
+    # an idle range is host time on every step; under a profiler, one range per step
+    model, mp, closure, _ = _hooked(impl)
+    name = f"Optimizer.step#{type(mp).__name__}.step"
+    opened = []
+    record_function = torch.autograd.profiler.record_function
+
+    def counted(label, *args):
+        opened.append(label)
+        return record_function(label, *args)
+
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", counted)
+    for _ in range(2):
+        mp.step(closure)
+        mp.zero_grad()
+    assert name not in opened
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(2):
-            mp.backward(model(x).float().mean())
-            mp.step()
+            mp.step(closure)
             mp.zero_grad()
-    name = f"Optimizer.step#{type(mp).__name__}.step"
+    assert opened.count(name) == 2
     assert [e.name for e in prof.events()].count(name) == 2
 
 

@@ -35,12 +35,6 @@ __all__ = ["FORMAT", "MixedPrecisionOptimizer", "check_wrappable", "register_fac
 
 FORMAT = "halfprec.MixedPrecisionOptimizer/1"  # the model-space state dict of the exact and fused strategies
 
-# the global step pre- and post-hooks (torch.optim.optimizer.register_optimizer_step_pre_hook / _post_hook)
-_GLOBAL_STEP_HOOKS = (
-    torch_optimizer._global_optimizer_pre_hooks,
-    torch_optimizer._global_optimizer_post_hooks,
-)
-
 # torch's hook registries (``_optimizer_step_pre_hooks``, ...), which ``Optimizer.__init__`` would create
 _HOOK_REGISTRIES = tuple(
     f"_optimizer_{kind}_{when}_hooks"
@@ -273,23 +267,34 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
             refuse_backward_after_unscale("the new grads would be mixed with unscaled ones")
         self.scale_loss(loss).backward(**kwargs)
 
-    def step(self, closure=None):
-        """Run ``closure`` (with grad enabled) if given, then the strategy's ``_step()``; return the closure's loss.
-        torch's step pre- and post-hooks (this optimizer's and the global ones) run around it, as around any torch
-        optimizer's ``step()``, and the profiler range ``Optimizer.step#<class>.step`` while a profiler runs. torch's
-        own wrapper (put around a ``step`` not marked ``hooked``) opens that range on every step, profiler or not:
-        two dispatcher calls of host time that a synchronized device waits for (benchmarks/RESULTS.md, section 1)."""
+    def step(self, *args: Any, **kwargs: Any):
+        """``step(closure=None)``: run ``closure`` (with grad enabled) if given, then the strategy's ``_step()``;
+        return the closure's loss. torch's step pre- and post-hooks (this optimizer's and the global ones) run
+        around it as around any torch optimizer's ``step()``, seeing the arguments as given with ``self`` first,
+        and the profiler range ``Optimizer.step#<class>.step`` opens while a profiler records (torch.profiler or
+        the autograd profiler; an ``ExecutionTraceObserver`` alone does not count). torch's own wrapper, put
+        around a ``step`` not marked ``hooked``, opens that range on every step, profiler or not: two dispatcher
+        calls of host time that a synchronized device waits for (benchmarks/RESULTS.md, section 1). A subclass
+        that overrides ``step`` calls ``super().step(...)``, which runs the hooks once (``__init_subclass__``)."""
         if not torch.autograd._profiler_enabled():
-            return self._step_with_hooks(self, closure)
+            return self._step_with_hooks(self, *args, **kwargs)
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
-            return self._step_with_hooks(self, closure)
+            return self._step_with_hooks(self, *args, **kwargs)
 
     step.hooked = True  # type: ignore[attr-defined]
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "step" in cls.__dict__:  # its super().step() runs the hooks: torch's wrapper would run them again
+            cls.step.hooked = True
+
     def _step_with_hooks(self, *args: Any, **kwargs: Any):
-        """torch's step protocol: pre-hooks (which may replace the arguments, ``self`` first, as torch passes
-        them), the step, then post-hooks."""
-        for pre_hook in chain(_GLOBAL_STEP_HOOKS[0].values(), self._optimizer_step_pre_hooks.values()):
+        """torch's step protocol: pre-hooks (which may replace the arguments, ``self`` first), the step, then
+        post-hooks (torch.optim.optimizer's global dicts are read at each step, as torch reads them)."""
+        pre = chain(
+            torch_optimizer._global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()
+        )
+        for pre_hook in pre:
             result = pre_hook(self, args, kwargs)
             if result is not None:
                 if not (isinstance(result, tuple) and len(result) == 2):
@@ -300,7 +305,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer, metaclass=_Built):
                 args, kwargs = result
         out = MixedPrecisionOptimizer._closure_then_step(*args, **kwargs)
         self._optimizer_step_code()
-        for post_hook in chain(self._optimizer_step_post_hooks.values(), _GLOBAL_STEP_HOOKS[1].values()):
+        post = chain(
+            self._optimizer_step_post_hooks.values(), torch_optimizer._global_optimizer_post_hooks.values()
+        )
+        for post_hook in post:
             post_hook(self, args, kwargs)
         return out
 

@@ -210,7 +210,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         starts = [0, *accumulate(t.shape[0] for t in self._norm_tables)]
         self._norm_launches = [
             (table, self._sq[a:b], self._bad[a:b])
-            for table, a, b in zip(self._norm_tables, starts, starts[1:], strict=False)
+            for table, a, b in zip(self._norm_tables, starts[:-1], starts[1:], strict=True)
         ]
         k = self._n_partials if self._mesh is None else n_partials
         self._partials = (self._sq[:k], self._bad[:k])
