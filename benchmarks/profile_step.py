@@ -7,8 +7,9 @@ Default: the GPU time of each kernel over 10 steps, grads written once and marke
 (``zero_grad()``, a real backward, a synchronize, then ``step()``, as ``time_as_users_call`` times it): the median
 host time in ``step()`` without the profiler, then per step the host time of every op and CUDA runtime call made
 inside ``step()`` (self time, so nothing is counted twice; the self time of the ``Optimizer.step#...`` range,
-which ``step()`` opens under a profiler, and the rest are Python), then cProfile's table of the Python functions ``step()`` runs (time per step). On a
-synchronized device whatever ``step()`` does before its one launch (a graph replay) is time the GPU waits.
+which ``step()`` opens under a profiler, and the rest are Python), then cProfile's table of the Python functions
+``step()`` runs (time per step). On a synchronized device whatever ``step()`` does before its one launch (a graph
+replay) is time the GPU waits.
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ def kernel_times(opt) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 
 
+def steps_as_called(opt, params, grads, steps: int, around) -> None:
+    """``steps`` steps as a loop calls them (a real backward, a synchronize), each ``step()`` inside ``around()``."""
+    for _ in range(steps):
+        users_backward(opt, params, grads)
+        torch.cuda.synchronize()
+        with around():
+            opt.step()
+        torch.cuda.synchronize()
+
+
 def host_as_called(opt, params, grads, steps: int = 20) -> None:
     """The host's side of ``step()`` as a loop calls it (``--as-called``; module docstring)."""
     for _ in range(3):  # fp16: the dynamic scale backs off from its initial overflow
@@ -55,12 +66,7 @@ def host_as_called(opt, params, grads, steps: int = 20) -> None:
     print(f"host time in step() as called, no profiler: median {host_ms * 1e3:.1f} us (30 steps)")
     cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
     with torch.profiler.profile(activities=[cpu, cuda]) as prof:
-        for _ in range(steps):
-            users_backward(opt, params, grads)
-            torch.cuda.synchronize()
-            with torch.profiler.record_function(_RANGE):
-                opt.step()
-            torch.cuda.synchronize()
+        steps_as_called(opt, params, grads, steps, around=lambda: torch.profiler.record_function(_RANGE))
     events = prof.events()
     cpu_side = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     # the CPU range only: with CUDA activity the profiler also shows the range on the GPU's timeline
@@ -91,13 +97,7 @@ def python_functions(opt, params, grads, steps: int) -> None:
     """cProfile over ``step()`` alone: the functions with the most own time, per step (cProfile slows Python
     down, so compare the rows, not the sum, with the host time above)."""
     profiler = cProfile.Profile()
-    for _ in range(steps):
-        users_backward(opt, params, grads)
-        torch.cuda.synchronize()
-        profiler.enable()
-        opt.step()
-        profiler.disable()
-        torch.cuda.synchronize()
+    steps_as_called(opt, params, grads, steps, around=lambda: profiler)  # enabled inside each step() only
     stats = pstats.Stats(profiler)
     print(
         f"cProfile, {steps} steps: {stats.total_tt / steps * 1e6:.1f} us per step() under it; own time per step:"
