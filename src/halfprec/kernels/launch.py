@@ -28,13 +28,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from . import interpreted
-from .settings import settings
+from .settings import pin_settings, settings, unpin_settings
 
 __all__ = ["Together", "launch", "replay_stats", "together"]
 
@@ -155,7 +155,9 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
 
 
 class Together:
-    """The launches and event marks collected by ``together()``."""
+    """The block ``together()`` opens: it collects the launches and event marks made inside and runs them as one
+    when it ends (module docstring); a block that raises runs none of them. The launch settings are read once, as
+    the block opens (``settings.pin_settings``): every launch inside reads those."""
 
     def __init__(self) -> None:
         self.items: list[tuple] = []
@@ -168,24 +170,33 @@ class Together:
         """Record ``event`` (made with ``external=True``) after the launches so far."""
         self.items.append((None, "record", event, None))
 
+    def __enter__(self) -> Together:
+        if getattr(_collecting, "group", None) is not None:
+            raise RuntimeError("together() blocks do not nest")
+        _collecting.group = self
+        pin_settings()
+        return self
 
-@contextlib.contextmanager
-def together() -> Iterator[Together]:
-    """Collect the ``launch`` calls made inside and run them as one when the block ends (module docstring); a
-    block that raises runs none of them."""
-    if getattr(_collecting, "group", None) is not None:
-        raise RuntimeError("together() blocks do not nest")
-    group = _collecting.group = Together()
-    try:
-        yield group
-    finally:
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
         _collecting.group = None
-    launches = [item for item in group.items if item[0] is not None]
-    if not launches:
-        return
-    device = launches[0][2][0].device
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        if not _replayable(device):
-            _run(group.items if device.type == "cuda" else launches)  # no events off CUDA
+        try:
+            if kind is None:
+                self._run()
+        finally:
+            unpin_settings()
+
+    def _run(self) -> None:
+        launches = [item for item in self.items if item[0] is not None]
+        if not launches:
             return
-        _replay(_TOGETHER, tuple(_launch_key(item) for item in group.items), group.items)
+        device = launches[0][2][0].device
+        with torch.cuda.device(device.index) if device.type == "cuda" else contextlib.nullcontext():
+            if not _replayable(device):
+                _run(self.items if device.type == "cuda" else launches)  # no events off CUDA
+                return
+            _replay(_TOGETHER, tuple([_launch_key(item) for item in self.items]), self.items)
+
+
+def together() -> Together:
+    """Collect the ``launch`` calls made inside and run them as one when the block ends (module docstring)."""
+    return Together()

@@ -13,11 +13,12 @@ finalize pass. The interpreter runs one program at a time (~1 ms each), so tests
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 from . import interpreted
 
-__all__ = ["NO_FMA", "LaunchSettings", "settings"]
+__all__ = ["NO_FMA", "LaunchSettings", "pin_settings", "settings", "unpin_settings"]
 
 # The kernels that update masters compile without FMA contraction: which multiply-add the compiler fuses depends on
 # the code around it, so two branches with the same arithmetic rounded differently (on the H200, the split-master and
@@ -47,8 +48,25 @@ _INTERPRETER = LaunchSettings(
 )
 
 
+_pinned = threading.local()  # .value: the settings read once for a launch group (launch.together), if any
+
+
+def pin_settings() -> None:
+    """Read the settings and have ``settings()`` return them on this thread until ``unpin_settings()``: a fused
+    step's launches read them five times or more, and each read is two environment lookups of host time."""
+    _pinned.value = None
+    _pinned.value = settings()
+
+
+def unpin_settings() -> None:
+    """``settings()`` reads the environment again."""
+    _pinned.value = None
+
+
 def settings() -> LaunchSettings:
     """The settings in force; ``HALFPREC_LAUNCH="norm_block=32768,update_warps=4"`` overrides fields (for sweeps)."""
+    if (cfg := getattr(_pinned, "value", None)) is not None:
+        return cfg
     base = _INTERPRETER if interpreted() else _GPU
     override = os.environ.get("HALFPREC_LAUNCH")
     if not override:

@@ -131,8 +131,9 @@ class HyperTable:
         self._key: Any = None
 
     def upload(self, rows: list[list[Any]], capturing: bool = False) -> None:
-        rows = [[v if torch.is_tensor(v) else float(v) for v in row] for row in rows]
-        key = tuple(tuple(None if torch.is_tensor(v) else v for v in row) for row in rows)
+        tensor = torch.Tensor
+        rows = [[v if isinstance(v, tensor) else float(v) for v in row] for row in rows]
+        key = tuple([tuple([None if isinstance(v, tensor) else v for v in row]) for row in rows])
         if key != self._key:
             if capturing:
                 raise RuntimeError(
@@ -145,5 +146,5 @@ class HyperTable:
             self._key = key
         for gi, row in enumerate(rows):
             for k, v in enumerate(row):
-                if torch.is_tensor(v):
+                if isinstance(v, tensor):
                     self.table[gi, k].copy_(v, non_blocking=True)

@@ -386,7 +386,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         if not capturing:
             check_unfrozen(self._frozen)
             check_dtypes(self._trainable, self._dtypes)
-            self._reporter.drain()
             self._grads.adopt(type(self).__name__)
             self._ensure_state()
             for chunk in self._chunks:
@@ -428,6 +427,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         for chunk in self._chunks:
             chunk.copy_out()
         self._grads.consumed()
+        if not capturing:
+            self._reporter.drain()  # the earlier steps' records that have landed: once the device has its work
         if capturing:
             self._reporter.captured()
         elif not scaler_after:

@@ -42,6 +42,8 @@ class SkipReporter:
         self._graphed = False  # a step was captured: replays record nothing, so _last may be stale
         self._side: torch.cuda.Stream | None = None  # where the records are copied (CUDA)
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # (copied, ready)
+        self._source: torch.Tensor | None = None  # the scalars record() stages, and their first six
+        self._staged: torch.Tensor | None = None
 
     def events(self, device: torch.device) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         """``(copied, ready)`` on CUDA (None elsewhere): a step records ``ready`` after its finalize program and
@@ -63,7 +65,9 @@ class SkipReporter:
     def record(self, scalars: torch.Tensor, after: torch.cuda.Event | None = None) -> None:
         """Stage ``scalars[:6]`` for a later report (a CUDA-graph capture calls ``captured()`` instead): on the
         current stream, or with ``after`` (``events``' ready) on the side stream once ``after`` has run."""
-        staged = scalars[:_WIDTH]
+        if scalars is not self._source:  # a slice is host time at every step: made once
+            self._source, self._staged = scalars, scalars[:_WIDTH]
+        staged = self._staged
         if staged.device.type != "cuda":
             self._process(staged.cpu())
             return
