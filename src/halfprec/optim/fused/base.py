@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ...kernels import interpreted, triton_status
+from ...kernels.launch import together
 from ...kernels.settings import settings
 from ...kernels.slots import PSCAL_WIDTH, HyperTable, Kind
 from ...precision import GRAD_ACCUM
@@ -369,7 +370,6 @@ class FusedOptimizer(MixedPrecisionOptimizer):
     def _step(self) -> None:
         from ...kernels import norm
         from ...kernels import scaler as scaler_kernel
-        from ...kernels.launch import together
 
         capturing = stream_capturing()
         if capturing and self._mesh is not None:
