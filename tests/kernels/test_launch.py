@@ -104,6 +104,21 @@ def test_launches_together_are_one_key_one_capture_one_replay(staged):
     assert a.runs == [((1,), (x, 1.0), {})] * 3 and b.runs == [((2,), (x,), {})] * 3
 
 
+def test_a_block_reads_the_launch_settings_once(staged, monkeypatch):
+    from halfprec.kernels.settings import settings
+
+    monkeypatch.setenv("HALFPREC_LAUNCH", "update_warps=2")
+    with launch_mod.together():
+        inside = settings()
+        monkeypatch.setenv("HALFPREC_LAUNCH", "update_warps=8")  # read when the block opened: not seen inside
+        assert settings() is inside and inside.update_warps == 2
+    assert settings().update_warps == 8  # read again after the block
+    with pytest.raises(ValueError), launch_mod.together():
+        raise ValueError
+    monkeypatch.setenv("HALFPREC_LAUNCH", "update_warps=16")
+    assert settings().update_warps == 16  # a block that raised let go of its settings too
+
+
 def test_a_block_that_raises_launches_nothing(staged):
     kernel = _Kernel()
     with pytest.raises(ValueError), launch_mod.together():
