@@ -58,24 +58,3 @@ def test_inactive_param_is_not_touched():
     table = torch.tensor([[0, n, 0]], device=DEVICE)
     update(Kind.SGD, param, grad, master, (), table, pscal, torch.ones(8, device=DEVICE))
     assert (master == 7.0).all() and (param == 7.0).all()
-
-
-def test_the_int16_view_of_a_param_buffer_is_made_once_and_follows_its_storage():
-    import gc
-    import weakref
-
-    from halfprec.kernels.update import param_arg
-
-    param, master = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8)
-    view, code = param_arg(param, master)
-    assert code == 2 and view.dtype == torch.int16 and view.data_ptr() == param.data_ptr()
-    assert param_arg(param, master)[0] is view  # made once
-    assert param_arg(param, torch.zeros(8, dtype=torch.int16)) == (view, 3)  # split masters: the same view
-    param.data = torch.ones(8, dtype=torch.bfloat16)  # new storage, same tensor: a new view of it
-    moved, _ = param_arg(param, master)
-    assert moved is not view and moved.data_ptr() == param.data_ptr()
-    assert torch.equal(moved, param.view(torch.int16))
-    alive = weakref.ref(param)
-    del param, view, moved
-    gc.collect()
-    assert alive() is None  # the cache does not keep a buffer alive

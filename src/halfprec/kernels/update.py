@@ -26,7 +26,6 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .launch import launch
 from .settings import NO_FMA, settings
@@ -201,27 +200,15 @@ def _update_kernel(
             _store(master_ptr, param_ptr, offs, p, mask, PARAM)
 
 
-# each 16-bit param buffer's int16 view, made once: a view is an aten op, about 10 us of host time at every step on an
-# H100's host (2026-12-05), while the device waits for the step's launch. Kept while the buffer lives.
-_INT16_VIEWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _int16(param: torch.Tensor) -> torch.Tensor:
-    view = _INT16_VIEWS.get(param)
-    if view is None or view.data_ptr() != param.data_ptr():  # new storage (a .data assignment): a new view
-        view = _INT16_VIEWS[param] = param.view(torch.int16)
-    return view
-
-
 def param_arg(param: torch.Tensor, master: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The param buffer as the kernels take it, and its ``PARAM`` code (fp32 params: the master itself; an int16
     ``master`` is a split master's low half)."""
     if param.dtype == torch.float32:
         return master, 0
     if master.dtype == torch.int16:
-        return _int16(param), 3
+        return param.view(torch.int16), 3
     if param.dtype == torch.bfloat16:
-        return _int16(param), 2
+        return param.view(torch.int16), 2
     return param, 1
 
 
