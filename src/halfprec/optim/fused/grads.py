@@ -234,9 +234,21 @@ class GradViews:
         chunk, local = self.where[i]
         return chunk.grad_views[local]
 
-    def adopt(self, owner: str) -> None:
+    def on_device(self, chunks: Sequence[Chunk]) -> bool:
+        """Whether the flat buffers and the device's marks already hold this step's grads as the host knows them:
+        every chunk has its grad buffer, no fresh grad waits for its copy and the device holds the host's marks
+        (so a kernel that reads them now reads what the step will, unless ``adopt`` then changes something)."""
+        return (
+            not self._held_back
+            and self._marked == self._on_device
+            and all(c.grad is not None for c in chunks)
+        )
+
+    def adopt(self, owner: str) -> bool:
         """Mark grads assigned by hand and unmark params whose ``.grad`` was set to None (``owner``: the
-        optimizer's name, for the error when a param no longer lives in the flat buffer)."""
+        optimizer's name, for the error when a param no longer lives in the flat buffer). True when it changed a
+        grad buffer or a mark."""
+        changed = bool(self._held_back)
         self.flush()  # of a backward that raised before its end
         for chunk in self._in_place:
             if (k := chunk.moved()) is not None:
@@ -258,10 +270,13 @@ class GradViews:
             g = local_grad(p) if self._dtensor[i] else p.grad
             if g is None and self._marked[i] and not self._accumulates[i]:
                 self._marked[i] = False
+                changed = True
             elif g is not None and g.data_ptr() != self._view_ptrs[i]:
                 self.mark(i)
+                changed = True
         if self.delivered is not None:
             self.delivered.check()
+        return changed
 
     def ready(self, chunks: Sequence[Chunk], *, capturing: bool) -> None:
         """Before a step's kernels: every chunk has its grad buffer (zero where no grad came). A captured step
