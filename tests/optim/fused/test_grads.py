@@ -428,6 +428,28 @@ def test_the_norm_pass_reads_the_grads_the_host_checks_leave(edit, accum, monkey
     assert mp.grad_norm == pytest.approx(float(want), rel=1e-5)
 
 
+@pytest.mark.parametrize("edit", ["none", "a grad assigned by hand"])
+def test_the_norm_pass_runs_before_the_checks_and_again_after_a_change(edit, monkeypatch):
+    from halfprec.kernels import norm
+
+    (model, mp), _ = build(FusedAdamW, "param")
+    order = []
+    sumsq, adopt = norm.sumsq, GradViews.adopt
+    monkeypatch.setattr(norm, "sumsq", lambda *a, **k: order.append("norm") or sumsq(*a, **k))
+    monkeypatch.setattr(GradViews, "adopt", lambda self, owner: order.append("checks") or adopt(self, owner))
+    _backward(model, mp)
+    EDITS[edit](model)
+    mp.step()
+    again = ["norm", "norm"] if edit != "none" else []
+    assert order == ["norm", "norm", "checks", *again]  # a kernel per chunk: Net has an fp16 and an fp32 one
+    # a backward that did not reach the step's buffers (zero_grad(set_to_none=True), grads by hand): checks first
+    order.clear()
+    mp.zero_grad()
+    set_by_hand(model, ["a.bias"], 0, 1.0)
+    mp.step()
+    assert order == ["checks", "norm", "norm"]
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_a_create_graph_backward_leaves_the_grad_buffers_out_of_autograd():
     # the hooks run with grad mode on in a create_graph=True backward: their copies must not be recorded (the
