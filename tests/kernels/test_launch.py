@@ -119,6 +119,29 @@ def test_a_block_reads_the_launch_settings_once(staged, monkeypatch):
     assert settings().update_warps == 16  # a block that raised let go of its settings too
 
 
+def test_settings_that_fail_to_read_leave_no_block_open(staged, monkeypatch):
+    kernel, x = _Kernel(), torch.zeros(4)
+    monkeypatch.setenv("HALFPREC_LAUNCH", "no_such_field=1")
+    with pytest.raises(ValueError, match="no_such_field"), launch_mod.together():
+        launch_mod.launch(kernel, (1,), x)
+    monkeypatch.delenv("HALFPREC_LAUNCH")
+    launch_mod.launch(kernel, (1,), x)  # runs: not collected by a block left open
+    with launch_mod.together():
+        launch_mod.launch(kernel, (2,), x)
+    assert kernel.runs == [((1,), (x,), {}), ((2,), (x,), {})]
+
+
+def test_each_site_keeps_its_own_keys(staged):
+    a, b, xs = _Kernel(), _Kernel(), [torch.zeros(4) for _ in range(launch_mod._KEPT)]
+    for _ in range(2):
+        with launch_mod.together("first"):
+            launch_mod.launch(a, (1,), xs[0])
+        for x in xs:  # as many keys as a site keeps, at another site
+            with launch_mod.together("second"):
+                launch_mod.launch(b, (1,), x)
+    assert len(staged) == 1 + launch_mod._KEPT  # "first" captured at its second block: not pushed out
+
+
 def test_a_block_that_raises_launches_nothing(staged):
     kernel = _Kernel()
     with pytest.raises(ValueError), launch_mod.together():
@@ -177,7 +200,7 @@ def test_replayed_steps_equal_triton_launched_ones_bit_for_bit(monkeypatch, dtyp
     replayed, replayed_state = _train(opt_cls, dtype, 8, move_grads=move_grads, **kw)
     after = launch_mod.replay_stats()
     if not move_grads:
-        # the step's one launch group (norm, finalize, update) replays from its third sighting on; the caching
+        # the step's launch groups (norm; finalize and update) replay from their third sighting on; the caching
         # allocator may hand the grad buffer two blocks in turn (seen with fp16 AdamW on an H100): two keys, each
         # launched once and captured once, then replayed
         assert after["replayed"] - before["replayed"] >= 4

@@ -46,7 +46,7 @@ _side_streams: dict[int, torch.cuda.Stream] = {}
 _stats = {"eager": 0, "captured": 0, "replayed": 0}
 _lock = threading.Lock()  # _sites, _side_streams and _stats are every thread's
 _collecting = threading.local()  # .group: the Together being filled on this thread, if any
-_TOGETHER = "together"  # the launch site of every Together
+_TOGETHER = "together"  # the launch site of a Together not given another
 
 
 def replay_stats() -> dict[str, int]:
@@ -159,8 +159,9 @@ class Together:
     when it ends (module docstring); a block that raises runs none of them. The launch settings are read once, as
     the block opens (``settings.pin_settings``): every launch inside reads those."""
 
-    def __init__(self) -> None:
+    def __init__(self, site: str = _TOGETHER) -> None:
         self.items: list[tuple] = []
+        self.site = site
 
     def wait(self, event: torch.cuda.Event) -> None:
         """The launches after this wait for ``event`` (made with ``external=True``)."""
@@ -173,8 +174,8 @@ class Together:
     def __enter__(self) -> Together:
         if getattr(_collecting, "group", None) is not None:
             raise RuntimeError("together() blocks do not nest")
+        pin_settings()  # first: settings that fail to read (a bad HALFPREC_LAUNCH) leave no block open
         _collecting.group = self
-        pin_settings()
         return self
 
     def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
@@ -194,9 +195,11 @@ class Together:
             if not _replayable(device):
                 _run(self.items if device.type == "cuda" else launches)  # no events off CUDA
                 return
-            _replay(_TOGETHER, tuple([_launch_key(item) for item in self.items]), self.items)
+            _replay(self.site, tuple([_launch_key(item) for item in self.items]), self.items)
 
 
-def together() -> Together:
-    """Collect the ``launch`` calls made inside and run them as one when the block ends (module docstring)."""
-    return Together()
+def together(site: str = _TOGETHER) -> Together:
+    """Collect the ``launch`` calls made inside and run them as one when the block ends (module docstring).
+    ``site`` names the cache of keys the block's launches share: each site keeps its ``_KEPT`` latest, so a caller
+    whose blocks alternate between two groups of launches gives each group its own site."""
+    return Together(site)

@@ -450,6 +450,47 @@ def test_the_norm_pass_runs_before_the_checks_and_again_after_a_change(edit, mon
     assert order == ["checks", "norm", "norm"]
 
 
+@pytest.mark.parametrize(("cls", "accum"), [(FusedAdamW, "param"), (FusedAdamW, FP32), (FusedLamb, "param")])
+def test_the_norm_pass_before_the_checks_gives_the_single_replays_results_bit_for_bit(cls, accum):
+    (model, mp), (twin, ref) = build(cls, accum)
+    ref._grads.on_device = lambda chunks: False  # the twin always runs its norm pass after the checks
+    edits = [*EDITS.values(), EDITS["none"], EDITS["none"]]
+    for step, (backwards, by_hand, overflow, _, then) in enumerate(STEPS):
+        for m, opt in ((model, mp), (twin, ref)):
+            for j in range(backwards):
+                bad = overflow and j == 1
+                opt.backward(m(batch(step, j)).float().pow(2).mean() * (float("inf") if bad else 1.0))
+            set_by_hand(m, by_hand, step, opt.loss_scale)
+            edits[step % len(edits)](m)
+            opt.step()
+            opt.zero_grad(set_to_none=then == "none")
+        assert mp.step_was_skipped is ref.step_was_skipped
+        assert_same_bits(mp, ref, model, twin)
+
+
+def test_after_checks_that_changed_a_grad_the_norm_pass_waits_for_the_checks(monkeypatch):
+    from halfprec.kernels import norm
+
+    (model, mp), _ = build(FusedAdamW, "param")
+    order = []
+    sumsq, adopt = norm.sumsq, GradViews.adopt
+    monkeypatch.setattr(norm, "sumsq", lambda *a, **k: order.append("norm") or sumsq(*a, **k))
+    monkeypatch.setattr(GradViews, "adopt", lambda self, owner: order.append("checks") or adopt(self, owner))
+    runs = []
+    for edit in [
+        "a grad assigned by hand",
+        "a grad assigned by hand",
+        "none",
+        "none",
+    ]:  # as DDP's bucket views
+        order.clear()
+        _backward(model, mp)
+        EDITS[edit](model)
+        mp.step()
+        runs.append(order.index("checks"))  # norm kernels (one per chunk) before the checks
+    assert runs == [2, 0, 0, 2]  # wasted once, then after the checks until they change nothing
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_a_create_graph_backward_leaves_the_grad_buffers_out_of_autograd():
     # the hooks run with grad mode on in a create_graph=True backward: their copies must not be recorded (the

@@ -4,17 +4,19 @@ A step runs on the device with no host sync (so it can be captured in a CUDA gra
 grads of the params that got one (``grads.py``), unscaled by the loss scale read from device memory; one finalize
 program (skip, clip coefficient, per-param step counters, grad marks cleared, a ``DynamicLossScaler``'s update in
 ``kernels/scaler.py``; any other scaler updates with its own torch ops after the update pass); the update pass
-(master and state in fp32, the 16-bit params written). At most three launches per chunk and one non-blocking copy
-of the skip report: a skipped step is mostly host time, so every launch saved counts.
+(master and state in fp32, the 16-bit params written): three launches per chunk, and one non-blocking copy of the
+skip report; a skipped step is mostly host time, so every launch saved counts.
 
-The launches run as two replays (``kernels/launch.py``): the norm pass first, before the host's checks, whenever
-the grad buffers and the device's grad marks already hold the step's grads (after a backward that reached its
-end), so the device reads the grads while the host checks; then the finalize program and the update pass. When a
-check changes a grad or a mark (a grad assigned by hand, a ``.grad`` set to None) the norm pass runs again with them,
-in the second replay, and when the checks refuse the step nothing but the norm pass's partial sums was written. A
-device left idle by a synchronize thus waits for the host's checks only past the norm pass (at 268M params 0.54 GB
-of grads, about 0.18 ms at an H100's copy bandwidth); the results are the same kernels' on the same inputs, bit for
-bit. FSDP2's shards, ``process_group=`` and a step being captured keep the single replay.
+The launches run as two replays (``kernels/launch.py``): the norm pass first, before the host's checks, when every
+chunk's grad buffer and the device's grad marks already hold the step's grads (after a backward that reached its
+end and gave every dtype of params a grad), so the device reads the grads while the host checks; then the finalize
+program and the update pass. When a check changes a grad or a mark (a grad assigned by hand, a ``.grad`` set to
+None) the norm pass runs again with them, in the second replay, and the next step runs it after the checks, until
+a step's checks change nothing. A step the checks refuse launches no finalize program or update pass (the early
+norm pass writes only its partial sums, which the next norm pass rewrites). A device left idle by a synchronize
+thus waits for the host's checks only past the norm pass (at 268M params 0.54 GB of 16-bit grads, about 0.18 ms at
+an H100's copy bandwidth); the results are the same kernels' on the same inputs, bit for bit. FSDP2's shards,
+``process_group=`` and a step being captured keep the single replay.
 
 Each algorithm is a subclass that keeps this protocol, which the sharded fused local step
 (``sharded/fused_step.py``) reads too: ``KIND`` (the ``kernels.slots.Kind`` picking the finalize branch and the
@@ -53,6 +55,8 @@ from .grads import GradViews, stream_capturing
 from .results import DeviceResults, SkipReporter
 
 __all__ = ["FusedOptimizer", "check_number"]
+
+_NORM_SITE = "fused norm pass"  # the launch site of the norm pass run before the checks (kernels/launch.py)
 
 # implementation flags torch's optimizers keep in every group; the fused step is none of them
 _TORCH_FLAGS = {"foreach": None, "differentiable": False, "fused": None}
@@ -134,6 +138,9 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._state_ready = False  # state buffers exist (allocated at the first step, a load or an export)
         self._s = DeviceResults(self._scalars, self._reporter)
         self._replaced: weakref.ref | None = None  # the torch optimizer this one replaced (its schedulers)
+        self._early_norm = (
+            True  # the norm pass may run before the checks (_step): the last checks changed nothing
+        )
 
     # --- construction --------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -395,18 +402,22 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         # the norm pass first, on its own, when the buffers and the device's marks already hold the grads: the
         # device runs it while the host checks (module docstring); launched again below if the checks change a grad
         early = (
-            not capturing
+            self._early_norm
+            and not capturing
             and self._mesh is None
             and self.process_group is None
             and self._grads.on_device(self._chunks)
         )
         if early:
-            with together():
+            with together(_NORM_SITE):
                 self._launch_norm_pass()
         if not capturing:
             check_unfrozen(self._frozen)
             check_dtypes(self._trainable, self._dtypes)
-            early = not self._grads.adopt(type(self).__name__) and early
+            changed = self._grads.adopt(type(self).__name__)
+            # a change wastes the early pass: not tried again until a step's checks change nothing (DDP's
+            # gradient_as_bucket_view hands over its buckets as new .grad tensors at every step)
+            early, self._early_norm = early and not changed, not changed
             self._ensure_state()
             for chunk in self._chunks:
                 chunk.take_own_masters()
