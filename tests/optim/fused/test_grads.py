@@ -454,6 +454,7 @@ def test_the_norm_pass_runs_before_the_checks_and_again_after_a_change(edit, mon
 def test_the_norm_pass_before_the_checks_gives_the_single_replays_results_bit_for_bit(cls, accum):
     (model, mp), (twin, ref) = build(cls, accum)
     ref._grads.on_device = lambda chunks: False  # the twin always runs its norm pass after the checks
+    mp.max_grad_norm = ref.max_grad_norm = 0.05  # clipped at every step: the norm reaches the update
     edits = [*EDITS.values(), EDITS["none"], EDITS["none"]]
     for step, (backwards, by_hand, overflow, _, then) in enumerate(STEPS):
         for m, opt in ((model, mp), (twin, ref)):
@@ -465,6 +466,7 @@ def test_the_norm_pass_before_the_checks_gives_the_single_replays_results_bit_fo
             opt.step()
             opt.zero_grad(set_to_none=then == "none")
         assert mp.step_was_skipped is ref.step_was_skipped
+        assert repr(mp.grad_norm) == repr(ref.grad_norm)  # the same float (nan at the overflow)
         assert_same_bits(mp, ref, model, twin)
 
 
@@ -489,6 +491,25 @@ def test_after_checks_that_changed_a_grad_the_norm_pass_waits_for_the_checks(mon
         mp.step()
         runs.append(order.index("checks"))  # norm kernels (one per chunk) before the checks
     assert runs == [2, 0, 0, 2]  # wasted once, then after the checks until they change nothing
+
+
+def test_the_norm_pass_before_the_checks_keeps_its_own_launch_keys(monkeypatch):
+    from halfprec.kernels import launch as launch_mod
+
+    class Graph:  # a capture keeps the launches; a replay runs them again
+        def __init__(self, run):
+            self.replay = run
+
+    monkeypatch.setattr(launch_mod, "_replayable", lambda device: True)
+    monkeypatch.setattr(launch_mod, "_capture", Graph)
+    monkeypatch.setattr(launch_mod, "_sites", {})
+    (model, mp), _ = build(FusedAdamW, "param")
+    for _ in range(3):
+        _backward(model, mp)
+        mp.step()
+        mp.zero_grad(set_to_none=False)  # the buffers stay: the same keys each step
+    sites = {site: len(keys) for site, keys in launch_mod._sites.items()}
+    assert sites == {"fused norm pass": 1, "together": 1}  # one key each: the early pass and the rest
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")

@@ -4,13 +4,14 @@ A step runs on the device with no host sync (so it can be captured in a CUDA gra
 grads of the params that got one (``grads.py``), unscaled by the loss scale read from device memory; one finalize
 program (skip, clip coefficient, per-param step counters, grad marks cleared, a ``DynamicLossScaler``'s update in
 ``kernels/scaler.py``; any other scaler updates with its own torch ops after the update pass); the update pass
-(master and state in fp32, the 16-bit params written): three launches per chunk, and one non-blocking copy of the
-skip report; a skipped step is mostly host time, so every launch saved counts.
+(master and state in fp32, the 16-bit params written): a norm and an update launch per chunk, one finalize program,
+and one non-blocking copy of the skip report; a skipped step is mostly host time, so every launch saved counts.
 
 The launches run as two replays (``kernels/launch.py``): the norm pass first, before the host's checks, when every
-chunk's grad buffer and the device's grad marks already hold the step's grads (after a backward that reached its
-end and gave every dtype of params a grad), so the device reads the grads while the host checks; then the finalize
-program and the update pass. When a check changes a grad or a mark (a grad assigned by hand, a ``.grad`` set to
+chunk has its grad buffer, no fresh grad waits for its copy and the device holds the host's grad marks (as after a
+backward that reached its end and gave every dtype of params a grad), so the device reads the grads while the host
+checks; then the finalize program and the update pass. Otherwise the norm pass runs after the checks, in the same
+replay as those two. When a check changes a grad or a mark (a grad assigned by hand, a ``.grad`` set to
 None) the norm pass runs again with them, in the second replay, and the next step runs it after the checks, until
 a step's checks change nothing. A step the checks refuse launches no finalize program or update pass (the early
 norm pass writes only its partial sums, which the next norm pass rewrites). A device left idle by a synchronize
@@ -138,9 +139,8 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._state_ready = False  # state buffers exist (allocated at the first step, a load or an export)
         self._s = DeviceResults(self._scalars, self._reporter)
         self._replaced: weakref.ref | None = None  # the torch optimizer this one replaced (its schedulers)
-        self._early_norm = (
-            True  # the norm pass may run before the checks (_step): the last checks changed nothing
-        )
+        # the norm pass may run before the checks (_step): the last step's checks changed no grad
+        self._early_norm = True
 
     # --- construction --------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
