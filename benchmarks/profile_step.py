@@ -8,8 +8,8 @@ Default: the GPU time of each kernel over 10 steps, grads written once and marke
 host time in ``step()`` without the profiler, then per step the host time of every op and CUDA runtime call made
 inside ``step()`` (self time, so nothing is counted twice; the self time of the ``Optimizer.step#...`` range,
 which ``step()`` opens under a profiler, and the rest are Python), then cProfile's table of the Python functions
-``step()`` runs (time per step). On a synchronized device whatever ``step()`` does before its one launch (a graph
-replay) is time the GPU waits.
+``step()`` runs (time per step). On a synchronized device whatever ``step()`` does before its first launch (a graph
+replay: the norm pass, or all three kernels) is time the GPU waits.
 """
 
 from __future__ import annotations
