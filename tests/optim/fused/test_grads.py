@@ -97,6 +97,15 @@ def set_by_hand(model, names, step: int, scale: float) -> None:
         p.grad = (torch.randn(p.shape, generator=gen) * 1e-2 * scale).to(DEVICE, p.dtype)
 
 
+def grads_of_step(model, opt, step: int, backwards: int, by_hand, overflow: bool) -> None:
+    """A step's grads as ``STEPS`` gives them: its backwards (an inf loss in the second one on an overflow), then the
+    grads assigned by hand."""
+    for j in range(backwards):
+        bad = overflow and j == 1
+        opt.backward(model(batch(step, j)).float().pow(2).mean() * (float("inf") if bad else 1.0))
+    set_by_hand(model, by_hand, step, opt.loss_scale)
+
+
 # per step: (backwards, params whose .grad is assigned by hand, overflow in the second backward, steps, then)
 STEPS = [
     (2, (), False, 1, "none"),  # accumulation
@@ -128,10 +137,7 @@ def test_freed_buffers_give_the_kept_buffers_results_bit_for_bit(cls, accum, bat
     (model, mp), (twin, ref) = build(cls, accum)
     for step, (backwards, by_hand, overflow, steps, then) in enumerate(STEPS):
         for m, opt in ((model, mp), (twin, ref)):
-            for j in range(backwards):
-                bad = overflow and j == 1
-                opt.backward(m(batch(step, j)).float().pow(2).mean() * (float("inf") if bad else 1.0))
-            set_by_hand(m, by_hand, step, opt.loss_scale)
+            grads_of_step(m, opt, step, backwards, by_hand, overflow)
             opt.step()
             if steps == 2:  # a second step() without zero_grad finds no new grad: nothing moves
                 stepped = [t.clone() for t in opt.master_params()]
@@ -458,10 +464,7 @@ def test_the_norm_pass_before_the_checks_gives_the_single_replays_results_bit_fo
     edits = [*EDITS.values(), EDITS["none"], EDITS["none"]]
     for step, (backwards, by_hand, overflow, _, then) in enumerate(STEPS):
         for m, opt in ((model, mp), (twin, ref)):
-            for j in range(backwards):
-                bad = overflow and j == 1
-                opt.backward(m(batch(step, j)).float().pow(2).mean() * (float("inf") if bad else 1.0))
-            set_by_hand(m, by_hand, step, opt.loss_scale)
+            grads_of_step(m, opt, step, backwards, by_hand, overflow)
             edits[step % len(edits)](m)
             opt.step()
             opt.zero_grad(set_to_none=then == "none")
