@@ -434,15 +434,21 @@ def test_the_norm_pass_reads_the_grads_the_host_checks_leave(edit, accum, monkey
     assert mp.grad_norm == pytest.approx(float(want), rel=1e-5)
 
 
-@pytest.mark.parametrize("edit", ["none", "a grad assigned by hand"])
-def test_the_norm_pass_runs_before_the_checks_and_again_after_a_change(edit, monkeypatch):
+def _norm_and_checks(monkeypatch) -> list[str]:
+    """The order of the step's norm kernels ("norm", one per chunk) and host checks ("checks"), as they run."""
     from halfprec.kernels import norm
 
-    (model, mp), _ = build(FusedAdamW, "param")
     order = []
     sumsq, adopt = norm.sumsq, GradViews.adopt
     monkeypatch.setattr(norm, "sumsq", lambda *a, **k: order.append("norm") or sumsq(*a, **k))
     monkeypatch.setattr(GradViews, "adopt", lambda self, owner: order.append("checks") or adopt(self, owner))
+    return order
+
+
+@pytest.mark.parametrize("edit", ["none", "a grad assigned by hand"])
+def test_the_norm_pass_runs_before_the_checks_and_again_after_a_change(edit, monkeypatch):
+    (model, mp), _ = build(FusedAdamW, "param")
+    order = _norm_and_checks(monkeypatch)
     _backward(model, mp)
     EDITS[edit](model)
     mp.step()
@@ -474,13 +480,8 @@ def test_the_norm_pass_before_the_checks_gives_the_single_replays_results_bit_fo
 
 
 def test_after_checks_that_changed_a_grad_the_norm_pass_waits_for_the_checks(monkeypatch):
-    from halfprec.kernels import norm
-
     (model, mp), _ = build(FusedAdamW, "param")
-    order = []
-    sumsq, adopt = norm.sumsq, GradViews.adopt
-    monkeypatch.setattr(norm, "sumsq", lambda *a, **k: order.append("norm") or sumsq(*a, **k))
-    monkeypatch.setattr(GradViews, "adopt", lambda self, owner: order.append("checks") or adopt(self, owner))
+    order = _norm_and_checks(monkeypatch)
     runs = []
     for edit in [
         "a grad assigned by hand",

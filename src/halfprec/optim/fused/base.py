@@ -135,7 +135,7 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         self._build()
         self._built = True
         self._init_scaler(loss_scaler, dtypes={c.dtype for c in self._chunks}, device=self._device)
-        self._reporter = SkipReporter(self._skip_log, self.loss_scaler)
+        self._reporter = SkipReporter(self._skip_log, self.loss_scaler, self._scalars)
         self._state_ready = False  # state buffers exist (allocated at the first step, a load or an export)
         self._s = DeviceResults(self._scalars, self._reporter)
         self._replaced: weakref.ref | None = None  # the torch optimizer this one replaced (its schedulers)
@@ -463,13 +463,13 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         if capturing:
             self._reporter.captured()
         elif not scaler_after:
-            self._reporter.record(self._scalars, after=None if events is None else events[1])
+            self._reporter.record(after=None if events is None else events[1])
         if scaler_after:
             self.loss_scaler.update(self._scalars[0])
             self._reporter.fence()  # a side-stream copy of an earlier record may still read the slots
             self._scalars[5].copy_(self.loss_scaler.scale)
             if not capturing:
-                self._reporter.record(self._scalars)
+                self._reporter.record()
         if not capturing and self._replaced is not None and (replaced := self._replaced()) is not None:
             tell_schedulers(replaced)
         self._s.stepped = True

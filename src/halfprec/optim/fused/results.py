@@ -32,8 +32,9 @@ _WIDTH = 6
 
 
 class SkipReporter:
-    def __init__(self, log: SkipLog, scaler: LossScaler) -> None:
+    def __init__(self, log: SkipLog, scaler: LossScaler, scalars: torch.Tensor) -> None:
         self._log = log
+        self._staged = scalars[:_WIDTH]  # what record() copies (the slice made once: host time at every step)
         self._pending: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
         self._free: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._dynamic = scaler.is_dynamic
@@ -42,12 +43,10 @@ class SkipReporter:
         self._graphed = False  # a step was captured: replays record nothing, so _last may be stale
         self._side: torch.cuda.Stream | None = None  # where the records are copied (CUDA)
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # (copied, ready)
-        self._source: torch.Tensor | None = None  # the scalars record() stages, and their first six
-        self._staged: torch.Tensor | None = None
 
     def events(self, device: torch.device) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         """``(copied, ready)`` on CUDA (None elsewhere): a step records ``ready`` after its finalize program and
-        ``record(..., after=ready)`` copies from there on the side stream, then records ``copied``, which the next
+        ``record(after=ready)`` copies from there on the side stream, then records ``copied``, which the next
         step waits for before its finalize overwrites the slots. Made with ``external=True`` so that a step captured
         in a launch graph (``kernels/launch.py``) keeps the record and the wait as graph nodes."""
         if device.type != "cuda":
@@ -62,11 +61,9 @@ class SkipReporter:
         if self._events is not None:
             torch.cuda.current_stream(self._side.device).wait_event(self._events[0])
 
-    def record(self, scalars: torch.Tensor, after: torch.cuda.Event | None = None) -> None:
-        """Stage ``scalars[:6]`` for a later report (a CUDA-graph capture calls ``captured()`` instead): on the
-        current stream, or with ``after`` (``events``' ready) on the side stream once ``after`` has run."""
-        if scalars is not self._source:  # a slice is host time at every step: made once
-            self._source, self._staged = scalars, scalars[:_WIDTH]
+    def record(self, after: torch.cuda.Event | None = None) -> None:
+        """Stage the first six scalars for a later report (a CUDA-graph capture calls ``captured()`` instead): on
+        the current stream, or with ``after`` (``events``' ready) on the side stream once ``after`` has run."""
         staged = self._staged
         if staged.device.type != "cuda":
             self._process(staged.cpu())
