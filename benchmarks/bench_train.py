@@ -13,7 +13,10 @@ before the run (and after it, in the JSON: the step is host-paced, and the devic
 system runs the model with ``use_cache=False``, as the HF Trainer does. ``--cpus`` pins the runs to cores; the
 summary gives each system's tokens/s over the first system's in the same round and dtype. ``--trees
 old=DIR,new=DIR`` runs each system once per source tree in every round (an A/B of a change, interleaved).
-``--trace`` adds every step's loss, loss scale and grad norm to the JSON.
+``--trace`` adds every step's loss, loss scale and grad norm to the JSON. ``--memory`` (CUDA) records the
+allocator's history (``torch.cuda.memory._record_memory_history``, Python stacks) from the run's start and adds
+``peak_sites`` to the JSON: the blocks live at the timed steps' peak, summed by the innermost frame outside torch
+that allocated them (``live_at_peak``), beside ``peak_traced_gib``, which should equal ``peak_gib``.
 
 Shapes (``SHAPES``; batches of ``--batch`` 8 rows of the shape's sequence length unless ``--seq`` says otherwise):
 ``271m`` hidden 1024, 16 layers, MLP 2816, 16 heads, vocab 32000, seq 1024 (the default); ``1.2b`` hidden 2048, 20
@@ -40,8 +43,9 @@ Systems:
              device), the batches in the others' order), timed from one step's begin to the next's by a callback
              (so the batch fetch between steps counts)
   deepspeed  DeepSpeed ZeRO-0 with its FusedAdam (``gradient_clipping: 1.0``), when it is installed
-  deepspeed-reset  the same, with the Adam state DeepSpeed's fp16 wrapper creates at construction (a step on zero
-             grads) reset before training: a diagnostic of that construction step (fp16 only)
+  deepspeed-reset  the same, with the Adam state DeepSpeed's wrapper creates at construction (a step on zero
+             grads: ``inner_state_steps_after_initialize`` is ``[1]`` for fp16 and bf16 in 0.19.8) reset before
+             training: a diagnostic of that construction step
   halfprec-noclip, deepspeed-noclip  without clipping: diagnostics of DeepSpeed fp16's loss
   deepspeed-scaled  DeepSpeed fp16 with the loss multiplied by its loss scale before ``engine.backward``: 0.19.8's
              ZeRO-0 ``engine.backward`` does not scale the loss (it scales only for ZeRO optimizers), while its
@@ -141,7 +145,6 @@ SYSTEMS = (
 COMPILED = "-compiled"  # SYSTEM-compiled: SYSTEM under torch.compile (module docstring)
 NOT_COMPILED = ("hf",)  # prefixes of the systems with no compiled variant (nor the *-paired ones)
 ONLY_DTYPE = {  # the systems that run in one dtype
-    "deepspeed-reset": "fp16",  # DeepSpeed's construction step is its fp16 wrapper's
     "halfprec-split": "bf16",  # split masters are bf16's
     "fsdp2-halfprec-split": "bf16",
     "halfprec-float8": "bf16",  # torchao's float8 recipe is bf16's
@@ -580,6 +583,49 @@ def paired_run(system: str, model, dtype, data, args) -> dict:
     }  # fmt: skip
 
 
+def site_of(frames: list[dict]) -> str:
+    """Where a block was allocated: the innermost Python frame outside torch's own files."""
+    for f in frames:
+        if f"{os.sep}torch{os.sep}" not in f["filename"]:
+            return f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+    return "torch" if frames else "no Python frame (autograd's backward thread)"
+
+
+def live_at_peak(trace: list[dict], start: int = 0, top: int = 12) -> tuple[int, list[dict]]:
+    """The allocated bytes at the peak of an allocator trace (``torch.cuda.memory._snapshot()``'s
+    ``device_traces`` entry, recorded from before the first allocation) from event ``start`` on, and the blocks
+    live there summed by ``site_of``, largest first (``top`` of them, then the rest as one)."""
+
+    def replay(stop: int) -> tuple[dict, int, int]:
+        live, now, best, at = {}, 0, -1, -1
+        for i, e in enumerate(trace[:stop]):
+            if e["action"] == "alloc":
+                live[e["addr"]] = e
+                now += e["size"]
+            elif e["action"] == "free_requested":  # where the allocated-bytes counter drops
+                live.pop(e["addr"], None)
+                now -= e["size"]
+            if i >= start and now > best:
+                best, at = now, i
+        return live, best, at
+
+    _, best, at = replay(len(trace))
+    if at < 0:
+        raise ValueError(f"the trace has {len(trace)} events, none from event {start} on")
+    sites: dict[str, list[int]] = {}
+    for e in replay(at + 1)[0].values():
+        total = sites.setdefault(site_of(e.get("frames", [])), [0, 0])
+        total[0] += e["size"]
+        total[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])
+    rows = [{"site": k, "mib": b / 2**20, "blocks": n} for k, (b, n) in ranked[:top]]
+    if len(ranked) > top:
+        rest = ranked[top:]
+        rows.append({"site": f"{len(rest)} other sites", "mib": sum(b for _, (b, _n) in rest) / 2**20,
+                     "blocks": sum(n for _, (_b, n) in rest)})  # fmt: skip
+    return best, rows
+
+
 def periods(events: list[tuple]) -> list[float]:
     """ms from each step's begin event to the next step's (to its own end event for the last step): a step's
     time with whatever the host does between steps (the Trainer fetches the next batch there)."""
@@ -625,17 +671,25 @@ def child(system: str, dtype_name: str, args) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     device, shape = args.device, SHAPES[args.shape]
     cuda = device == "cuda"
+    memory = cuda and args.memory
+    if memory:  # before the first allocation: every block live at the peak has its site
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=1 << 22)
     launch = launch_us() if cuda else math.nan
     model = llama(args.seed, shape, device)
     params, flops = sum(p.numel() for p in model.parameters()), flops_per_token(model, shape, args.seq)
     base, compiled = system.removesuffix(COMPILED), system.endswith(COMPILED)
 
+    trace_start = 0  # with --memory: the trace's first event in the window of peak_gib
+
     def fresh_batches() -> list:
         """The run's batches, made before the timed steps: the peak memory counts from here."""
+        nonlocal trace_start
         data = batches(args.batch, args.seq, vocab=shape.vocab, device=device)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        if memory:
+            trace_start = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
         return data
 
     def row(ms_per_step: float, final_loss: float, **extra) -> dict:
@@ -706,6 +760,11 @@ def child(system: str, dtype_name: str, args) -> dict:
     )
     if hasattr(step, "skipped"):
         result["skipped_steps"] = int(step.skipped())
+    if memory:
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        traced, result["peak_sites"] = live_at_peak(trace, trace_start)
+        result["peak_traced_gib"] = traced / 2**30
     if args.trace:
         result["trace"] = [
             {"loss": float(lo), "grad_norm": num(n), "scale": num(s)}
@@ -869,6 +928,10 @@ def main() -> None:
         "--trace", action="store_true", help="every step's loss, scale and grad norm in the JSON"
     )
     parser.add_argument(
+        "--memory", action="store_true", help="CUDA: the blocks live at the peak, by where they were allocated "
+        "(peak_sites in the JSON; module docstring)",
+    )  # fmt: skip
+    parser.add_argument(
         "--cpus", default="", help="pin every run to these cores (e.g. 2,3), or 'auto': the two cores where a "
         "probe enqueues fastest (the step is host-paced; pinning also stops the launching thread migrating)",
     )  # fmt: skip
@@ -938,6 +1001,7 @@ def main() -> None:
                         continue
                     cmd = [sys.executable, __file__, "--child", system, dtype, *passthrough]
                     cmd += ["--trace"] if args.trace else []
+                    cmd += ["--memory"] if args.memory else []
                     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
                     if proc.returncode != 0 or line is None:
@@ -949,6 +1013,8 @@ def main() -> None:
                     rows.append(row)
                     save()
                     print(table([row]).splitlines()[-1], flush=True)
+                    for site in row.get("peak_sites", []):
+                        print(f"    {site['mib']:10.1f} MiB {site['blocks']:6d} blocks  {site['site']}")
                     if "paired_tokens_ratio" in row:
                         print(paired_table([row]).splitlines()[-1], flush=True)
     best = {}
