@@ -13,10 +13,12 @@ before the run (and after it, in the JSON: the step is host-paced, and the devic
 system runs the model with ``use_cache=False``, as the HF Trainer does. ``--cpus`` pins the runs to cores; the
 summary gives each system's tokens/s over the first system's in the same round and dtype. ``--trees
 old=DIR,new=DIR`` runs each system once per source tree in every round (an A/B of a change, interleaved).
-``--trace`` adds every step's loss, loss scale and grad norm to the JSON. ``--memory`` (CUDA) records the
-allocator's history (``torch.cuda.memory._record_memory_history``, Python stacks) from the run's start and adds
-``peak_sites`` to the JSON: the blocks live at the timed steps' peak, summed by the innermost frame outside torch
-that allocated them (``live_at_peak``), beside ``peak_traced_gib``, which should equal ``peak_gib``.
+``--trace`` adds every step's loss, loss scale and grad norm to the JSON. ``--memory`` (CUDA; not for ``hf*`` or
+``*-paired``) records the allocator's history (``torch.cuda.memory._record_memory_history``, Python stacks) from
+the run's start and adds ``peak_sites`` to the JSON: the blocks live at the peak of ``peak_gib``'s window (warm-up
+and timed steps), summed by the innermost frame outside torch's own files that allocated them (``live_at_peak``),
+beside that peak in requested bytes, traced (``peak_traced_gib``) and torch's count (``peak_requested_gib``), which
+should agree; ``peak_gib`` counts the allocator's rounded blocks. Its ms/step are then not timings (the row says so).
 
 Shapes (``SHAPES``; batches of ``--batch`` 8 rows of the shape's sequence length unless ``--seq`` says otherwise):
 ``271m`` hidden 1024, 16 layers, MLP 2816, 16 heads, vocab 32000, seq 1024 (the default); ``1.2b`` hidden 2048, 20
@@ -583,38 +585,46 @@ def paired_run(system: str, model, dtype, data, args) -> dict:
     }  # fmt: skip
 
 
-def site_of(frames: list[dict]) -> str:
-    """Where a block was allocated: the innermost Python frame outside torch's own files."""
+HISTORY_ENTRIES = 1 << 22  # --memory's allocator trace: a ring buffer of this many events
+
+
+def site_of(frames: list[dict], torch_dir: str) -> str:
+    """Where a block was allocated: the innermost Python frame outside torch's own files (``torch_dir``, the
+    folder of ``torch/__init__.py``), as ``folder/file:line function``."""
     for f in frames:
-        if f"{os.sep}torch{os.sep}" not in f["filename"]:
-            return f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+        if not f["filename"].startswith(torch_dir):
+            path = Path(f["filename"])
+            return f"{path.parent.name}/{path.name}:{f['line']} {f['name']}"
     return "torch" if frames else "no Python frame (autograd's backward thread)"
 
 
-def live_at_peak(trace: list[dict], start: int = 0, top: int = 12) -> tuple[int, list[dict]]:
-    """The allocated bytes at the peak of an allocator trace (``torch.cuda.memory._snapshot()``'s
-    ``device_traces`` entry, recorded from before the first allocation) from event ``start`` on, and the blocks
-    live there summed by ``site_of``, largest first (``top`` of them, then the rest as one)."""
+def live_at_peak(trace: list[dict], torch_dir: str, start: int = 0, top: int = 12) -> tuple[int, list[dict]]:
+    """The requested bytes at the peak of an allocator trace (``torch.cuda.memory._snapshot()``'s
+    ``device_traces`` entry, recorded from before the first allocation; its sizes are the requested ones, which
+    ``memory_stats()["requested_bytes.all.peak"]`` counts) from the level before event ``start`` on, and the
+    blocks live there summed by ``site_of``, largest first (``top`` of them, then the rest as one)."""
 
     def replay(stop: int) -> tuple[dict, int, int]:
         live, now, best, at = {}, 0, -1, -1
         for i, e in enumerate(trace[:stop]):
+            if i == start:  # the level at the window's opening is its first candidate
+                best, at = now, i - 1
             if e["action"] == "alloc":
                 live[e["addr"]] = e
                 now += e["size"]
-            elif e["action"] == "free_requested":  # where the allocated-bytes counter drops
+            elif e["action"] == "free_requested":  # where torch's allocated and requested counters drop
                 live.pop(e["addr"], None)
                 now -= e["size"]
             if i >= start and now > best:
                 best, at = now, i
         return live, best, at
 
-    _, best, at = replay(len(trace))
-    if at < 0:
+    if not 0 <= start < len(trace):
         raise ValueError(f"the trace has {len(trace)} events, none from event {start} on")
+    _, best, at = replay(len(trace))
     sites: dict[str, list[int]] = {}
     for e in replay(at + 1)[0].values():
-        total = sites.setdefault(site_of(e.get("frames", [])), [0, 0])
+        total = sites.setdefault(site_of(e.get("frames", []), torch_dir), [0, 0])
         total[0] += e["size"]
         total[1] += 1
     ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])
@@ -673,7 +683,9 @@ def child(system: str, dtype_name: str, args) -> dict:
     cuda = device == "cuda"
     memory = cuda and args.memory
     if memory:  # before the first allocation: every block live at the peak has its site
-        torch.cuda.memory._record_memory_history(stacks="python", max_entries=1 << 22)
+        torch.cuda.memory._record_memory_history(
+            context="alloc", stacks="python", max_entries=HISTORY_ENTRIES
+        )
     launch = launch_us() if cuda else math.nan
     model = llama(args.seed, shape, device)
     params, flops = sum(p.numel() for p in model.parameters()), flops_per_token(model, shape, args.seq)
@@ -763,8 +775,17 @@ def child(system: str, dtype_name: str, args) -> dict:
     if memory:
         trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
         torch.cuda.memory._record_memory_history(enabled=None)
-        traced, result["peak_sites"] = live_at_peak(trace, trace_start)
+        if (
+            len(trace) >= HISTORY_ENTRIES
+        ):  # the ring buffer wrapped: its first blocks and trace_start are lost
+            raise RuntimeError(
+                f"--memory: the allocator trace filled its {HISTORY_ENTRIES} entries; run fewer steps"
+            )
+        torch_dir = os.path.dirname(torch.__file__) + os.sep
+        traced, result["peak_sites"] = live_at_peak(trace, torch_dir, trace_start)
         result["peak_traced_gib"] = traced / 2**30
+        result["peak_requested_gib"] = torch.cuda.memory_stats()["requested_bytes.all.peak"] / 2**30
+        result["note"] = "allocator history on: ms/step is not a timing"
     if args.trace:
         result["trace"] = [
             {"loss": float(lo), "grad_norm": num(n), "scale": num(s)}
@@ -966,6 +987,8 @@ def main() -> None:
             parser.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)} (or SYSTEM{COMPILED})")
         if s != base and (base.startswith(NOT_COMPILED) or base.endswith("-paired")):
             parser.error(f"{s!r}: {base} has no compiled variant; every system but hf* and *-paired has")
+    if args.memory and (untraced := [s for s in systems if s.startswith("hf") or s.endswith("-paired")]):
+        parser.error(f"--memory traces the plain-loop systems only; drop {', '.join(untraced)}")
     reasons = {s: unavailable(s, args.device) for s in systems}
     for s, reason in reasons.items():
         if reason is not None:
