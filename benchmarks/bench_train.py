@@ -775,9 +775,8 @@ def child(system: str, dtype_name: str, args) -> dict:
     if memory:
         trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
         torch.cuda.memory._record_memory_history(enabled=None)
-        if (
-            len(trace) >= HISTORY_ENTRIES
-        ):  # the ring buffer wrapped: its first blocks and trace_start are lost
+        # a full ring buffer has wrapped: its first blocks and trace_start are lost
+        if len(trace) >= HISTORY_ENTRIES:
             raise RuntimeError(
                 f"--memory: the allocator trace filled its {HISTORY_ENTRIES} entries; run fewer steps"
             )

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from .scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_train", ROOT / "benchmarks" / "bench_train.py")
-bench_train = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("bench_train", bench_train)  # its dataclasses look their module up
-_spec.loader.exec_module(bench_train)
+bench_train = load_script(ROOT / "benchmarks" / "bench_train.py", "bench_train")
 
 # a device's environment may itself live under a folder named torch: only torch's own folder is skipped
 TORCH_DIR = "/opt/torch/venv/site-packages/torch/"

@@ -3,24 +3,18 @@ unseeded runs ended at 0.513, 0.490 and 0.548); examples/accelerate_train.py tra
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
+from ..scripts import load_script
+
 pytest.importorskip("lightning")
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLE = EXAMPLES / "lightning_train.py"
-
-
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _final_loss(module, monkeypatch, capsys, *argv: str) -> str:
@@ -31,7 +25,7 @@ def _final_loss(module, monkeypatch, capsys, *argv: str) -> str:
 
 def test_lightning_example_is_seeded(monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)  # Lightning may write lightning_logs/ and the like here
-    module = _load(EXAMPLE, "lightning_train_example")
+    module = load_script(EXAMPLE, "lightning_train_example")
     first = _final_loss(module, monkeypatch, capsys, "--dtype", "fp16")
     assert first == _final_loss(module, monkeypatch, capsys, "--dtype", "fp16")
     assert first != _final_loss(module, monkeypatch, capsys, "--dtype", "fp16", "--seed", "1")
@@ -40,7 +34,7 @@ def test_lightning_example_is_seeded(monkeypatch, capsys, tmp_path):
 def test_accelerate_example_trains_and_saves(monkeypatch, capsys, tmp_path):
     pytest.importorskip("accelerate")
     path = EXAMPLES / "accelerate_train.py"
-    module = _load(path, "accelerate_train_example")
+    module = load_script(path, "accelerate_train_example")
     monkeypatch.setattr(sys, "argv", [str(path), "--steps", "3", "--save", str(tmp_path / "state")])
     module.main()
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("batch")]

@@ -458,12 +458,12 @@ class FusedOptimizer(MixedPrecisionOptimizer):
         for chunk in self._chunks:
             chunk.copy_out()
         self._grads.consumed()
-        if not capturing:
-            self._reporter.drain()  # the earlier steps' records that have landed: once the device has its work
         if capturing:
             self._reporter.captured()
-        elif not scaler_after:
-            self._reporter.record(after=None if events is None else events[1])
+        else:
+            self._reporter.drain()  # the earlier steps' records that have landed: once the device has its work
+            if not scaler_after:
+                self._reporter.record(after=None if events is None else events[1])
         if scaler_after:
             self.loss_scaler.update(self._scalars[0])
             self._reporter.fence()  # a side-stream copy of an earlier record may still read the slots
